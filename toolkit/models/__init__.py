@@ -1,0 +1,1 @@
+"""Model families: each sub-package composes ``toolkit.modules`` into architectures and public sizes."""

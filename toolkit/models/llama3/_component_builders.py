@@ -1,0 +1,82 @@
+"""The Llama 3 architecture (also 3.1, 3.2, 3.3) composed from ``toolkit.modules``."""
+
+from torch import nn
+
+from toolkit.modules import (
+    FeedForward,
+    GroupedQueryAttention,
+    Llama3RopeScaling,
+    RMSNorm,
+    RotaryPositionalEmbeddings,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+)
+
+
+def llama3_mlp(*, embed_dim: int, intermediate_dim: int) -> FeedForward:
+    """SwiGLU feed-forward without biases."""
+    return FeedForward(
+        gate_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
+        down_proj=nn.Linear(intermediate_dim, embed_dim, bias=False),
+        up_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
+    )
+
+
+def llama3(
+    *,
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    norm_eps: float = 1e-5,
+    rope_base: float = 500_000.0,
+    rope_scaling: Llama3RopeScaling | None = None,
+    tie_word_embeddings: bool = False,
+) -> TransformerDecoder:
+    """Build a Llama 3 decoder.
+
+    Args:
+        vocab_size: rows of the embedding and of the output projection.
+        num_layers: decoder layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (grouped-query attention).
+        embed_dim: model width; ``head_dim = embed_dim // num_heads``.
+        intermediate_dim: feed-forward hidden width.
+        max_seq_len: the rotary cache length.
+        norm_eps: RMSNorm epsilon.
+        rope_base: rotary theta.
+        rope_scaling: Llama 3.1's frequency scaling, or ``None`` (Llama 3.0).
+        tie_word_embeddings: reuse the embedding as output projection (Llama 3.2 1B and 3B).
+    """
+    head_dim = embed_dim // num_heads
+    rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base, scaling=rope_scaling)
+    layers = []
+    for _ in range(num_layers):
+        attn = GroupedQueryAttention(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=False),
+            k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
+            v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
+            o_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
+            pos_embeddings=rope,
+        )
+        layers.append(
+            TransformerDecoderLayer(
+                self_attn=attn,
+                mlp=llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
+                input_layernorm=RMSNorm(embed_dim, eps=norm_eps),
+                post_attention_layernorm=RMSNorm(embed_dim, eps=norm_eps),
+            )
+        )
+    return TransformerDecoder(
+        embed_tokens=nn.Embedding(vocab_size, embed_dim),
+        layers=layers,
+        norm=RMSNorm(embed_dim, eps=norm_eps),
+        output=None if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False),
+        max_seq_len=max_seq_len,
+    )

@@ -1,0 +1,19 @@
+"""Model building blocks: attention, position embeddings, norms, feed-forward, the decoder, the KV cache."""
+
+from toolkit.modules.attention import GroupedQueryAttention
+from toolkit.modules.feed_forward import FeedForward
+from toolkit.modules.kv_cache import KVCache
+from toolkit.modules.position_embeddings import Llama3RopeScaling, RotaryPositionalEmbeddings
+from toolkit.modules.rms_norm import RMSNorm
+from toolkit.modules.transformer import TransformerDecoder, TransformerDecoderLayer
+
+__all__ = [
+    "FeedForward",
+    "GroupedQueryAttention",
+    "KVCache",
+    "Llama3RopeScaling",
+    "RMSNorm",
+    "RotaryPositionalEmbeddings",
+    "TransformerDecoder",
+    "TransformerDecoderLayer",
+]

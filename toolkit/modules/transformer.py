@@ -1,0 +1,100 @@
+"""A decoder-only transformer assembled from the blocks passed to it."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toolkit.modules.attention import GroupedQueryAttention
+from toolkit.modules.kv_cache import KVCache
+
+
+class TransformerDecoderLayer(nn.Module):
+    """Pre-norm residual block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+
+    def __init__(
+        self,
+        *,
+        self_attn: GroupedQueryAttention,
+        mlp: nn.Module,
+        input_layernorm: nn.Module,
+        post_attention_layernorm: nn.Module,
+    ) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), mask=mask, input_pos=input_pos)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TransformerDecoder(nn.Module):
+    """Token embedding, a stack of layers, a final norm and the output projection.
+
+    The model knows nothing of parallelism: data-parallel wrappers, activation checkpointing and compilation
+    are applied from outside (``toolkit.training``), layer by layer through ``self.layers``.
+
+    Args:
+        embed_tokens: the token embedding.
+        layers: the decoder layers, in order.
+        norm: the final norm.
+        output: the output projection; ``None`` ties it to ``embed_tokens.weight`` (Llama 3.2 1B/3B).
+        max_seq_len: longest sequence the position embeddings support.
+    """
+
+    def __init__(
+        self,
+        *,
+        embed_tokens: nn.Embedding,
+        layers: list[nn.Module],
+        norm: nn.Module,
+        output: nn.Linear | None,
+        max_seq_len: int,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.output = output
+        self.max_seq_len = max_seq_len
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.output is None
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        input_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[b, s, vocab]`` for ``tokens`` ``[b, s]`` (mask and input_pos as in the attention layer)."""
+        h = self.embed_tokens(tokens)  # [b, s, d]
+        for layer in self.layers:
+            h = layer(h, mask=mask, input_pos=input_pos)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.embed_tokens.weight)
+        return self.output(h)
+
+    def setup_caches(self, *, batch_size: int, max_seq_len: int | None = None, dtype: torch.dtype | None = None) -> None:
+        """Give every attention layer a KV cache for incremental decoding."""
+        weight = self.embed_tokens.weight
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.kv_cache = KVCache(
+                batch_size=batch_size,
+                num_kv_heads=attn.num_kv_heads,
+                head_dim=attn.head_dim,
+                max_seq_len=max_seq_len or self.max_seq_len,
+                dtype=dtype or weight.dtype,
+                device=weight.device,
+            )
+
+    def clear_caches(self) -> None:
+        """Remove the KV caches (training must not run with them)."""
+        for layer in self.layers:
+            layer.self_attn.kv_cache = None
