@@ -1,0 +1,109 @@
+"""Text generation with a KV cache: greedy, temperature, top-k and top-p sampling."""
+
+import torch
+from torch import nn
+
+from toolkit.modules import TransformerDecoder
+from toolkit.training.distributed import all_reduce_sum
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> int:
+    """Pick the next token from ``logits`` (``[vocab]``): argmax when ``temperature`` is 0, else sample from the
+    tempered distribution restricted to the ``top_k`` most likely tokens and/or the smallest set whose
+    probability reaches ``top_p`` (Holtzman et al., 2019)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep a token while the mass before it is below top_p, so the most likely token always survives.
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(
+    model: TransformerDecoder,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    stop_tokens: list[int] | tuple[int, ...] = (),
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Continue ``prompt`` by up to ``max_new_tokens`` tokens, stopping before any of ``stop_tokens``.
+
+    The prompt is processed in one forward pass, then one token per step against the KV cache.
+
+    Returns:
+        The generated token ids (without the prompt and without the stop token).
+    """
+    device = model.embed_tokens.weight.device
+    total_len = len(prompt) + max_new_tokens
+    if total_len > model.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceed max_seq_len {model.max_seq_len}")
+    was_training = model.training
+    model.eval()
+    model.setup_caches(batch_size=1, max_seq_len=total_len)
+    generated: list[int] = []
+    try:
+        tokens = torch.tensor([prompt], device=device)
+        logits = model(tokens, input_pos=torch.arange(len(prompt), device=device))[0, -1]
+        for pos in range(len(prompt), total_len):
+            token = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            if token in stop_tokens:
+                break
+            generated.append(token)
+            if pos + 1 == total_len:
+                break
+            logits = model(torch.tensor([[token]], device=device), input_pos=torch.tensor([pos], device=device))[0, -1]
+    finally:
+        model.clear_caches()
+        model.train(was_training)
+    return generated
+
+
+def exact_match_accuracy(
+    model: nn.Module,
+    tokenizer,
+    samples: list[dict],
+    *,
+    max_new_tokens: int = 32,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[int, int]:
+    """Greedy-decode each sample's ``prompt`` and compare with its ``answer``, split over ranks.
+
+    Args:
+        model: a plain (unwrapped) decoder.
+        tokenizer: gives ``prompt_tokens(messages)``, ``stop_tokens`` and ``decode``.
+        samples: dicts with ``prompt`` and ``answer``.
+        max_new_tokens: generation budget per sample.
+        rank, world_size: each rank evaluates every ``world_size``-th sample; counts are summed over ranks.
+
+    Returns:
+        ``(correct, total)`` over all samples.
+    """
+    correct = 0
+    for sample in samples[rank::world_size]:
+        prompt = tokenizer.prompt_tokens([{"role": "user", "content": sample["prompt"]}])
+        out = generate(model, prompt, max_new_tokens=max_new_tokens, stop_tokens=tokenizer.stop_tokens)
+        correct += int(tokenizer.decode(out).strip() == sample["answer"].strip())
+    device = model.embed_tokens.weight.device
+    counts = all_reduce_sum(torch.tensor([correct], dtype=torch.int64, device=device))
+    return int(counts.item()), len(samples)

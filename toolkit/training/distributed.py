@@ -1,0 +1,114 @@
+"""Process groups and devices: the one place that reads torchrun's environment."""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from toolkit.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """Where this process sits in the job.
+
+    Attributes:
+        rank: global rank (0 when not distributed).
+        local_rank: rank on this node; picks the GPU.
+        world_size: number of processes in the job.
+        device: this process's device (``cuda:<local_rank>`` or ``cpu``).
+        backend: ``nccl``, ``gloo``, or ``None`` for a single process without a process group.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.backend is not None
+
+
+def init_distributed(*, device: str = "auto", timeout_s: float = 600.0) -> DistributedEnv:
+    """Read rank and world size from torchrun's environment, pick the device, and join the process group.
+
+    Args:
+        device: ``auto`` (CUDA if available, else CPU), ``cuda`` or ``cpu``.
+        timeout_s: how long a collective may wait before the job fails instead of hanging. Lower it to see a
+            stuck rank sooner; raise it for very slow checkpoint writes.
+
+    Raises:
+        UserError: ``device: cuda`` on a machine without a GPU, or an unknown device.
+    """
+    if device not in ("auto", "cuda", "cpu"):
+        raise UserError(f"device: unknown value {device!r}; use 'auto', 'cuda' or 'cpu'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device: 'cuda' was asked for but no GPU is visible (check CUDA_VISIBLE_DEVICES/drivers)")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch_device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(torch_device)
+    else:
+        torch_device = torch.device("cpu")
+    backend = None
+    if world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+        backend = "nccl" if use_cuda else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=backend,
+                timeout=timedelta(seconds=timeout_s),
+                device_id=torch_device if use_cuda else None,
+            )
+    return DistributedEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=torch_device, backend=backend)
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (a no-op without one)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum ``value`` over all ranks in place and return it (identity without a process group)."""
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def on_rank_zero(fn, *args, **kwargs):
+    """Run ``fn`` on rank zero only; if it raises a UserError, raise the same error on every rank.
+
+    For work that touches shared files (checking or clearing the output folder): without this, rank zero
+    would fail alone while the others wait at the next collective until the timeout.
+    """
+    error = None
+    result = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn(*args, **kwargs)
+        except UserError as e:
+            error = str(e)
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise UserError(error)
+    return result

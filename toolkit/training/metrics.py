@@ -1,0 +1,68 @@
+"""Rank-zero metrics: one JSON object per optimizer step in ``metrics.jsonl``, and a progress bar."""
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+class MetricsLogger:
+    """Writes ``<output_dir>/metrics.jsonl`` and drives a tqdm bar; does nothing on ranks other than zero.
+
+    ``metrics.jsonl`` fields ``step``, ``loss``, ``lr``, ``num_tokens`` and ``tokens_per_second`` are a contract
+    that plotting and comparison tools rely on: add fields freely, never rename these.
+
+    Args:
+        output_dir: the run's output folder.
+        enabled: True on rank zero.
+        total_steps: optimizer steps in the run (the bar's length).
+        initial_step: steps already done (when resuming).
+        progress_bar: show the bar (off in tests or when stderr is not wanted).
+    """
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool, total_steps: int, initial_step: int = 0, progress_bar: bool = True) -> None:
+        self.enabled = enabled
+        self._file = None
+        self._bar = None
+        if not enabled:
+            return
+        path = Path(output_dir) / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+        if progress_bar:
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True, file=sys.stderr)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Append one step's metrics and advance the bar."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(
+                loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_second']:.0f}", refresh=False
+            )
+
+    def print(self, message: str) -> None:
+        """Print a line on rank zero without breaking the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def print_rank_zero(message: str, *, rank: int) -> None:
+    """Print ``message`` from rank zero only."""
+    if rank == 0:
+        print(message, flush=True)
