@@ -4,7 +4,7 @@ Every tokenizer follows :class:`ChatTokenizer`: ``encode``/``decode`` for text, 
 training conversations (tokens plus a per-token "trained on" mask) and ``prompt_tokens`` for generation.
 """
 
-from toolkit.tokenizers.base import ChatTokenizer
+from toolkit.tokenizers.base import TRAIN_ON, ChatTokenizer
 from toolkit.tokenizers.byte import ByteTokenizer, byte_tokenizer
 
-__all__ = ["ByteTokenizer", "ChatTokenizer", "byte_tokenizer"]
+__all__ = ["TRAIN_ON", "ByteTokenizer", "ChatTokenizer", "byte_tokenizer"]

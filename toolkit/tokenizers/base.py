@@ -2,6 +2,9 @@
 
 from typing import Iterable, Protocol
 
+# Which tokens of a conversation are training targets; see ChatTokenizer.tokenize_messages.
+TRAIN_ON: tuple[str, ...] = ("assistant", "last_turn", "all")
+
 
 class ChatTokenizer(Protocol):
     """What datasets and generation need from a tokenizer, whichever vocabulary backs it.

@@ -12,9 +12,9 @@ never smuggle a special token into the sequence.
 from typing import Iterable
 
 from toolkit.errors import UserError
+from toolkit.tokenizers.base import TRAIN_ON
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
-TRAIN_ON: tuple[str, ...] = ("assistant", "last_turn", "all")
 
 # Order fixes the ids: the i-th special token gets id 256 + i.
 SPECIAL_TOKENS: tuple[str, ...] = (

@@ -1,0 +1,36 @@
+import pytest
+import torch
+
+from toolkit.data import padded_collate
+
+
+def _batch() -> list[dict]:
+    return [
+        {"tokens": [1, 2, 3], "labels": [2, 3, -100]},
+        {"tokens": [4, 5, 6, 7, 8], "labels": [-100, 6, 7, 8, -100]},
+    ]
+
+
+def test_right_pads_to_longest() -> None:
+    out = padded_collate(_batch(), pad_id=0)
+    assert out["tokens"].dtype == torch.long and out["labels"].dtype == torch.long
+    assert out["tokens"].tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
+    assert out["labels"].tolist() == [[2, 3, -100, -100, -100], [-100, 6, 7, 8, -100]]
+
+
+def test_pad_to_multiple_of() -> None:
+    out = padded_collate(_batch(), pad_id=9, ignore_index=-1, pad_to_multiple_of=4)
+    assert out["tokens"].shape == (2, 8) and out["labels"].shape == (2, 8)
+    assert out["tokens"][0].tolist() == [1, 2, 3] + [9] * 5
+    assert out["labels"][1].tolist() == [-100, 6, 7, 8, -100] + [-1] * 3
+    # Already a multiple: unchanged.
+    assert padded_collate(_batch(), pad_id=0, pad_to_multiple_of=5)["tokens"].shape == (2, 5)
+
+
+def test_bad_batches() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        padded_collate([], pad_id=0)
+    with pytest.raises(ValueError, match="sample 0"):
+        padded_collate([{"tokens": [1, 2], "labels": [1]}], pad_id=0)
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        padded_collate(_batch(), pad_id=0, pad_to_multiple_of=0)

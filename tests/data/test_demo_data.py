@@ -1,0 +1,105 @@
+import pytest
+
+from toolkit.data import CROSS_ENTROPY_IGNORE_INDEX, ChatDataset, demo_dataset, demo_tasks, shifted_labels
+from toolkit.errors import UserError
+from toolkit.tokenizers import byte_tokenizer
+
+ALL_TASKS = ["reverse", "upper", "sort", "repeat"]
+
+
+def _expected_answer(task: str, word: str) -> str:
+    # Written independently of the library's table.
+    if task == "reverse":
+        return "".join(word[i] for i in range(len(word) - 1, -1, -1))
+    if task == "upper":
+        return "".join(chr(ord(c) - 32) for c in word)
+    if task == "sort":
+        return "".join(c for c in "abcdefghijklmnopqrstuvwxyz" for _ in range(word.count(c)))
+    if task == "repeat":
+        return word + " " + word
+    raise AssertionError(task)
+
+
+def test_deterministic_and_prefix_stable() -> None:
+    a = demo_tasks(num_samples=300, seed=3)
+    assert a == demo_tasks(num_samples=300, seed=3)
+    assert a[:100] == demo_tasks(num_samples=100, seed=3)
+    assert a != demo_tasks(num_samples=300, seed=4)
+
+
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_answers_correct(split: str) -> None:
+    samples = demo_tasks(split=split, num_samples=400)
+    assert {s["task"] for s in samples} == set(ALL_TASKS)
+    for s in samples:
+        task, word = s["prompt"].split(": ")
+        assert task == s["task"]
+        assert 3 <= len(word) <= 6 and word.isascii() and word.isalpha() and word.islower()
+        assert s["answer"] == _expected_answer(task, word)
+
+
+def test_task_subset() -> None:
+    samples = demo_tasks(num_samples=20, tasks=["upper"])
+    assert {s["task"] for s in samples} == {"upper"}
+
+
+def test_splits_disjoint_across_seeds() -> None:
+    def words(samples: list[dict]) -> set[str]:
+        return {s["prompt"].split(": ")[1] for s in samples}
+
+    train = words(demo_tasks(split="train", num_samples=5000, seed=0)) | words(
+        demo_tasks(split="train", num_samples=5000, seed=1)
+    )
+    heldout = words(demo_tasks(split="heldout", num_samples=1000, seed=0)) | words(
+        demo_tasks(split="heldout", num_samples=1000, seed=7)
+    )
+    assert len(heldout) > 900
+    assert not train & heldout
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(UserError, match="train, heldout"):
+        demo_tasks(split="test")
+    with pytest.raises(UserError, match="reverse, upper, sort, repeat"):
+        demo_tasks(tasks=["reverse", "add"])
+    with pytest.raises(UserError, match="non-empty"):
+        demo_tasks(tasks=[])
+    with pytest.raises(UserError, match="train_on"):
+        demo_dataset(byte_tokenizer(), num_samples=4, train_on="nope")
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_labels_are_shifted_mask(train_on: str) -> None:
+    tok = byte_tokenizer()
+    ds = demo_dataset(tok, split="heldout", num_samples=12, seed=5, train_on=train_on)
+    samples = demo_tasks(split="heldout", num_samples=12, seed=5)
+    assert len(ds) == 12
+    for item, s in zip(ds, samples):
+        tokens, mask = tok.tokenize_messages(
+            [{"role": "user", "content": s["prompt"]}, {"role": "assistant", "content": s["answer"]}],
+            train_on=train_on,
+        )
+        assert item["tokens"] == tokens
+        labels = item["labels"]
+        assert len(labels) == len(tokens) and labels[-1] == CROSS_ENTROPY_IGNORE_INDEX
+        for i in range(len(tokens) - 1):
+            assert labels[i] == (tokens[i + 1] if mask[i + 1] else -100)
+        if train_on == "assistant":
+            # The targets spell out the answer, its end of turn and eos.
+            targets = [t for t in labels if t != -100]
+            assert tok.decode(targets, skip_special_tokens=False) == s["answer"] + "<|eot|><|end_of_text|>"
+
+
+def test_shifted_labels() -> None:
+    assert shifted_labels([1, 2, 3, 4], [False, False, True, True]) == [-100, 3, 4, -100]
+    assert shifted_labels([1, 2], [True, True], ignore_index=-1) == [2, -1]
+    assert shifted_labels([], []) == []
+    with pytest.raises(ValueError):
+        shifted_labels([1, 2], [True])
+
+
+def test_chat_dataset_names_bad_sample() -> None:
+    ds = ChatDataset([[{"role": "user", "content": "x"}], [{"role": "robot", "content": "y"}]], byte_tokenizer())
+    assert ds[0]["labels"] == [-100] * len(ds[0]["tokens"])
+    with pytest.raises(UserError, match="sample 1: .*robot"):
+        ds[1]

@@ -1,0 +1,106 @@
+"""Synthetic instruction tasks that a tiny byte-level model learns within minutes on a CPU.
+
+Each prompt names its task, e.g. ``"reverse: lamp"`` -> ``"pmal"``. Words are random lowercase strings of 3-6
+letters. Whether a word belongs to ``train`` or ``heldout`` is a fixed property of the word (a hash of it), the
+same for every seed and task, so a held-out prompt never shares its word with any training prompt.
+"""
+
+import hashlib
+import random
+import string
+from typing import Callable
+
+from torch.utils.data import Dataset
+
+from toolkit.data.chat import ChatDataset
+from toolkit.errors import UserError
+from toolkit.tokenizers import ChatTokenizer
+
+# Each family maps a word to its answer. All are per-character or copy operations, which a few attention
+# layers pick up quickly; arithmetic was left out because a tiny model needs far longer to generalize it.
+TASKS: dict[str, Callable[[str], str]] = {
+    "reverse": lambda word: word[::-1],
+    "upper": str.upper,
+    "sort": lambda word: "".join(sorted(word)),
+    "repeat": lambda word: f"{word} {word}",
+}
+SPLITS: tuple[str, ...] = ("train", "heldout")
+# Percent of all words that are held out.
+_HELDOUT_PERCENT = 10
+_MIN_LEN, _MAX_LEN = 3, 6
+
+
+def word_split(word: str) -> str:
+    """The split a word belongs to, decided by a stable hash (not Python's per-process salted ``hash``)."""
+    bucket = int.from_bytes(hashlib.sha256(word.encode("utf-8")).digest()[:8], "little") % 100
+    return "heldout" if bucket < _HELDOUT_PERCENT else "train"
+
+
+def demo_tasks(
+    *, split: str = "train", num_samples: int = 1000, seed: int = 0, tasks: list[str] | None = None
+) -> list[dict]:
+    """Generates samples ``{"task", "prompt", "answer"}``, deterministically from ``(split, seed, tasks)``.
+
+    Tasks take turns (sample i has task ``tasks[i % len(tasks)]``), so every family is equally represented, and
+    a shorter list is a prefix of a longer one with the same arguments.
+
+    Args:
+        split: ``"train"`` or ``"heldout"``; disjoint in words for any pair of seeds.
+        num_samples: how many samples.
+        seed: seeds the word generator.
+        tasks: task families to use, default all of ``reverse``, ``upper``, ``sort``, ``repeat``.
+
+    Raises:
+        UserError: on an unknown split or task, or an empty task list.
+    """
+    if split not in SPLITS:
+        raise UserError(f"demo split must be one of {', '.join(SPLITS)}; got {split!r}")
+    tasks = list(TASKS) if tasks is None else list(tasks)
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise UserError(f"demo tasks must be a non-empty list drawn from {', '.join(TASKS)}; got {tasks!r}")
+    if num_samples < 0:
+        raise UserError(f"demo num_samples must be >= 0; got {num_samples}")
+
+    # A string seed goes through SHA-512 inside `random`, so it is stable across processes and Python runs;
+    # the split is part of it so that the two splits are not filtered views of one word stream.
+    rng = random.Random(f"tunekit-demo:{seed}:{split}")
+    samples = []
+    for i in range(num_samples):
+        task = tasks[i % len(tasks)]
+        # Rejection keeps the split a property of the word alone; held-out words are 1 in 10, so ~10 draws.
+        while True:
+            word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(_MIN_LEN, _MAX_LEN)))
+            if word_split(word) == split:
+                break
+        samples.append({"task": task, "prompt": f"{task}: {word}", "answer": TASKS[task](word)})
+    return samples
+
+
+def demo_dataset(
+    tokenizer: ChatTokenizer,
+    *,
+    split: str = "train",
+    num_samples: int = 20000,
+    seed: int = 0,
+    tasks: list[str] | None = None,
+    train_on: str = "assistant",
+) -> Dataset:
+    """The demo tasks as a map-style dataset of ``{"tokens", "labels"}`` (labels already shifted).
+
+    Each sample is the conversation ``[user: prompt, assistant: answer]``; see :func:`demo_tasks` for the
+    arguments and :mod:`toolkit.data` for the label convention.
+
+    Args:
+        tokenizer: any :class:`~toolkit.tokenizers.ChatTokenizer`.
+        split: ``"train"`` or ``"heldout"``.
+        num_samples: how many samples.
+        seed: seeds the word generator.
+        tasks: task families, default all.
+        train_on: which tokens are targets: ``"assistant"``, ``"last_turn"`` or ``"all"``.
+    """
+    conversations = [
+        [{"role": "user", "content": s["prompt"]}, {"role": "assistant", "content": s["answer"]}]
+        for s in demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks)
+    ]
+    return ChatDataset(conversations, tokenizer, train_on=train_on)
