@@ -11,16 +11,21 @@ Label convention (the whole project relies on it):
 
   and the number of non-ignored labels is the token count to normalize by across micro batches and ranks.
 * Padding (see :func:`padded_collate`) fills tokens with the tokenizer's ``pad_id`` and labels with -100.
+
+Sampling: :class:`GlobalBatchSampler` fixes the global sample order by seed and epoch, independent of the number
+of processes, and resumes mid-epoch from its ``state_dict``.
 """
 
 from toolkit.data.chat import ChatDataset
 from toolkit.data.collate import padded_collate
 from toolkit.data.demo import demo_dataset, demo_tasks
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX, shifted_labels
+from toolkit.data.sampler import GlobalBatchSampler
 
 __all__ = [
     "CROSS_ENTROPY_IGNORE_INDEX",
     "ChatDataset",
+    "GlobalBatchSampler",
     "demo_dataset",
     "demo_tasks",
     "padded_collate",
