@@ -22,7 +22,14 @@ def _text(tok: ByteTokenizer, ids: list[int], mask: list[bool]) -> str:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "plain ascii", "tabs\t\tand   spaces \n\n\r\n", "naïve café Ελληνικά 日本語", "emoji 🦙🔥👩‍👩‍👧 end", "  "],
+    [
+        "",
+        "plain ascii",
+        "tabs\t\tand   spaces \n\n\r\n",
+        "  ",
+        "naïve café Ελληνικά 日本語",
+        "emoji 🦙🔥👩‍👩‍👧 end",
+    ],
 )
 def test_round_trip(text: str) -> None:
     tok = byte_tokenizer()

@@ -3,9 +3,12 @@ the demo recipe run anywhere.
 
 Ids 0..255 are the bytes themselves; the special tokens follow from 256. A conversation is laid out as::
 
-    <|begin_of_text|><|start_header|>user<|end_header|>Hi<|eot|><|start_header|>assistant<|end_header|>Hello<|eot|><|end_of_text|>
+    <|begin_of_text|>
+    <|start_header|>user<|end_header|>Hi<|eot|>
+    <|start_header|>assistant<|end_header|>Hello<|eot|>
+    <|end_of_text|>
 
-Text is always encoded as plain bytes, so a string such as ``"<|eot|>"`` inside a message stays text and can
+(shown on four lines; no newlines are inserted). Text is always encoded as plain bytes, so a string such as ``"<|eot|>"`` inside a message stays text and can
 never smuggle a special token into the sequence.
 """
 
