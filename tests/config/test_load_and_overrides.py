@@ -1,0 +1,182 @@
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from toolkit.config import ConfigError, apply_overrides, config_source, did_you_mean, load_config, parse_recipe_args
+from toolkit.errors import UserError
+
+BASE = """\
+output_dir: /tmp/run
+lr: 0.001
+model:
+  _component_: tests.config._targets.point
+  x: 1
+  y: 2
+dims: [1, 2, 3]
+"""
+
+
+def test_config_error_is_a_user_error() -> None:
+    assert issubclass(ConfigError, UserError)
+
+
+def test_did_you_mean() -> None:
+    assert did_you_mean("num_layerz", ["num_layers", "embed_dim"]) == "; did you mean 'num_layers'?"
+    assert did_you_mean("zzz", ["num_layers"]) == ""
+
+
+def test_load_remembers_source(write_yaml) -> None:
+    path = write_yaml(BASE)
+    cfg = load_config(path)
+    assert cfg.model.x == 1 and cfg.dims == [1, 2, 3]
+    assert config_source(cfg) == str(path)
+    assert config_source(cfg.model) == str(path)  # nodes lead back to their file
+
+
+def test_load_missing_file(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="nope.yaml: no such config file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_load_invalid_yaml_names_file_and_line(write_yaml) -> None:
+    path = write_yaml("a: 1\nb: [1, 2\nc: 3\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: not valid YAML: line ") and "\n" not in message
+
+
+@pytest.mark.parametrize("text", ["- 1\n- 2\n", "just a string\n"])
+def test_load_rejects_non_mapping(write_yaml, text: str) -> None:
+    path = write_yaml(text)
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(path)
+
+
+def test_load_rejects_duplicate_keys(write_yaml) -> None:
+    with pytest.raises(ConfigError, match="duplicate key"):
+        load_config(write_yaml("a: 1\na: 2\n"))
+
+
+def test_overrides_set_nested_and_new_keys(write_yaml) -> None:
+    cfg = load_config(write_yaml(BASE))
+    apply_overrides(cfg, ["model.x=5", "model.extra.deep=hi", "new_key=3", "dims.1=20"])
+    assert cfg.model.x == 5
+    assert cfg.model.extra.deep == "hi"
+    assert cfg.new_key == 3
+    assert cfg.dims == [1, 20, 3]
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("v=1e-4", 1e-4),
+        ("v=3", 3),
+        ("v=2.5", 2.5),
+        ("v=true", True),
+        ("v=null", None),
+        ("v=[1,2]", [1, 2]),
+        ("v={a: 1, b: [x]}", {"a": 1, "b": ["x"]}),
+        ("v=hello world", "hello world"),
+        ('v="a=b"', "a=b"),  # quoted, as when the shell passes the quotes through
+        ("v=a=b", "a=b"),  # everything after the first '=' is the value
+        ("v='007'", "007"),
+        ("v=", ""),
+    ],
+)
+def test_override_values_are_yaml(override: str, expected: object) -> None:
+    cfg = OmegaConf.create({})
+    apply_overrides(cfg, [override])
+    value = cfg.v
+    assert (OmegaConf.to_container(value) if OmegaConf.is_config(value) else value) == expected
+
+
+def test_override_replaces_a_section() -> None:
+    cfg = OmegaConf.create({"model": {"x": 1, "y": 2}})
+    apply_overrides(cfg, ["model={x: 3}"])
+    assert OmegaConf.to_container(cfg.model) == {"x": 3}
+
+
+def test_override_can_interpolate() -> None:
+    cfg = OmegaConf.create({"output_dir": "/tmp/run"})
+    apply_overrides(cfg, ["log_dir=${output_dir}/logs"])
+    assert cfg.log_dir == "/tmp/run/logs"
+
+
+def test_delete_key(write_yaml) -> None:
+    cfg = load_config(write_yaml(BASE))
+    apply_overrides(cfg, ["~model.y", "~lr"])
+    assert "y" not in cfg.model and "lr" not in cfg
+
+
+def test_delete_missing_key_suggests(write_yaml) -> None:
+    path = write_yaml(BASE)
+    cfg = load_config(path)
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(cfg, ["~model.yy"])
+    assert str(info.value) == (
+        f"override '~model.yy': no key 'model.yy' in {path} to delete; did you mean 'model.y'?"
+    )
+    with pytest.raises(ConfigError, match="override '~modle.x': no key 'modle' .*did you mean 'model.x'"):
+        apply_overrides(cfg, ["~modle.x"])
+
+
+@pytest.mark.parametrize("override", ["lr", "=3", "a..b=1", "+new=1", "~", "~a=1", "a b=1"])
+def test_malformed_override_names_it(override: str) -> None:
+    with pytest.raises(ConfigError, match="malformed") as info:
+        apply_overrides(OmegaConf.create({"a": {"b": 1}, "lr": 1}), [override])
+    assert f"'{override}'" in str(info.value)
+
+
+def test_override_into_a_value_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="'lr' is a value, not a section"):
+        apply_overrides(OmegaConf.create({"lr": 0.1}), ["lr.x=1"])
+
+
+def test_override_bad_yaml_value() -> None:
+    with pytest.raises(ConfigError, match=r"override 'x=\[1,2': the value is not valid YAML"):
+        apply_overrides(OmegaConf.create({}), ["x=[1,2"])
+
+
+def test_override_list_index_out_of_range() -> None:
+    with pytest.raises(ConfigError, match="index 5 is past the end"):
+        apply_overrides(OmegaConf.create({"dims": [1, 2]}), ["dims.5=1"])
+
+
+def test_parse_recipe_args(write_yaml) -> None:
+    path = write_yaml(BASE + "log_dir: ${output_dir}/logs\n")
+    cfg = parse_recipe_args(["--config", str(path), "output_dir=/data", "model.x=7"])
+    assert cfg.log_dir == "/data/logs" and cfg.model.x == 7
+    assert config_source(cfg) == str(path)
+    # Interpolation is resolved: the config no longer changes when the value it pointed to does.
+    cfg.output_dir = "/elsewhere"
+    assert cfg.log_dir == "/data/logs"
+    assert parse_recipe_args([f"--config={path}"]).lr == 0.001
+
+
+def test_parse_recipe_args_unresolved_interpolation_names_key(write_yaml) -> None:
+    path = write_yaml(BASE + "log_dir: ${output_dirr}/logs\nname: ???\n")
+    with pytest.raises(ConfigError) as info:
+        parse_recipe_args(["--config", str(path)])
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith(f"{path}: log_dir: cannot resolve interpolation")
+    assert lines[1].startswith(f"{path}: name: no value given")
+    assert len(lines) == 2
+    # An override can supply what was missing.
+    cfg = parse_recipe_args(["--config", str(path), "output_dirr=/x", "name=run"])
+    assert cfg.log_dir == "/x/logs"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "missing --config"),
+        (["--config"], "--config needs a value"),
+        (["--config", "a.yaml", "--config", "b.yaml"], "--config given twice"),
+        (["--config", "a.yaml", "--lr", "1"], "unknown option '--lr'"),
+    ],
+)
+def test_parse_recipe_args_bad_argv(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_recipe_args(argv)

@@ -1,0 +1,34 @@
+"""Configs: load YAML, apply command-line overrides, validate and instantiate ``_component_`` nodes.
+
+A recipe's entry point is::
+
+    @recipe_main
+    def main(cfg: DictConfig) -> None:
+        model = instantiate(cfg.model)
+        optimizer = instantiate(cfg.optimizer, model.parameters())
+        ...
+
+    if __name__ == "__main__":
+        main()
+"""
+
+from toolkit.config._errors import ConfigError, did_you_mean
+from toolkit.config._instantiate import instantiate
+from toolkit.config._parse import apply_overrides, load_config, parse_recipe_args, resolve
+from toolkit.config._recipe import recipe_main
+from toolkit.config._tree import config_source
+from toolkit.config._validate import RUNTIME_ARGS, validate
+
+__all__ = [
+    "RUNTIME_ARGS",
+    "ConfigError",
+    "apply_overrides",
+    "config_source",
+    "did_you_mean",
+    "instantiate",
+    "load_config",
+    "parse_recipe_args",
+    "recipe_main",
+    "resolve",
+    "validate",
+]

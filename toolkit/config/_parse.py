@@ -1,0 +1,289 @@
+"""Loading YAML configs, applying command-line overrides and resolving interpolation."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from toolkit.config._errors import ConfigError, did_you_mean, first_line
+from toolkit.config._tree import UNKNOWN_SOURCE, child_path, config_source, container_keys, set_source
+
+USAGE = "--config PATH [key=value ...] [~key ...]"
+
+# A dotted key: first segment a name, later ones names or list indices (`layers.0.dim`).
+_KEY_RE = re.compile(r"^[A-Za-z_][\w-]*(?:\.[\w-]+)*$")
+
+
+class _ValueLoader(yaml.SafeLoader):
+    """Parses override values as YAML, the way OmegaConf parses the config file itself."""
+
+
+# YAML 1.1 only reads floats with a dot, so `lr=1e-4` would stay a string; OmegaConf's loader accepts them
+# in files, so overrides must too.
+_ValueLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:\d[\d_]*)?\.\d[\d_]*(?:[eE][-+]?\d+)?
+            |[-+]?\d[\d_]*\.(?:[eE][-+]?\d+)?
+            |[-+]?\d[\d_]*[eE][-+]?\d+
+            |[-+]?\.(?:inf|Inf|INF)
+            |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+    return " ".join(str(error).split())
+
+
+def load_config(path: str | Path) -> DictConfig:
+    """Load a YAML config file.
+
+    Args:
+        path: The ``.yaml`` file.
+
+    Returns:
+        The config, remembering ``path`` for later error messages (see :func:`config_source`).
+
+    Raises:
+        ConfigError: The file is missing, unreadable, not YAML, or not a mapping at the top level.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such config file")
+    if not path.is_file():
+        raise ConfigError(f"{path}: not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read: {first_line(e)}") from None
+    try:
+        # Look at the structure first: OmegaConf turns a bare scalar document into a one-key mapping.
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None and not isinstance(root, yaml.MappingNode):
+            kind = "a list" if isinstance(root, yaml.SequenceNode) else "a single value"
+            raise ConfigError(f"{path}: a config must be a mapping of keys to values, found {kind}")
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {first_line(e)}") from None
+    assert isinstance(cfg, DictConfig)  # guaranteed by the mapping check above
+    set_source(cfg, str(path))
+    return cfg
+
+
+def _parse_value(text: str, override: str) -> Any:
+    if text == "":
+        # `key=` means an empty string; `key=null` is how to write None.
+        return ""
+    try:
+        return yaml.load(text, Loader=_ValueLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"override '{override}': the value is not valid YAML ({_yaml_problem(e)}); "
+            "quote it to pass a string, e.g. key='\"...\"'"
+        ) from None
+
+
+def _all_key_paths(node: DictConfig | ListConfig, path: str = "") -> list[str]:
+    paths = []
+    for key in container_keys(node):
+        sub = child_path(path, key)
+        paths.append(sub.replace("[", ".").replace("]", ""))  # the dotted form overrides use
+        child = node._get_node(key)
+        if isinstance(child, (DictConfig, ListConfig)) and not child._is_missing() and not child._is_none():
+            paths.extend(_all_key_paths(child, sub))
+    return paths
+
+
+def _walk_to_parent(cfg: DictConfig, key: str, override: str, *, create: bool) -> tuple[Any, str]:
+    """The container holding the last segment of ``key``, creating missing sections if ``create``."""
+    segments = key.split(".")
+    node: Any = cfg
+    for depth, segment in enumerate(segments[:-1]):
+        done = ".".join(segments[: depth + 1])
+        child = _get_child(node, segment, override)
+        if child is None:
+            if not create:
+                raise ConfigError(
+                    f"override '{override}': no key '{done}' in the config{did_you_mean(key, _all_key_paths(cfg))}"
+                )
+            node[segment] = {}
+            child = node._get_node(segment)
+        if not isinstance(child, (DictConfig, ListConfig)) or child._is_none() or child._is_interpolation():
+            # Replacing a value by a section silently is how typos go unnoticed; make the user say it.
+            raise ConfigError(f"override '{override}': '{done}' is a value, not a section")
+        node = child
+    return node, segments[-1]
+
+
+def _get_child(node: DictConfig | ListConfig, segment: str, override: str) -> Any:
+    if isinstance(node, ListConfig):
+        index = _list_index(node, segment, override)
+        return node._get_node(index)
+    return node._get_node(segment)  # None when absent; `in` would also say False for '???' values
+
+
+def _list_index(node: ListConfig, segment: str, override: str) -> int:
+    if not segment.isdigit():
+        raise ConfigError(f"override '{override}': '{segment}' is not an index into a list")
+    index = int(segment)
+    if index >= len(node):
+        raise ConfigError(f"override '{override}': index {index} is past the end of a list of {len(node)}")
+    return index
+
+
+def apply_overrides(cfg: DictConfig, overrides: Sequence[str], *, source: str | None = None) -> DictConfig:
+    """Apply command-line overrides to a config, in order.
+
+    ``a.b.c=value`` sets a key (creating missing sections); the value is read as YAML (``1e-4``, ``[1, 2]``,
+    ``{a: 1}``, ``true``, ``null``) and everything after the first ``=`` belongs to it. ``~a.b`` deletes a key.
+
+    Args:
+        cfg: The config to change in place.
+        overrides: The ``key=value`` / ``~key`` strings.
+        source: The config file, named in errors; defaults to the file ``cfg`` was loaded from.
+
+    Returns:
+        ``cfg``, for chaining.
+
+    Raises:
+        ConfigError: A malformed override, a value that is not YAML, or a deletion of a key that does not exist.
+    """
+    source = source or config_source(cfg)
+    for override in overrides:
+        if override.startswith("~"):
+            key = override[1:]
+            if not _KEY_RE.match(key):
+                raise ConfigError(f"override '{override}' is malformed: expected ~key.path to delete a key")
+            parent, last = _walk_to_parent(cfg, key, override, create=False)
+            if isinstance(parent, ListConfig):
+                del parent[_list_index(parent, last, override)]
+            elif parent._get_node(last) is not None:
+                del parent[last]
+            else:
+                hint = did_you_mean(key, _all_key_paths(cfg))
+                where = "" if source == UNKNOWN_SOURCE else f" in {source}"
+                raise ConfigError(f"override '{override}': no key '{key}'{where} to delete{hint}")
+            continue
+        key, sep, text = override.partition("=")
+        if not sep or not _KEY_RE.match(key):
+            hint = "; keys are created without a '+'" if override.startswith("+") else ""
+            raise ConfigError(
+                f"override '{override}' is malformed: expected key.path=value or ~key.path{hint}"
+            )
+        value = _parse_value(text, override)
+        parent, last = _walk_to_parent(cfg, key, override, create=True)
+        try:
+            if isinstance(parent, ListConfig):
+                parent[_list_index(parent, last, override)] = value
+            else:
+                parent[last] = value
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override '{override}': {first_line(e)}") from None
+    return cfg
+
+
+def interpolation_problems(node: DictConfig | ListConfig, path: str = "") -> list[tuple[str, str]]:
+    """``(key path, problem)`` for every value that is ``???`` or whose ``${...}`` does not resolve."""
+    problems: list[tuple[str, str]] = []
+    for key in container_keys(node):
+        sub = child_path(path, key)
+        try:
+            value = node[key]
+        except MissingMandatoryValue:
+            problems.append((sub, f"no value given (it is '???'); set it with {sub}=..."))
+            continue
+        except OmegaConfBaseException as e:
+            problems.append((sub, f"cannot resolve interpolation: {first_line(e)}"))
+            continue
+        # An interpolation to a section is checked where that section lives, not once per reference.
+        if isinstance(value, (DictConfig, ListConfig)) and not OmegaConf.is_interpolation(node, key):
+            problems.extend(interpolation_problems(value, sub))
+    return problems
+
+
+def resolve(cfg: DictConfig, *, source: str | None = None) -> DictConfig:
+    """Replace every ``${...}`` in ``cfg`` by its value, in place.
+
+    Raises:
+        ConfigError: One line per unresolvable interpolation or ``???`` value, naming the file and key.
+    """
+    source = source or config_source(cfg)
+    problems = interpolation_problems(cfg)
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {path}: {problem}" for path, problem in problems))
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def split_config_arg(argv: Sequence[str]) -> tuple[str, list[str]]:
+    """Split ``--config PATH`` (or ``--config=PATH``) from the overrides in a recipe's arguments.
+
+    Raises:
+        ConfigError: No ``--config``, two of them, or an option other than ``--config``.
+    """
+    config: str | None = None
+    overrides: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        value: str | None = None
+        if arg == "--config":
+            if i + 1 >= len(args):
+                raise ConfigError(f"--config needs a value; usage: {USAGE}")
+            value = args[i + 1]
+            i += 1
+        elif arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+        elif arg.startswith("-"):
+            raise ConfigError(f"unknown option '{arg}'; usage: {USAGE}")
+        else:
+            overrides.append(arg)
+        if value is not None:
+            if config is not None:
+                raise ConfigError(f"--config given twice ('{config}' and '{value}')")
+            if not value:
+                raise ConfigError(f"--config needs a value; usage: {USAGE}")
+            config = value
+        i += 1
+    if config is None:
+        raise ConfigError(f"missing --config; usage: {USAGE}")
+    return config, overrides
+
+
+def parse_recipe_args(argv: Sequence[str] | None = None) -> DictConfig:
+    """Build a recipe's config from its command line.
+
+    Args:
+        argv: ``["--config", PATH, "key=value", "~key", ...]``; defaults to ``sys.argv[1:]``.
+
+    Returns:
+        The loaded config with overrides applied and interpolation resolved. :func:`config_source` gives
+        its file.
+
+    Raises:
+        ConfigError: Bad arguments, file, override or interpolation.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    if any(arg in ("-h", "--help") for arg in args):
+        print(f"usage: {Path(sys.argv[0]).name} {USAGE}")
+        raise SystemExit(0)
+    config, overrides = split_config_arg(args)
+    cfg = load_config(config)
+    apply_overrides(cfg, overrides, source=config)
+    return resolve(cfg, source=config)

@@ -1,0 +1,84 @@
+"""The entry-point decorator recipes put on ``main(cfg)``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig
+
+from toolkit.config._parse import parse_recipe_args
+from toolkit.errors import UserError
+
+T = TypeVar("T")
+
+# `tune run ..._distributed` sets this for its workers: it then prints the one error line itself, from the
+# error file of the rank that failed, so an error hit by rank 1 alone is still shown, and shown once.
+LAUNCHER_REPORTS_ERRORS_ENV = "TUNE_LAUNCHER_REPORTS_ERRORS"
+# Key in torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE) that marks a user error and holds its text.
+USER_ERROR_KEY = "tunekit_user_error"
+
+
+def _rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _record_for_launcher(message: str) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # The layout torchrun's ProcessFailure reads, plus our key, so both `tune run` and plain torchrun show it.
+    data = {
+        "message": {"message": message, "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}},
+        USER_ERROR_KEY: message,
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the message is still printed by rank 0 when no launcher reads the file
+
+
+def report_user_error(error: UserError) -> None:
+    """Print ``error: <message>`` to stderr on rank 0 (every line prefixed), and leave it for the launcher."""
+    message = str(error)
+    _record_for_launcher(message)
+    if _rank() != 0 or os.environ.get(LAUNCHER_REPORTS_ERRORS_ENV) == "1":
+        return
+    sys.stdout.flush()
+    for line in message.splitlines() or [""]:
+        print(f"error: {line}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def recipe_main(fn: Callable[[DictConfig], T]) -> Callable[..., T]:
+    """Decorate a recipe's ``main(cfg)`` so that ``main()`` runs it from the command line.
+
+    Called without arguments, the wrapper builds the config with
+    ``parse_recipe_args(sys.argv[1:])`` and calls ``fn(cfg)``. A :class:`~toolkit.errors.UserError` (such as
+    a :class:`ConfigError`) is printed as one ``error: ...`` line by rank 0 (``RANK``, default 0) and exits
+    with code 2; Ctrl-C exits with 130 quietly; any other exception keeps its traceback. Called with a
+    config, the wrapper is just ``fn(cfg)`` (for tests and notebooks).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(cfg: DictConfig | None = None) -> Any:
+        if cfg is not None:
+            return fn(cfg)
+        try:
+            return fn(parse_recipe_args(sys.argv[1:]))
+        except UserError as e:
+            report_user_error(e)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            sys.exit(130)
+
+    return wrapper

@@ -1,0 +1,81 @@
+"""Checking a whole config against the signatures of its components, without building anything."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Collection
+
+from omegaconf import DictConfig, ListConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from toolkit.config._errors import ConfigError, did_you_mean
+from toolkit.config._instantiate import COMPONENT_KEY, TargetNotFound, keyword_names, locate, signature
+from toolkit.config._parse import interpolation_problems
+from toolkit.config._tree import child_path, config_source, container_keys
+
+# Arguments recipes pass themselves when they instantiate a node (`instantiate(cfg.optimizer, model.parameters())`),
+# so a config never sets them.
+RUNTIME_ARGS: frozenset[str] = frozenset({"tokenizer", "params", "optimizer", "model"})
+
+
+def _component_problems(node: DictConfig, path: str, runtime_args: Collection[str]) -> list[tuple[str, str]]:
+    try:
+        dotted = node[COMPONENT_KEY]
+        target = locate(dotted)
+    except OmegaConfBaseException:
+        return []  # reported by the interpolation check
+    except TargetNotFound as e:
+        return [(path, str(e))]
+    if not callable(target):
+        return [(path, f"'{dotted}' is not callable")]
+    sig = signature(target)
+    if sig is None:
+        return []
+    names, takes_kwargs = keyword_names(sig)
+    given = [key for key in node.keys() if key != COMPONENT_KEY]
+    problems = [
+        (child_path(path, key), f"not an argument of {dotted}{did_you_mean(str(key), names)}")
+        for key in given
+        if key not in names and not takes_kwargs
+    ]
+    for param in sig.parameters.values():
+        required = param.default is inspect.Parameter.empty and param.name in names
+        if required and param.name not in given and param.name not in runtime_args:
+            problems.append((path, f"missing required argument '{param.name}' of {dotted}"))
+    return problems
+
+
+def _visit(node: DictConfig | ListConfig, path: str, runtime_args: Collection[str]) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    if isinstance(node, DictConfig) and node._get_node(COMPONENT_KEY) is not None:
+        problems += _component_problems(node, path, runtime_args)
+    for key in container_keys(node):
+        child = node._get_node(key)
+        # Only real sections: interpolated ones are checked where they live, broken ones by the
+        # interpolation check.
+        if isinstance(child, (DictConfig, ListConfig)) and not child._is_none() and not child._is_missing():
+            problems += _visit(child, child_path(path, key), runtime_args)
+    return problems
+
+
+def validate(
+    cfg: DictConfig, *, source: str | None = None, runtime_args: Collection[str] = RUNTIME_ARGS
+) -> None:
+    """Check a config before running anything.
+
+    For every ``_component_`` node (at any depth): the target imports, every key is a parameter of it
+    (unless it takes ``**kwargs``), and every required parameter is given, except those in
+    ``runtime_args``. Also reports ``${...}`` that do not resolve and ``???`` values left unset.
+
+    Args:
+        cfg: The config (overrides already applied).
+        source: The config file named in messages; defaults to the file ``cfg`` was loaded from.
+        runtime_args: Parameter names recipes pass themselves, never missing from a config.
+
+    Raises:
+        ConfigError: Listing every problem, one line each: ``<source>: <key path>: <problem>``.
+    """
+    source = source or config_source(cfg)
+    problems = interpolation_problems(cfg) + _visit(cfg, "", runtime_args)
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {path or '<root>'}: {problem}" for path, problem in problems))
