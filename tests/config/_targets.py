@@ -34,3 +34,7 @@ def raises_inside(x: int = 1) -> None:
 
 def spacer(*, width: int, fill: str = " ") -> str:
     return fill * width
+
+
+def fake_optimizer(params: Any, lr: float, momentum: float = 0.0) -> dict[str, Any]:
+    return {"params": params, "lr": lr, "momentum": momentum}

@@ -115,9 +115,7 @@ def test_delete_missing_key_suggests(write_yaml) -> None:
     cfg = load_config(path)
     with pytest.raises(ConfigError) as info:
         apply_overrides(cfg, ["~model.yy"])
-    assert str(info.value) == (
-        f"override '~model.yy': no key 'model.yy' in {path} to delete; did you mean 'model.y'?"
-    )
+    assert str(info.value) == (f"override '~model.yy': no key 'model.yy' in {path} to delete; did you mean 'model.y'?")
     with pytest.raises(ConfigError, match="override '~modle.x': no key 'modle' .*did you mean 'model.x'"):
         apply_overrides(cfg, ["~modle.x"])
 

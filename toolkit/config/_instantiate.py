@@ -79,9 +79,7 @@ def signature(target: Callable[..., Any]) -> inspect.Signature | None:
 
 def keyword_names(sig: inspect.Signature) -> tuple[set[str], bool]:
     """Parameter names a config may set by keyword, and whether the callable takes ``**kwargs``."""
-    names = {
-        p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    }
+    names = {p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     return names, takes_kwargs
 
@@ -121,8 +119,8 @@ def _instantiate_node(
         raise ConfigError(f"{where}: {e}") from None
     if not callable(target):
         raise ConfigError(f"{where}: '{dotted}' is not callable")
-    config_kwargs = {
-        key: _build(_get(node, key, path, source), child_path(path, key), source)
+    config_kwargs: dict[str, Any] = {
+        str(key): _build(_get(node, key, path, source), child_path(path, key), source)
         for key in node
         if key != COMPONENT_KEY
     }

@@ -182,9 +182,7 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str], *, source: str | 
         key, sep, text = override.partition("=")
         if not sep or not _KEY_RE.match(key):
             hint = "; keys are created without a '+'" if override.startswith("+") else ""
-            raise ConfigError(
-                f"override '{override}' is malformed: expected key.path=value or ~key.path{hint}"
-            )
+            raise ConfigError(f"override '{override}' is malformed: expected key.path=value or ~key.path{hint}")
         value = _parse_value(text, override)
         parent, last = _walk_to_parent(cfg, key, override, create=True)
         try:

@@ -58,9 +58,7 @@ def _visit(node: DictConfig | ListConfig, path: str, runtime_args: Collection[st
     return problems
 
 
-def validate(
-    cfg: DictConfig, *, source: str | None = None, runtime_args: Collection[str] = RUNTIME_ARGS
-) -> None:
+def validate(cfg: DictConfig, *, source: str | None = None, runtime_args: Collection[str] = RUNTIME_ARGS) -> None:
     """Check a config before running anything.
 
     For every ``_component_`` node (at any depth): the target imports, every key is a parameter of it
