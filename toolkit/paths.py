@@ -1,5 +1,6 @@
 """Where the recipes and their configs live, in a source checkout and in an installed wheel."""
 
+import os
 from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -15,10 +16,14 @@ def _locate(repo_name: str, packaged_name: str) -> Path:
 
 
 def recipes_dir() -> Path:
-    """The folder holding one ``<recipe>.py`` file per recipe."""
-    return _locate("recipes", "_recipes")
+    """The folder holding one ``<recipe>.py`` file per recipe (``$TUNE_RECIPES_DIR`` if set)."""
+    # The environment variables let tests (and people with their own recipe collections) point `tune` at
+    # another tree without copying files into the package.
+    override = os.environ.get("TUNE_RECIPES_DIR")
+    return Path(override) if override else _locate("recipes", "_recipes")
 
 
 def configs_dir() -> Path:
-    """The folder holding ``<recipe>/<config>.yaml``."""
-    return _locate("recipe_configs", "_recipe_configs")
+    """The folder holding ``<recipe>/<config>.yaml`` (``$TUNE_CONFIGS_DIR`` if set)."""
+    override = os.environ.get("TUNE_CONFIGS_DIR")
+    return Path(override) if override else _locate("recipe_configs", "_recipe_configs")
