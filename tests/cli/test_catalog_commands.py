@@ -1,0 +1,103 @@
+"""tune ls / cp / cat / validate, and --help."""
+
+from __future__ import annotations
+
+from tests.cli.conftest import TOY_RECIPE, one_line
+
+
+def test_help(tune_process) -> None:
+    result = tune_process("--help")  # also proves `python -m toolkit.cli.main` is the command
+    assert result.returncode == 0
+    for command in ("ls", "cp", "cat", "validate", "run"):
+        assert command in result.stdout
+    result = tune_process("run", "--help")
+    assert result.returncode == 0 and "--nproc_per_node" in result.stdout and "_distributed" in result.stdout
+
+
+def test_bad_subcommand_is_one_line(tune) -> None:
+    result = tune("lss")
+    assert result.returncode != 0
+    assert one_line(result.stderr).startswith("tune: error: argument COMMAND: invalid choice: 'lss'")
+
+
+def test_ls_discovers_recipes_and_configs(tune) -> None:
+    result = tune("ls")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()]
+    assert rows[:4] == [["RECIPE", "CONFIG"], ["other", "demo"], ["toy", "demo"], ["small"]]
+    assert "_shared" not in result.stdout
+
+
+def test_cp_recipe_adds_suffix_and_refuses_to_overwrite(tune, tree) -> None:
+    result = tune("cp", "toy", "my_toy")
+    assert result.returncode == 0, result.stderr
+    copy = tree.work / "my_toy.py"
+    assert copy.read_text() == TOY_RECIPE
+
+    copy.write_text("# my edits\n")
+    result = tune("cp", "toy", "my_toy.py")
+    assert result.returncode == 1
+    assert one_line(result.stderr) == "tune: error: 'my_toy.py' already exists; add --force to overwrite it"
+    assert copy.read_text() == "# my edits\n"
+
+    assert tune("cp", "toy", "my_toy.py", "--force").returncode == 0
+    assert copy.read_text() == TOY_RECIPE
+
+
+def test_cp_config_by_every_kind_of_name(tune, tree) -> None:
+    source = (tree.configs / "toy" / "small.yaml").read_text()
+    assert tune("cp", "toy/small", "a").returncode == 0
+    assert (tree.work / "a.yaml").read_text() == source
+    assert tune("cp", "small", "b.yaml").returncode == 0  # bare name: only toy has it
+    assert (tree.work / "b.yaml").read_text() == source
+    (tree.work / "sub").mkdir()
+    assert tune("cp", "toy/small", "sub").returncode == 0  # into a folder, keeping the name
+    assert (tree.work / "sub" / "small.yaml").read_text() == source
+
+
+def test_cp_ambiguous_config_lists_candidates(tune, tree) -> None:
+    result = tune("cp", "demo", "x.yaml")
+    assert result.returncode == 1
+    assert "ambiguous: other/demo, toy/demo" in one_line(result.stderr)
+    assert not (tree.work / "x.yaml").exists()
+
+
+def test_cat(tune, tree) -> None:
+    result = tune("cat", "toy/small")
+    assert result.returncode == 0 and result.stdout == (tree.configs / "toy" / "small.yaml").read_text()
+    assert tune("cat", "toy").stdout == TOY_RECIPE
+    result = tune("cat", "smal")
+    assert result.returncode == 1
+    assert one_line(result.stderr) == (
+        "tune: error: no recipe or config named 'smal'; did you mean 'small'? (see `tune ls`)"
+    )
+
+
+def test_validate_good(tune, tree) -> None:
+    result = tune("validate", "toy/small")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"OK: {tree.configs / 'toy' / 'small.yaml'}\n"
+    assert tune("validate", "small").returncode == 0
+    assert tune("validate", str(tree.configs / "toy" / "small.yaml"), "optimizer.momentum=0.9").returncode == 0
+
+
+def test_validate_typo_names_file_key_and_suggestion(tune, tree) -> None:
+    result = tune("validate", "toy/small", "optimizer.lrr=0.1")
+    assert result.returncode == 1
+    path = tree.configs / "toy" / "small.yaml"
+    target = "tests.config._targets.fake_optimizer"
+    expected = f"tune: error: {path}: optimizer.lrr: not an argument of {target}; did you mean 'lr'?"
+    assert one_line(result.stderr) == expected
+
+
+def test_validate_reports_every_problem_one_line_each(tune) -> None:
+    result = tune("validate", "toy/small", "optimizer.lrr=0.1", "bad=${nowhere}")
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and all(line.startswith("tune: error: ") for line in lines)
+
+
+def test_validate_unknown_config(tune) -> None:
+    result = tune("validate", "toy/smal")
+    assert result.returncode == 1
+    assert one_line(result.stderr) == "tune: error: unknown config 'toy/smal'; did you mean 'toy/small'?"

@@ -1,0 +1,155 @@
+"""tune run: resolution and validation before launch (in-process), one device and torchrun (subprocesses)."""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.cli.conftest import one_line
+
+
+def test_single_device_runs_the_recipe_with_overrides(tune_process, tree) -> None:
+    result = tune_process("run", "toy_single_device", "--config", "small", "message=hi there")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert tree.rank_files() == {"rank_none.txt": "none hi there"}
+
+
+def test_recipe_file_and_config_file(tune_process, tree) -> None:
+    shutil.copy(tree.recipes / "toy.py", tree.work / "mine.py")
+    shutil.copy(tree.configs / "toy" / "small.yaml", tree.work / "mine.yaml")
+    result = tune_process("run", "mine.py", "--config=mine.yaml", "message=copied")
+    assert result.returncode == 0, result.stderr
+    assert tree.rank_files() == {"rank_none.txt": "none copied"}
+
+
+def test_validation_happens_before_launch(tune, tree) -> None:
+    result = tune("run", "toy_single_device", "--config", "small", "optimizer.lrr=0.1")
+    assert result.returncode == 1
+    target = "tests.config._targets.fake_optimizer"
+    assert one_line(result.stderr).endswith(f"optimizer.lrr: not an argument of {target}; did you mean 'lr'?")
+    assert tree.rank_files() == {}
+
+
+def test_user_error_in_single_device_recipe(tune_process) -> None:
+    result = tune_process("run", "toy_single_device", "--config", "small", "fail_on=all")
+    assert result.returncode == 2
+    assert one_line(result.stderr) == "error: bad value on rank none"
+
+
+def test_unknown_recipe(tune) -> None:
+    result = tune("run", "tyo_distributed", "--config", "small")
+    assert result.returncode == 1
+    assert one_line(result.stderr) == (
+        "tune: error: unknown recipe 'tyo_distributed'; did you mean 'toy_distributed'? (recipes: other, toy)"
+    )
+
+
+def test_unknown_config(tune) -> None:
+    result = tune("run", "toy_single_device", "--config", "smal")
+    assert result.returncode == 1
+    assert one_line(result.stderr) == (
+        "tune: error: no config 'smal' for recipe 'toy'; did you mean 'small'? (its configs: demo, small)"
+    )
+
+
+def test_missing_config(tune) -> None:
+    result = tune("run", "toy_single_device", "message=x")
+    assert result.returncode == 1 and "missing --config" in one_line(result.stderr)
+
+
+def test_torchrun_flags_need_distributed(tune, tree) -> None:
+    result = tune("run", "--nproc_per_node", "2", "toy_single_device", "--config", "small")
+    assert result.returncode == 1
+    assert one_line(result.stderr) == (
+        "tune: error: torchrun flags (--nproc_per_node 2) need a distributed launch: use toy_distributed"
+    )
+    assert tree.rank_files() == {}
+
+
+def test_unknown_option(tune) -> None:
+    result = tune("run", "toy_distributed", "--config", "small", "--nprocs", "2")
+    assert result.returncode == 1
+    assert "unknown option '--nprocs'" in one_line(result.stderr)
+
+
+def test_distributed_runs_every_rank(tune_process, tree) -> None:
+    result = tune_process("run", "--nproc_per_node", "2", "toy_distributed", "--config", "small", "message=both")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # torchrun's banners stay quiet
+    assert tree.rank_files() == {"rank_0.txt": "0 both", "rank_1.txt": "1 both"}
+
+
+def test_torchrun_flags_may_follow_the_recipe(tune_process, tree) -> None:
+    result = tune_process("run", "toy", "--nproc_per_node=2", "--config", "small")  # no suffix + flags: distributed
+    assert result.returncode == 0, result.stderr
+    assert sorted(tree.rank_files()) == ["rank_0.txt", "rank_1.txt"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
+def test_default_process_count_without_gpu(tune_process, tree) -> None:
+    result = tune_process("run", "toy_distributed", "--config", "small")
+    assert result.returncode == 0, result.stderr
+    notice = one_line(result.stderr)
+    assert notice.startswith("tune: no GPU found: ") and notice.endswith("(set --nproc_per_node to change)")
+    count = int(notice.split("found: ")[1].split()[0])
+    assert len(tree.rank_files()) == count
+
+
+@pytest.mark.parametrize("fail_on", ["all", "1"])
+def test_distributed_user_error_is_one_line_exit_2(tune_process, fail_on: str) -> None:
+    # "1": only rank 1 hits the error and rank 0 is stopped by torchrun; the message must still show, once.
+    result = tune_process("run", "--nproc_per_node", "2", "toy_distributed", "--config", "small", f"fail_on={fail_on}")
+    assert result.returncode == 2
+    expected_rank = "0" if fail_on == "all" else "1"
+    assert one_line(result.stderr) == f"error: bad value on rank {expected_rank}"
+
+
+def test_distributed_crash_names_the_rank(tune_process) -> None:
+    args = ("fail_on=1", "failure=bug")
+    result = tune_process("run", "--nproc_per_node", "2", "toy_distributed", "--config", "small", *args)
+    assert result.returncode == 1
+    assert "RuntimeError: bug on rank 1" in result.stderr  # the rank's own traceback
+    summary = result.stderr.splitlines()[-1]
+    assert summary.startswith("tune: error: rank 1 exited with code 1 (error file: ")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--nproc_per_node", "abc"],
+            "--nproc_per_node must be a positive number or one of auto, cpu, gpu, xpu, got 'abc'",
+        ),
+        (["--nnodes", "1:2:3"], "--nnodes must be N or MIN:MAX, got '1:2:3'"),
+    ],
+)
+def test_bad_torchrun_flags_are_one_line(tune, flags: list[str], message: str) -> None:
+    result = tune("run", *flags, "toy_distributed", "--config", "small")
+    assert result.returncode == 1
+    assert one_line(result.stderr) == f"tune: error: {message}"
+
+
+def test_no_recipe(tune) -> None:
+    result = tune("run", "--nproc_per_node", "2")
+    assert result.returncode == 1
+    assert one_line(result.stderr) == "tune: error: no recipe given; see `tune run --help`"
+
+
+def test_two_runs_at_once_do_not_collide(tree, tune_process) -> None:
+    # Each single-node launch rendezvouses on its own free port, so neither waits for or joins the other.
+    outs = [tree.out / f"run{i}" for i in range(2)]
+    for out in outs:
+        out.mkdir()
+    with ThreadPoolExecutor(2) as pool:
+        command = ("run", "--nproc_per_node", "2", "toy_distributed", "--config", "small")
+        launches = [
+            pool.submit(tune_process, *command, f"out_dir={out}", f"message=m{i}") for i, out in enumerate(outs)
+        ]
+        results = [launch.result() for launch in launches]
+    assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
+    for i, out in enumerate(outs):
+        assert sorted(p.read_text() for p in out.glob("rank_*.txt")) == [f"0 m{i}", f"1 m{i}"]

@@ -1,0 +1,1 @@
+"""The ``tune`` command line (entry point :func:`toolkit.cli.main.main`)."""

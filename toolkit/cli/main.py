@@ -1,0 +1,148 @@
+"""The ``tune`` command: list, copy, show, validate and run recipes and their configs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from toolkit.cli._catalog import find_config, find_recipe_or_config, list_configs, list_recipes
+from toolkit.cli._run import run_command
+from toolkit.config import apply_overrides, load_config, validate
+from toolkit.errors import UserError
+from toolkit.paths import recipes_dir
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line, like every other ``tune`` error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message}; see `{self.prog} --help`")
+
+
+def _ls(args: argparse.Namespace) -> int:
+    recipes = list_recipes()
+    if not recipes:
+        print(f"no recipes in {recipes_dir()}")
+        return 0
+    rows = [("RECIPE", "CONFIG")]
+    for recipe in recipes:
+        configs = list_configs(recipe) or ["-"]
+        rows += [(recipe if i == 0 else "", config) for i, config in enumerate(configs)]
+    width = max(len(recipe) for recipe, _ in rows) + 3
+    for recipe, config in rows:
+        print(f"{recipe:<{width}}{config}")
+    print("\nrun one: tune run <recipe>_single_device|_distributed --config <config>")
+    return 0
+
+
+def _cp(args: argparse.Namespace) -> int:
+    source = find_recipe_or_config(args.name)
+    dest = Path(args.dest)
+    if dest.is_dir():
+        dest = dest / source.name
+    elif not dest.suffix:
+        dest = dest.with_suffix(source.suffix)
+    if dest.exists() and not args.force:
+        raise UserError(f"'{dest}' already exists; add --force to overwrite it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, dest)
+    print(f"copied {source} to {dest}")
+    return 0
+
+
+def _cat(args: argparse.Namespace) -> int:
+    sys.stdout.write(find_recipe_or_config(args.name).read_text(encoding="utf-8"))
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    path = Path(args.config)
+    if not path.is_file():
+        path = find_config(args.config)
+    cfg = load_config(path)
+    apply_overrides(cfg, args.overrides)
+    validate(cfg)
+    print(f"OK: {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tune`` argument parser (``run`` is parsed by torchrun's parser, see ``_run.py``)."""
+    parser = _Parser(
+        prog="tune",
+        description="Fine-tune LLMs with recipes: plain Python files you run as they are or copy and edit.",
+        epilog="`tune run --help` explains launching on one device, every GPU, or several nodes.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    ls = commands.add_parser("ls", help="list recipes and their configs", description="List recipes and configs.")
+    ls.set_defaults(handler=_ls)
+
+    cp = commands.add_parser(
+        "cp",
+        help="copy a recipe or config to edit it",
+        description="Copy a recipe (tune cp full_finetune my_ft.py) or a config (tune cp full_finetune/demo my.yaml).",
+    )
+    cp.add_argument("name", help="recipe, recipe/config, or a config name only one recipe has")
+    cp.add_argument("dest", help="file or folder to copy to (.py/.yaml is added when there is no suffix)")
+    cp.add_argument("-f", "--force", action="store_true", help="overwrite dest if it exists")
+    cp.set_defaults(handler=_cp)
+
+    cat = commands.add_parser("cat", help="print a config or recipe", description="Print a config or a recipe.")
+    cat.add_argument("name", help="recipe, recipe/config, or a config name only one recipe has")
+    cat.set_defaults(handler=_cat)
+
+    check = commands.add_parser(
+        "validate",
+        help="check a config without running it",
+        description="Load a config, apply overrides and check every _component_ against its signature.",
+    )
+    check.add_argument("config", help="config file, recipe/config, or a config name only one recipe has")
+    check.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, as for tune run")
+    check.set_defaults(handler=_validate)
+
+    # Listed for `tune --help`; `tune run` itself is handled before argparse (its flags are torchrun's).
+    commands.add_parser("run", help="run a recipe on one device or under torchrun", add_help=False)
+    return parser
+
+
+def _report(error: UserError) -> int:
+    for line in str(error).splitlines() or [""]:
+        print(f"tune: error: {line}", file=sys.stderr)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``tune`` with ``argv`` (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 on success, 1 for a user error (printed as one ``tune: error:`` line), or the
+        recipe's own code for ``tune run``.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args[:1] == ["run"]:
+            return run_command(args[1:])
+        parser = build_parser()
+        namespace = parser.parse_args(args)
+        if namespace.command is None:
+            parser.print_help(sys.stderr)
+            return 2
+        return int(namespace.handler(namespace))
+    except UserError as e:
+        return _report(e)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `tune ls | head`: the reader left; say nothing more (and keep Python from complaining at exit).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
