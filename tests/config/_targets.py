@@ -38,3 +38,7 @@ def spacer(*, width: int, fill: str = " ") -> str:
 
 def fake_optimizer(params: Any, lr: float, momentum: float = 0.0) -> dict[str, Any]:
     return {"params": params, "lr": lr, "momentum": momentum}
+
+
+def schedule(optimizer: Any, total_steps: int, warmup_steps: int = 0) -> tuple[Any, int, int]:
+    return optimizer, total_steps, warmup_steps

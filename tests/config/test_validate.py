@@ -21,6 +21,9 @@ dataset:
 optimizer:
   _component_: torch.optim.AdamW
   lr: 1.0e-4
+lr_scheduler:
+  _component_: {T}.schedule
+  warmup_steps: 2
 extras:
   - _component_: {T}.collect
     anything: goes
@@ -28,7 +31,8 @@ extras:
 
 
 def test_clean_config_passes(write_yaml) -> None:
-    validate(load_config(write_yaml(GOOD)))  # `tokenizer` and `params` are passed by the recipe
+    # `tokenizer`, `params`, `optimizer` and `total_steps` are passed by the recipe.
+    validate(load_config(write_yaml(GOOD)))
 
 
 def test_typo_names_file_key_and_suggestion(write_yaml) -> None:

@@ -13,9 +13,9 @@ from toolkit.config._instantiate import COMPONENT_KEY, TargetNotFound, keyword_n
 from toolkit.config._parse import interpolation_problems
 from toolkit.config._tree import child_path, config_source, container_keys
 
-# Arguments recipes pass themselves when they instantiate a node (`instantiate(cfg.optimizer, model.parameters())`),
-# so a config never sets them.
-RUNTIME_ARGS: frozenset[str] = frozenset({"tokenizer", "params", "optimizer", "model"})
+# Arguments recipes pass themselves when they instantiate a node (`instantiate(cfg.optimizer, model.parameters())`,
+# `instantiate(cfg.lr_scheduler, optimizer, total_steps=...)`), so a config never sets them.
+RUNTIME_ARGS: frozenset[str] = frozenset({"tokenizer", "params", "optimizer", "model", "total_steps"})
 
 
 def _component_problems(node: DictConfig, path: str, runtime_args: Collection[str]) -> list[tuple[str, str]]:
