@@ -83,6 +83,15 @@ def test_overrides_set_nested_and_new_keys(write_yaml) -> None:
         ("v=a=b", "a=b"),  # everything after the first '=' is the value
         ("v='007'", "007"),
         ("v=", ""),
+        ("v=.inf", float("inf")),
+        # Text that is not a flow list/dict or quoted stays exactly as typed, even where YAML would read
+        # a mapping, a comment, a date or a syntax error.
+        ("v=reverse: hello", "reverse: hello"),
+        ("v=what is #1", "what is #1"),
+        ("v=2024-01-31", "2024-01-31"),
+        ("v=a: b: c", "a: b: c"),
+        ("v=- item", "- item"),
+        ('v="quoted: yes"', "quoted: yes"),
     ],
 )
 def test_override_values_are_yaml(override: str, expected: object) -> None:

@@ -89,13 +89,22 @@ def _parse_value(text: str, override: str) -> Any:
     if text == "":
         # `key=` means an empty string; `key=null` is how to write None.
         return ""
+    # Lists, dicts and quoted strings are YAML; anything else is a YAML scalar (number, bool, null) or the
+    # text exactly as typed: plain YAML would turn `prompt=reverse: hello` into a mapping and cut
+    # `prompt=what is #1` at the comment.
+    written_as_yaml = text.lstrip()[:1] in ("[", "{", "'", '"')
     try:
-        return yaml.load(text, Loader=_ValueLoader)  # noqa: S506 (a SafeLoader subclass)
+        value = yaml.load(text, Loader=_ValueLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
+        if not written_as_yaml:
+            return text
         raise ConfigError(
             f"override '{override}': the value is not valid YAML ({_yaml_problem(e)}); "
             "quote it to pass a string, e.g. key='\"...\"'"
         ) from None
+    if written_as_yaml or value is None or isinstance(value, (bool, int, float)):
+        return value
+    return text
 
 
 def _all_key_paths(node: DictConfig | ListConfig, path: str = "") -> list[str]:
@@ -149,8 +158,9 @@ def _list_index(node: ListConfig, segment: str, override: str) -> int:
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str], *, source: str | None = None) -> DictConfig:
     """Apply command-line overrides to a config, in order.
 
-    ``a.b.c=value`` sets a key (creating missing sections); the value is read as YAML (``1e-4``, ``[1, 2]``,
-    ``{a: 1}``, ``true``, ``null``) and everything after the first ``=`` belongs to it. ``~a.b`` deletes a key.
+    ``a.b.c=value`` sets a key (creating missing sections). Everything after the first ``=`` is the value:
+    a number, ``true``/``false``, ``null``, a flow list or dict (``[1, 2]``, ``{a: 1}``) or a quoted string as
+    in YAML, otherwise the text as typed (``prompt=reverse: hello`` is a string). ``~a.b`` deletes a key.
 
     Args:
         cfg: The config to change in place.
