@@ -81,26 +81,24 @@ def tree(tmp_path: Path) -> Tree:
 _DROPPED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE", "TUNE_VERBOSE")
 
 
+def tune_env(tree: Tree) -> dict[str, str]:
+    """The environment for a `tune` subprocess pointed at the fake tree."""
+    # Nothing from an enclosing launcher or a developer's shell may change what `tune` does here.
+    env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV and not k.startswith("PET_")}
+    env.update(TUNE_RECIPES_DIR=str(tree.recipes), TUNE_CONFIGS_DIR=str(tree.configs), PYTHONPATH=str(REPO))
+    return env
+
+
+TUNE_COMMAND = [sys.executable, "-m", "toolkit.cli.main"]
+
+
 @pytest.fixture
 def tune_process(tree: Tree) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run `python -m toolkit.cli.main ARGS` in tree.work, pointed at the fake tree: for launches."""
 
-    def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-        # Nothing from an enclosing launcher or a developer's shell may change what `tune` does here.
-        full_env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV and not k.startswith("PET_")}
-        full_env.update(
-            TUNE_RECIPES_DIR=str(tree.recipes),
-            TUNE_CONFIGS_DIR=str(tree.configs),
-            PYTHONPATH=str(REPO),
-            **env,
-        )
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "toolkit.cli.main", *args],
-            cwd=tree.work,
-            capture_output=True,
-            text=True,
-            env=full_env,
-            timeout=120,
+            [*TUNE_COMMAND, *args], cwd=tree.work, capture_output=True, text=True, env=tune_env(tree), timeout=120
         )
 
     return run

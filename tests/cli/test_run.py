@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from tests.cli.conftest import one_line
+from tests.cli.conftest import TUNE_COMMAND, one_line, tune_env
 
 
 def test_single_device_runs_the_recipe_with_overrides(tune_process, tree) -> None:
@@ -153,3 +157,23 @@ def test_two_runs_at_once_do_not_collide(tree, tune_process) -> None:
     assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
     for i, out in enumerate(outs):
         assert sorted(p.read_text() for p in out.glob("rank_*.txt")) == [f"0 m{i}", f"1 m{i}"]
+
+
+def test_ctrl_c_stops_every_process_quietly(tree) -> None:
+    (tree.recipes / "sleepy.py").write_text(
+        "import time\nfrom toolkit.config import recipe_main\n\n"
+        "@recipe_main\ndef main(cfg):\n    time.sleep(60)\n\n"
+        "if __name__ == '__main__':\n    main()\n"
+    )
+    (tree.configs / "sleepy").mkdir()
+    (tree.configs / "sleepy" / "x.yaml").write_text("a: 1\n")
+    command = [*TUNE_COMMAND, "run", "--nproc_per_node", "2", "sleepy_distributed", "--config", "x"]
+    # Its own session, so that the interrupt goes to the launcher and its workers, as from a terminal.
+    launcher = subprocess.Popen(
+        command, cwd=tree.work, env=tune_env(tree), stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    time.sleep(3)
+    os.killpg(launcher.pid, signal.SIGINT)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130
+    assert stderr == ""

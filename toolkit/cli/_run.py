@@ -166,6 +166,7 @@ def _check_launch_flags(launch: argparse.Namespace) -> None:
 
 def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[str]) -> int:
     import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
@@ -184,14 +185,21 @@ def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[s
             message = f"no GPU found: {count} CPU processes on gloo (set --nproc_per_node to change)"
             print(f"tune: {message}", file=sys.stderr)
     if os.environ.get("TUNE_VERBOSE") != "1":
-        # Failures are summarized in one line below; torchrun's banners and tables would bury it.
-        for name in _TORCHRUN_LOGGERS:
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+        # Failures are summarized in one line below; torchrun's banners and tables would bury it. Each
+        # torchrun module sets its own logger's level, so setting the parents' is not enough.
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith(_TORCHRUN_LOGGERS):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[LAUNCHER_REPORTS_ERRORS_ENV] = "1"
     try:
         run(launch)
     except ChildFailedError as e:
         return _report_failure(e.failures)
+    except SignalException as e:
+        # Ctrl-C (or a scheduler's SIGTERM) reached the launcher; torchrun has stopped the workers.
+        if e.sigval != signal.SIGINT:
+            print(f"tune: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
 
 
