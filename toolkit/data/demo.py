@@ -1,7 +1,7 @@
 """Synthetic instruction tasks that a tiny byte-level model learns within minutes on a CPU.
 
-Each prompt names its task, e.g. ``"reverse: lamp"`` -> ``"pmal"``. Words are random lowercase strings of 3-6
-letters. Whether a word belongs to ``train`` or ``heldout`` is a fixed property of the word (a hash of it), the
+Each prompt names its task, e.g. ``"reverse: lamp"`` -> ``"pmal"``. Words are random lowercase strings (4 letters
+by default). Whether a word belongs to ``train`` or ``heldout`` is a fixed property of the word (a hash of it), the
 same for every seed and task, so a held-out prompt never shares its word with any training prompt.
 """
 
@@ -27,7 +27,9 @@ TASKS: dict[str, Callable[[str], str]] = {
 SPLITS: tuple[str, ...] = ("train", "heldout")
 # Percent of all words that are held out.
 _HELDOUT_PERCENT = 10
-_MIN_LEN, _MAX_LEN = 3, 6
+# Words of one length put each answer character at a fixed distance from its source character, which a tiny
+# model learns in a few hundred steps; mixed lengths need an induction-style lookup that takes thousands.
+DEFAULT_WORD_LEN = (4, 4)
 
 
 def word_split(word: str) -> str:
@@ -37,7 +39,12 @@ def word_split(word: str) -> str:
 
 
 def demo_tasks(
-    *, split: str = "train", num_samples: int = 1000, seed: int = 0, tasks: list[str] | None = None
+    *,
+    split: str = "train",
+    num_samples: int = 1000,
+    seed: int = 0,
+    tasks: list[str] | None = None,
+    word_len: tuple[int, int] = DEFAULT_WORD_LEN,
 ) -> list[dict]:
     """Generates samples ``{"task", "prompt", "answer"}``, deterministically from ``(split, seed, tasks)``.
 
@@ -49,6 +56,7 @@ def demo_tasks(
         num_samples: how many samples.
         seed: seeds the word generator.
         tasks: task families to use, default all of ``reverse``, ``upper``, ``sort``, ``repeat``.
+        word_len: shortest and longest word, in letters.
 
     Raises:
         UserError: on an unknown split or task, or an empty task list.
@@ -59,6 +67,9 @@ def demo_tasks(
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
         raise UserError(f"demo tasks must be a non-empty list drawn from {', '.join(TASKS)}; got {tasks!r}")
+    min_len, max_len = word_len
+    if not 1 <= min_len <= max_len:
+        raise UserError(f"demo word_len must be [min, max] with 1 <= min <= max; got {list(word_len)!r}")
     if num_samples < 0:
         raise UserError(f"demo num_samples must be >= 0; got {num_samples}")
 
@@ -70,7 +81,7 @@ def demo_tasks(
         task = tasks[i % len(tasks)]
         # Rejection keeps the split a property of the word alone; held-out words are 1 in 10, so ~10 draws.
         while True:
-            word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(_MIN_LEN, _MAX_LEN)))
+            word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(min_len, max_len)))
             if word_split(word) == split:
                 break
         samples.append({"task": task, "prompt": f"{task}: {word}", "answer": TASKS[task](word)})
@@ -84,6 +95,7 @@ def demo_dataset(
     num_samples: int = 20000,
     seed: int = 0,
     tasks: list[str] | None = None,
+    word_len: tuple[int, int] = DEFAULT_WORD_LEN,
     train_on: str = "assistant",
 ) -> Dataset:
     """The demo tasks as a map-style dataset of ``{"tokens", "labels"}`` (labels already shifted).
@@ -97,10 +109,11 @@ def demo_dataset(
         num_samples: how many samples.
         seed: seeds the word generator.
         tasks: task families, default all.
+        word_len: shortest and longest word, in letters.
         train_on: which tokens are targets: ``"assistant"``, ``"last_turn"`` or ``"all"``.
     """
     conversations = [
         [{"role": "user", "content": s["prompt"]}, {"role": "assistant", "content": s["answer"]}]
-        for s in demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks)
+        for s in demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks, word_len=word_len)
     ]
     return ChatDataset(conversations, tokenizer, train_on=train_on)
