@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from toolkit.errors import UserError
 from toolkit.modules import TransformerDecoder
 from toolkit.training.distributed import all_reduce_sum
 
@@ -46,7 +47,8 @@ def generate(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> list[int]:
-    """Continue ``prompt`` by up to ``max_new_tokens`` tokens, stopping before any of ``stop_tokens``.
+    """Continue ``prompt`` by up to ``max_new_tokens`` tokens (fewer if the model's ``max_seq_len`` is reached),
+    stopping before any of ``stop_tokens``.
 
     The prompt is processed in one forward pass, then one token per step against the KV cache.
 
@@ -54,9 +56,10 @@ def generate(
         The generated token ids (without the prompt and without the stop token).
     """
     device = model.embed_tokens.weight.device
-    total_len = len(prompt) + max_new_tokens
-    if total_len > model.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceed max_seq_len {model.max_seq_len}")
+    if len(prompt) >= model.max_seq_len:
+        raise UserError(f"prompt: {len(prompt)} tokens leave no room within the model's max_seq_len ({model.max_seq_len})")
+    # Generation stops at the model's context length rather than failing.
+    total_len = min(len(prompt) + max_new_tokens, model.max_seq_len)
     was_training = model.training
     model.eval()
     model.setup_caches(batch_size=1, max_seq_len=total_len)
