@@ -1,0 +1,28 @@
+"""Every shipped config validates, and its model builds (on the meta device, so 70B costs nothing)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.config import instantiate, load_config, validate
+from toolkit.paths import configs_dir, recipes_dir
+
+CONFIGS = sorted(configs_dir().glob("*/*.yaml"))
+
+
+def test_every_config_folder_belongs_to_a_recipe():
+    recipes = {p.stem for p in recipes_dir().glob("*.py")}
+    assert CONFIGS, "no configs found"
+    for folder in {c.parent for c in CONFIGS}:
+        assert folder.name in recipes, f"{folder} has no recipes/{folder.name}.py"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_config_validates_and_model_builds(path: Path):
+    cfg = load_config(path)
+    validate(cfg)
+    if "model" in cfg:
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+        assert sum(p.numel() for p in model.parameters()) > 0
