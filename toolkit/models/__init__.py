@@ -1,1 +1,90 @@
-"""Model families: each sub-package composes ``toolkit.modules`` into architectures and public sizes."""
+"""Model families: each sub-package composes ``toolkit.modules`` into architectures and public sizes.
+
+A family package exposes ``hf_key_to_tune``, ``tune_key_to_hf`` and ``hf_config`` (checkpoint conversion) and,
+when it builds Hugging Face checkpoints, ``HF_MODEL_TYPES`` (the ``model_type`` values of ``config.json`` it
+handles) with ``from_hf_config(config, *, max_seq_len)``. :func:`from_pretrained` finds families by scanning
+this package, so a new family needs no registration.
+"""
+
+import importlib
+import json
+import pkgutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from toolkit.errors import UserError
+
+
+def hf_model_types() -> dict[str, str]:
+    """Which family builds each Hugging Face ``model_type``: ``{"llama": "llama3", "qwen2": "qwen2_5", ...}``."""
+    owners: dict[str, str] = {}
+    for info in pkgutil.iter_modules(__path__):
+        if not info.ispkg:
+            continue
+        family: ModuleType = importlib.import_module(f"{__name__}.{info.name}")
+        for model_type in getattr(family, "HF_MODEL_TYPES", ()):
+            if model_type in owners:
+                raise RuntimeError(f"model_type {model_type!r} is claimed by both {owners[model_type]} and {info.name}")
+            owners[model_type] = info.name
+    return owners
+
+
+def from_pretrained(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_seq_len: int | None = None,
+) -> nn.Module:
+    """Build the model a Hugging Face checkpoint folder describes and load its weights.
+
+    The family comes from ``config.json``'s ``model_type``, the dimensions from its other fields. The model is
+    built on the meta device, materialized on ``device`` in ``dtype``, then filled from the safetensors files
+    (single or sharded with an index), so memory holds one copy of the weights.
+
+    Args:
+        path: folder with ``config.json`` and ``*.safetensors``.
+        dtype: parameter dtype.
+        device: where the weights go.
+        max_seq_len: rotary cache length; defaults to ``max_position_embeddings`` of the config.
+
+    Raises:
+        UserError: no or unreadable ``config.json``, a ``model_type`` no family handles, a missing field, or a
+            weight that does not fit the model; the message names the file.
+    """
+    # Imported here: toolkit.training imports this package to find the families.
+    from toolkit.training.checkpointing import HFCheckpointer
+    from toolkit.training.init import materialize
+
+    path = Path(path).expanduser()
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{config_file}: not found; from_pretrained needs a Hugging Face model folder")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{config_file}: not valid JSON ({e})") from None
+    model_type = config.get("model_type")
+    owners = hf_model_types()
+    if model_type not in owners:
+        raise UserError(
+            f"{config_file}: model_type {model_type!r} is not supported; supported types: {', '.join(sorted(owners))}"
+        )
+    family_name = owners[model_type]
+    family = importlib.import_module(f"{__name__}.{family_name}")
+    try:
+        with torch.device("meta"):
+            model = family.from_hf_config(config, max_seq_len=max_seq_len)
+    except KeyError as e:
+        raise UserError(f"{config_file}: missing field {e.args[0]!r} for model_type {model_type!r}") from None
+    except UserError as e:
+        raise UserError(f"{config_file}: {e}") from None
+    materialize(model, device=torch.device(device), dtype=dtype)
+    HFCheckpointer(str(path), model_family=family_name).load(model)
+    return model
+
+
+__all__ = ["from_pretrained", "hf_model_types"]

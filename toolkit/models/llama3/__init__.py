@@ -10,9 +10,20 @@ from toolkit.models.llama3._convert_weights import (
     tune_to_hf,
     tune_to_meta,
 )
-from toolkit.models.llama3._model_builders import llama3_1_8b, llama3_1_70b, llama3_2_1b, llama3_2_3b, llama3_demo
+from toolkit.models.llama3._model_builders import (
+    HF_MODEL_TYPES,
+    from_hf_config,
+    llama3_1_8b,
+    llama3_1_70b,
+    llama3_2_1b,
+    llama3_2_3b,
+    llama3_3_70b,
+    llama3_demo,
+)
 
 __all__ = [
+    "HF_MODEL_TYPES",
+    "from_hf_config",
     "hf_config",
     "hf_key_to_tune",
     "hf_to_tune",
@@ -21,6 +32,7 @@ __all__ = [
     "llama3_1_8b",
     "llama3_2_1b",
     "llama3_2_3b",
+    "llama3_3_70b",
     "llama3_demo",
     "llama3_mlp",
     "meta_to_tune",

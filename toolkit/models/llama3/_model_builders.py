@@ -1,7 +1,16 @@
-"""Public Llama 3.x sizes (numbers from each release's params/config) and a tiny demo size."""
+"""Public Llama 3.x sizes (numbers from each release's params/config), a tiny demo size, and any size read from
+a Hugging Face ``config.json``."""
 
+from typing import Any
+
+from toolkit.errors import UserError
+from toolkit.models import _hf_config
 from toolkit.models.llama3._component_builders import llama3
 from toolkit.modules import Llama3RopeScaling, TransformerDecoder
+
+# config.json model types this family builds (toolkit.models.from_pretrained looks here). Llama 2 checkpoints
+# say "llama" too: they are this architecture without rotary scaling.
+HF_MODEL_TYPES: tuple[str, ...] = ("llama",)
 
 _LLAMA3_VOCAB = 128_256
 
@@ -75,4 +84,39 @@ def llama3_1_70b(*, max_seq_len: int = 131_072) -> TransformerDecoder:
         intermediate_dim=28_672,
         max_seq_len=max_seq_len,
         rope_scaling=Llama3RopeScaling(factor=8.0),
+    )
+
+
+def llama3_3_70b(*, max_seq_len: int = 131_072) -> TransformerDecoder:
+    """Llama 3.3 70B (the Llama 3.1 70B architecture, retrained)."""
+    return llama3_1_70b(max_seq_len=max_seq_len)
+
+
+def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) -> TransformerDecoder:
+    """A Llama with the dimensions of a Hugging Face ``LlamaForCausalLM`` ``config.json`` (as a dict).
+
+    Args:
+        config: the parsed ``config.json``.
+        max_seq_len: rotary cache length; defaults to the file's ``max_position_embeddings``.
+
+    Raises:
+        KeyError: a required field is missing.
+        UserError: a feature this builder does not have (biases, an explicit head_dim, other rope scaling).
+    """
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise UserError("Llama checkpoints with attention_bias or mlp_bias are not supported")
+    if _hf_config.head_dim(config) * config["num_attention_heads"] != config["hidden_size"]:
+        raise UserError("Llama checkpoints whose head_dim differs from hidden_size / num_attention_heads are not supported")
+    return llama3(
+        vocab_size=config["vocab_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        embed_dim=config["hidden_size"],
+        intermediate_dim=config["intermediate_size"],
+        max_seq_len=max_seq_len or config["max_position_embeddings"],
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_base=_hf_config.rope_theta(config, default=10_000.0),
+        rope_scaling=_hf_config.llama3_rope_scaling(config),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
     )

@@ -1,0 +1,63 @@
+"""Reading architecture fields from a Hugging Face ``config.json``, across the spellings transformers has used."""
+
+from typing import Any
+
+from toolkit.errors import UserError
+from toolkit.modules import Llama3RopeScaling
+
+
+def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """The rotary settings: transformers 5 nests them in ``rope_parameters``, earlier releases wrote
+    ``rope_theta`` and ``rope_scaling`` at the top level; both are merged here."""
+    merged = dict(config.get("rope_scaling") or {})
+    merged.update(config.get("rope_parameters") or {})
+    if config.get("rope_theta") is not None:
+        merged.setdefault("rope_theta", config["rope_theta"])
+    return merged
+
+
+def rope_theta(config: dict[str, Any], default: float) -> float:
+    """The rotary base, or ``default`` (the architecture's) when the file leaves it out."""
+    return float(rope_parameters(config).get("rope_theta", default))
+
+
+def llama3_rope_scaling(config: dict[str, Any]) -> Llama3RopeScaling | None:
+    """Llama 3.1's frequency scaling if the config asks for it, ``None`` for plain rotary embeddings.
+
+    Raises:
+        UserError: another scaling type (linear, dynamic, yarn...), which no family here implements.
+    """
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise UserError(f"rope scaling type {rope_type!r} is not supported (only 'llama3' and plain rotary)")
+    return Llama3RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def head_dim(config: dict[str, Any]) -> int:
+    """``head_dim`` when the file gives one (Qwen3, Gemma 2, Mistral), else ``hidden_size // num_attention_heads``."""
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def sliding_windows(config: dict[str, Any], *, default_layer_types: list[str] | None = None) -> list[int | None]:
+    """Per layer, the sliding attention window, or ``None`` for full attention.
+
+    transformers 5 lists ``layer_types``; older files only give ``sliding_window`` with ``use_sliding_window``
+    (Qwen, off in every released model), and the architecture implies which layers slide: all of them
+    (Mistral), or ``default_layer_types`` (Gemma 2 alternates).
+    """
+    num_layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    if config.get("use_sliding_window") is False:
+        window = None
+    if window is None:
+        return [None] * num_layers
+    layer_types = config.get("layer_types") or default_layer_types or ["sliding_attention"] * num_layers
+    return [int(window) if t == "sliding_attention" else None for t in layer_types]

@@ -1,0 +1,18 @@
+"""Gemma 2: builders, sizes and checkpoint conversion."""
+
+from toolkit.models.gemma2._component_builders import gemma2, gemma2_mlp
+from toolkit.models.gemma2._convert_weights import hf_config, hf_key_to_tune, tune_key_to_hf
+from toolkit.models.gemma2._model_builders import HF_MODEL_TYPES, from_hf_config, gemma2_2b, gemma2_9b, gemma2_27b
+
+__all__ = [
+    "HF_MODEL_TYPES",
+    "from_hf_config",
+    "gemma2",
+    "gemma2_27b",
+    "gemma2_2b",
+    "gemma2_9b",
+    "gemma2_mlp",
+    "hf_config",
+    "hf_key_to_tune",
+    "tune_key_to_hf",
+]

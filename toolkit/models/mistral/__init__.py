@@ -1,0 +1,7 @@
+"""Mistral 7B: builders, sizes and checkpoint conversion."""
+
+from toolkit.models.mistral._component_builders import mistral
+from toolkit.models.mistral._convert_weights import hf_config, hf_key_to_tune, tune_key_to_hf
+from toolkit.models.mistral._model_builders import HF_MODEL_TYPES, from_hf_config, mistral_7b
+
+__all__ = ["HF_MODEL_TYPES", "from_hf_config", "hf_config", "hf_key_to_tune", "mistral", "mistral_7b", "tune_key_to_hf"]

@@ -1,0 +1,76 @@
+"""The Mistral 7B architecture composed from ``toolkit.modules`` (Jiang et al., 2023,
+https://arxiv.org/abs/2310.06825): Llama's decoder with grouped-query attention, an explicit head_dim, and
+optional sliding-window attention on every layer (v0.1 only; v0.2 and v0.3 attend to the full context)."""
+
+from torch import nn
+
+from toolkit.models.llama3 import llama3_mlp
+from toolkit.modules import (
+    GroupedQueryAttention,
+    RMSNorm,
+    RotaryPositionalEmbeddings,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+)
+
+
+def mistral(
+    *,
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    norm_eps: float = 1e-5,
+    rope_base: float = 1_000_000.0,
+    sliding_window: int | None = None,
+    tie_word_embeddings: bool = False,
+) -> TransformerDecoder:
+    """Build a Mistral decoder.
+
+    Args:
+        vocab_size: rows of the embedding and of the output projection.
+        num_layers: decoder layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (grouped-query attention).
+        head_dim: features per head.
+        embed_dim: model width.
+        intermediate_dim: feed-forward hidden width.
+        max_seq_len: the rotary cache length.
+        norm_eps: RMSNorm epsilon.
+        rope_base: rotary theta.
+        sliding_window: attention window of every layer, or ``None`` for full attention.
+        tie_word_embeddings: reuse the embedding as output projection.
+    """
+    rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
+    layers = []
+    for _ in range(num_layers):
+        attn = GroupedQueryAttention(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=False),
+            k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
+            v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
+            o_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
+            pos_embeddings=rope,
+            sliding_window=sliding_window,
+        )
+        layers.append(
+            TransformerDecoderLayer(
+                self_attn=attn,
+                mlp=llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
+                input_layernorm=RMSNorm(embed_dim, eps=norm_eps),
+                post_attention_layernorm=RMSNorm(embed_dim, eps=norm_eps),
+            )
+        )
+    return TransformerDecoder(
+        embed_tokens=nn.Embedding(vocab_size, embed_dim),
+        layers=layers,
+        norm=RMSNorm(embed_dim, eps=norm_eps),
+        output=None if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False),
+        max_seq_len=max_seq_len,
+    )

@@ -1,0 +1,71 @@
+"""The Qwen2 / Qwen2.5 architecture composed from ``toolkit.modules``: Llama's decoder with biases on the
+query, key and value projections (Qwen Team, 2024, https://arxiv.org/abs/2412.15115)."""
+
+from torch import nn
+
+from toolkit.models.llama3 import llama3_mlp
+from toolkit.modules import (
+    GroupedQueryAttention,
+    RMSNorm,
+    RotaryPositionalEmbeddings,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+)
+
+
+def qwen2_5(
+    *,
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    norm_eps: float = 1e-6,
+    rope_base: float = 1_000_000.0,
+    tie_word_embeddings: bool = False,
+) -> TransformerDecoder:
+    """Build a Qwen2.5 decoder.
+
+    Args:
+        vocab_size: rows of the embedding and of the output projection.
+        num_layers: decoder layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (grouped-query attention).
+        embed_dim: model width; ``head_dim = embed_dim // num_heads``.
+        intermediate_dim: feed-forward hidden width.
+        max_seq_len: the rotary cache length.
+        norm_eps: RMSNorm epsilon.
+        rope_base: rotary theta.
+        tie_word_embeddings: reuse the embedding as output projection (0.5B, 1.5B, 3B).
+    """
+    head_dim = embed_dim // num_heads
+    rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
+    layers = []
+    for _ in range(num_layers):
+        attn = GroupedQueryAttention(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=True),
+            k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=True),
+            v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=True),
+            o_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
+            pos_embeddings=rope,
+        )
+        layers.append(
+            TransformerDecoderLayer(
+                self_attn=attn,
+                mlp=llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
+                input_layernorm=RMSNorm(embed_dim, eps=norm_eps),
+                post_attention_layernorm=RMSNorm(embed_dim, eps=norm_eps),
+            )
+        )
+    return TransformerDecoder(
+        embed_tokens=nn.Embedding(vocab_size, embed_dim),
+        layers=layers,
+        norm=RMSNorm(embed_dim, eps=norm_eps),
+        output=None if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False),
+        max_seq_len=max_seq_len,
+    )

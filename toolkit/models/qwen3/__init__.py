@@ -1,0 +1,29 @@
+"""Qwen3 (dense): builders, sizes and checkpoint conversion."""
+
+from toolkit.models.qwen3._component_builders import qwen3
+from toolkit.models.qwen3._convert_weights import hf_config, hf_key_to_tune, tune_key_to_hf
+from toolkit.models.qwen3._model_builders import (
+    HF_MODEL_TYPES,
+    from_hf_config,
+    qwen3_0_6b,
+    qwen3_1_7b,
+    qwen3_4b,
+    qwen3_8b,
+    qwen3_14b,
+    qwen3_32b,
+)
+
+__all__ = [
+    "HF_MODEL_TYPES",
+    "from_hf_config",
+    "hf_config",
+    "hf_key_to_tune",
+    "qwen3",
+    "qwen3_0_6b",
+    "qwen3_14b",
+    "qwen3_1_7b",
+    "qwen3_32b",
+    "qwen3_4b",
+    "qwen3_8b",
+    "tune_key_to_hf",
+]

@@ -1,0 +1,75 @@
+"""The Qwen3 dense architecture composed from ``toolkit.modules``: Llama's decoder with an RMSNorm on each query
+and key head before the rotary embedding, and a head_dim set independently of the width (Qwen Team, 2025,
+https://arxiv.org/abs/2505.09388)."""
+
+from torch import nn
+
+from toolkit.models.llama3 import llama3_mlp
+from toolkit.modules import (
+    GroupedQueryAttention,
+    RMSNorm,
+    RotaryPositionalEmbeddings,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+)
+
+
+def qwen3(
+    *,
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    norm_eps: float = 1e-6,
+    rope_base: float = 1_000_000.0,
+    tie_word_embeddings: bool = False,
+) -> TransformerDecoder:
+    """Build a Qwen3 dense decoder.
+
+    Args:
+        vocab_size: rows of the embedding and of the output projection.
+        num_layers: decoder layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (grouped-query attention).
+        head_dim: features per head (128 at every public size, whatever the width).
+        embed_dim: model width.
+        intermediate_dim: feed-forward hidden width.
+        max_seq_len: the rotary cache length.
+        norm_eps: epsilon of every RMSNorm, the per-head q/k norms included.
+        rope_base: rotary theta.
+        tie_word_embeddings: reuse the embedding as output projection (0.6B, 1.7B, 4B).
+    """
+    rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
+    layers = []
+    for _ in range(num_layers):
+        attn = GroupedQueryAttention(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=False),
+            k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
+            v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
+            o_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
+            pos_embeddings=rope,
+            q_norm=RMSNorm(head_dim, eps=norm_eps),
+            k_norm=RMSNorm(head_dim, eps=norm_eps),
+        )
+        layers.append(
+            TransformerDecoderLayer(
+                self_attn=attn,
+                mlp=llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
+                input_layernorm=RMSNorm(embed_dim, eps=norm_eps),
+                post_attention_layernorm=RMSNorm(embed_dim, eps=norm_eps),
+            )
+        )
+    return TransformerDecoder(
+        embed_tokens=nn.Embedding(vocab_size, embed_dim),
+        layers=layers,
+        norm=RMSNorm(embed_dim, eps=norm_eps),
+        output=None if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False),
+        max_seq_len=max_seq_len,
+    )

@@ -1,0 +1,83 @@
+"""Public Qwen3 dense sizes (numbers from each release's config.json) and any size read from a Hugging Face
+``config.json``."""
+
+from functools import partial
+from typing import Any
+
+from toolkit.errors import UserError
+from toolkit.models import _hf_config
+from toolkit.models.qwen3._component_builders import qwen3
+from toolkit.modules import TransformerDecoder
+
+HF_MODEL_TYPES: tuple[str, ...] = ("qwen3",)
+
+# Every public dense size shares the vocabulary and head_dim; only 0.6B, 1.7B and 4B tie the output.
+_qwen3 = partial(qwen3, vocab_size=151_936, head_dim=128, num_kv_heads=8)
+
+
+def qwen3_0_6b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+    """Qwen3 0.6B."""
+    return _qwen3(
+        num_layers=28, num_heads=16, embed_dim=1024, intermediate_dim=3072, max_seq_len=max_seq_len, tie_word_embeddings=True
+    )
+
+
+def qwen3_1_7b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+    """Qwen3 1.7B."""
+    return _qwen3(
+        num_layers=28, num_heads=16, embed_dim=2048, intermediate_dim=6144, max_seq_len=max_seq_len, tie_word_embeddings=True
+    )
+
+
+def qwen3_4b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+    """Qwen3 4B."""
+    return _qwen3(
+        num_layers=36, num_heads=32, embed_dim=2560, intermediate_dim=9728, max_seq_len=max_seq_len, tie_word_embeddings=True
+    )
+
+
+def qwen3_8b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+    """Qwen3 8B."""
+    return _qwen3(num_layers=36, num_heads=32, embed_dim=4096, intermediate_dim=12_288, max_seq_len=max_seq_len)
+
+
+def qwen3_14b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+    """Qwen3 14B."""
+    return _qwen3(num_layers=40, num_heads=40, embed_dim=5120, intermediate_dim=17_408, max_seq_len=max_seq_len)
+
+
+def qwen3_32b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+    """Qwen3 32B."""
+    return _qwen3(num_layers=64, num_heads=64, embed_dim=5120, intermediate_dim=25_600, max_seq_len=max_seq_len)
+
+
+def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) -> TransformerDecoder:
+    """A Qwen3 with the dimensions of a Hugging Face ``Qwen3ForCausalLM`` ``config.json`` (as a dict).
+
+    Args:
+        config: the parsed ``config.json``.
+        max_seq_len: rotary cache length; defaults to the file's ``max_position_embeddings``.
+
+    Raises:
+        KeyError: a required field is missing.
+        UserError: attention biases, sliding-window layers or rotary scaling, which no released Qwen3 uses.
+    """
+    if config.get("attention_bias"):
+        raise UserError("Qwen3 checkpoints with attention_bias are not supported")
+    if any(_hf_config.sliding_windows(config)):
+        raise UserError("Qwen3 checkpoints with sliding-window layers (use_sliding_window: true) are not supported")
+    if _hf_config.llama3_rope_scaling(config) is not None:
+        raise UserError("Qwen3 checkpoints with llama3 rope scaling are not supported")
+    return qwen3(
+        vocab_size=config["vocab_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        head_dim=_hf_config.head_dim(config),
+        embed_dim=config["hidden_size"],
+        intermediate_dim=config["intermediate_size"],
+        max_seq_len=max_seq_len or config["max_position_embeddings"],
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_base=_hf_config.rope_theta(config, default=10_000.0),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+    )
