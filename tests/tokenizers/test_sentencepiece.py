@@ -1,0 +1,142 @@
+"""Llama 2, Mistral and Gemma tokenizers on sentencepiece models the test trains, against sentencepiece itself
+and each family's published chat format."""
+
+import io
+
+import jinja2
+import pytest
+import sentencepiece as spm
+
+from toolkit.errors import UserError
+from toolkit.tokenizers import from_pretrained, gemma_tokenizer, llama2_tokenizer, mistral_tokenizer
+
+# Gemma's published chat template (gemma-2-*-it tokenizer_config.json).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+
+
+def train(corpus: list[str], path, **options) -> spm.SentencePieceProcessor:
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=400, model_type="bpe", byte_fallback=True,
+        character_coverage=1.0, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        split_digits=True, minloglevel=2, **options,
+    )
+    path.write_bytes(model.getvalue())
+    return spm.SentencePieceProcessor(model_file=str(path))
+
+
+@pytest.fixture(scope="module")
+def llama2_model(tmp_path_factory, corpus):
+    path = tmp_path_factory.mktemp("llama2") / "tokenizer.model"
+    return path, train(corpus, path)
+
+
+@pytest.fixture(scope="module")
+def mistral_model(tmp_path_factory, corpus):
+    path = tmp_path_factory.mktemp("mistral") / "tokenizer.model"
+    return path, train(corpus, path, control_symbols=["[INST]", "[/INST]"])
+
+
+@pytest.fixture(scope="module")
+def gemma_model(tmp_path_factory, corpus):
+    path = tmp_path_factory.mktemp("gemma") / "tokenizer.model"
+    sp = train(
+        corpus, path, add_dummy_prefix=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
+        eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+    )
+    return path, sp
+
+
+@pytest.mark.parametrize("family", ["llama2", "mistral", "gemma"])
+def test_ids_match_sentencepiece(request, samples, family):
+    path, sp = request.getfixturevalue(f"{family}_model")
+    build = {"llama2": llama2_tokenizer, "mistral": mistral_tokenizer, "gemma": gemma_tokenizer}[family]
+    tokenizer = build(str(path))
+    for text in samples:
+        if family == "gemma" and "<start_of_turn>" in text:
+            continue  # sentencepiece itself matches Gemma's user-defined turn markers inside text
+        expected = sp.encode(text)
+        assert tokenizer.encode(text, add_bos=False, add_eos=False) == expected
+        assert tokenizer.decode(expected) == sp.decode(expected)
+    ids = tokenizer.encode("hi")
+    assert (ids[0], ids[-1]) == (sp.bos_id(), sp.eos_id()) == (tokenizer.bos_id, tokenizer.eos_id)
+
+
+def test_llama2_matches_meta_reference_encoding(llama2_model, conversations):
+    # Meta's chat_completion: each exchange encoded on its own as bos + "[INST] {user} [/INST] {answer} " + eos,
+    # the system prompt in <<SYS>> tags inside the first user turn, the open user turn without eos.
+    path, sp = llama2_model
+    tokenizer = llama2_tokenizer(str(path))
+    messages = conversations[1]
+    first_user = f"<<SYS>>\n{messages[0]['content']}\n<</SYS>>\n\n{messages[1]['content'].strip()}"
+    expected = (
+        [sp.bos_id()] + sp.encode(f"[INST] {first_user} [/INST] {messages[2]['content'].strip()} ") + [sp.eos_id()]
+        + [sp.bos_id()] + sp.encode(f"[INST] {messages[3]['content'].strip()} [/INST] {messages[4]['content']} ")
+        + [sp.eos_id()]
+    )
+    assert tokenizer.tokenize_messages(messages)[0] == expected
+    prompt = [sp.bos_id()] + sp.encode(f"[INST] {messages[3]['content'].strip()} [/INST]")
+    assert tokenizer.prompt_tokens(messages[:4])[-len(prompt):] == prompt
+
+
+def test_mistral_matches_its_instruct_encoding(mistral_model, conversations):
+    # Mistral's v3 tokenizer: bos, then [INST] user [/INST] as control tokens around the encoded text, the
+    # answer encoded and closed by eos; the system prompt joins the last user message.
+    path, sp = mistral_model
+    tokenizer = mistral_tokenizer(str(path))
+    inst, end_inst = sp.piece_to_id("[INST]"), sp.piece_to_id("[/INST]")
+    messages = conversations[1]
+    last_user = f"{messages[0]['content']}\n\n{messages[3]['content'].strip()}"
+    expected = (
+        [sp.bos_id(), inst] + sp.encode(messages[1]["content"]) + [end_inst] + sp.encode("Blue.") + [sp.eos_id()]
+        + [inst] + sp.encode(last_user) + [end_inst] + sp.encode("Red") + [sp.eos_id()]
+    )
+    assert tokenizer.tokenize_messages(messages)[0] == expected
+
+
+def test_gemma_matches_the_published_template(gemma_model, conversations):
+    path, sp = gemma_model
+    tokenizer = gemma_tokenizer(str(path))
+    template = jinja2.Environment().from_string(GEMMA_TEMPLATE)
+    messages = conversations[1][1:]  # Gemma's template refuses system messages
+    for prompt in (False, True):
+        rendered = template.render(messages=messages, bos_token="<bos>", add_generation_prompt=prompt)
+        # The turn markers are user-defined pieces: sentencepiece encodes the rendered text exactly.
+        expected = [sp.bos_id()] + sp.encode(rendered.removeprefix("<bos>"))
+        if prompt:
+            assert tokenizer.prompt_tokens(messages) == expected
+        else:
+            assert tokenizer.tokenize_messages(messages, add_eos=False)[0] == expected
+
+
+@pytest.mark.parametrize("family", ["llama2", "mistral", "gemma"])
+def test_masks_and_truncation(request, conversations, check_masks, family):
+    path, _ = request.getfixturevalue(f"{family}_model")
+    build = {"llama2": llama2_tokenizer, "mistral": mistral_tokenizer, "gemma": gemma_tokenizer}[family]
+    end = {"llama2": "</s>", "mistral": "</s>", "gemma": "<end_of_turn>"}[family]
+    tokenizer = build(str(path))
+    for messages in conversations:
+        bodies = [m["content"].strip() + end for m in messages if m["role"] == "assistant"]
+        check_masks(tokenizer, messages, bodies)
+
+
+def test_from_pretrained_tells_families_apart(llama2_model, mistral_model, gemma_model, tmp_path):
+    for (path, _), name in [(llama2_model, "<s>"), (mistral_model, "[INST]"), (gemma_model, "<start_of_turn>")]:
+        folder = tmp_path / name.strip("<>[]/")
+        folder.mkdir()
+        (folder / "tokenizer.model").write_bytes(path.read_bytes())
+        tokenizer = from_pretrained(str(folder))
+        assert tokenizer.special_id(name) is not None
+
+
+def test_llama2_rejects_turns_out_of_order(llama2_model):
+    tokenizer = llama2_tokenizer(str(llama2_model[0]))
+    with pytest.raises(UserError, match="message 0 is 'assistant'"):
+        tokenizer.tokenize_messages([{"role": "assistant", "content": "hi"}])

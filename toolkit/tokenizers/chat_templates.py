@@ -1,0 +1,265 @@
+"""The chat formats of the model families, as sequences of segments a tokenizer turns into ids and a mask.
+
+A format lays a conversation out as :class:`Segment` s: special tokens (inserted by id, so message text can never
+produce one) and text. Each segment belongs either to a message's body (its content and the token that closes
+it, trained on when that message is) or to the scaffolding around it (headers, role names, separators), which
+is context. Text segments next to each other are encoded together, exactly as the reference tokenizers encode
+the rendered template, and :func:`layout` recovers which tokens came from which segment.
+
+Formats (each matches its model's published template):
+
+* :class:`Llama3ChatFormat`: ``<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>``.
+* :class:`Llama2ChatFormat`: ``<s>[INST] <<SYS>>...<</SYS>> user [/INST] answer </s>`` per exchange.
+* :class:`MistralChatFormat`: ``<s>[INST] user[/INST] answer</s>`` with ``[INST]``/``[/INST]`` control tokens.
+* :class:`ChatMLFormat`: ``<|im_start|>role\\ncontent<|im_end|>\\n`` (Qwen).
+* :class:`GemmaChatFormat`: ``<start_of_turn>user\\ncontent<end_of_turn>\\n``, the assistant called ``model``.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from toolkit.errors import UserError
+from toolkit.tokenizers.base import TRAIN_ON
+
+ROLES: tuple[str, ...] = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece of a laid-out conversation.
+
+    Attributes:
+        text: the text, or the special token's string when ``special``.
+        special: insert the special token ``text`` by id instead of encoding text.
+        message: index of the message whose body this is, or ``None`` for scaffolding.
+    """
+
+    text: str
+    special: bool = False
+    message: int | None = None
+
+
+class ChatFormat(Protocol):
+    """Lays out messages; ``add_generation_prompt`` ends with what makes the model answer as assistant."""
+
+    def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]: ...
+
+
+def check_messages(messages: list[dict]) -> None:
+    """Raise :class:`UserError` unless every message is ``{"role": system|user|assistant, "content": str}``."""
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise UserError(f"each message must be a dict with 'role' and 'content'; got {message!r}")
+        if message["role"] not in ROLES:
+            raise UserError(f"message role must be one of {', '.join(ROLES)}; got {message['role']!r}")
+        if not isinstance(message["content"], str):
+            raise UserError(f"message content must be a string; got {type(message['content']).__name__}")
+
+
+def _split_system(messages: list[dict]) -> tuple[str | None, list[tuple[int, dict]]]:
+    # Formats without a system turn fold a leading system message into a user turn.
+    if messages and messages[0]["role"] == "system":
+        return messages[0]["content"], list(enumerate(messages))[1:]
+    return None, list(enumerate(messages))
+
+
+def _check_alternation(turns: list[tuple[int, dict]], family: str) -> None:
+    for position, (_, message) in enumerate(turns):
+        expected = "user" if position % 2 == 0 else "assistant"
+        if message["role"] != expected:
+            raise UserError(
+                f"{family} chat format needs an optional system message, then user and assistant turns in "
+                f"alternation starting with user; message {position} is {message['role']!r}"
+            )
+
+
+class Llama3ChatFormat:
+    """Llama 3's header format (content stripped of surrounding whitespace, as in the published template).
+
+    Args:
+        bos: the begin-of-text token.
+    """
+
+    def __init__(self, bos: str = "<|begin_of_text|>") -> None:
+        self.bos = bos
+
+    def _header(self, role: str) -> list[Segment]:
+        return [Segment("<|start_header_id|>", special=True), Segment(role), Segment("<|end_header_id|>", special=True), Segment("\n\n")]
+
+    def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
+        out = [Segment(self.bos, special=True)]
+        for i, message in enumerate(messages):
+            out += self._header(message["role"])
+            out += [Segment(message["content"].strip(), message=i), Segment("<|eot_id|>", special=True, message=i)]
+        if add_generation_prompt:
+            out += self._header("assistant")
+        return out
+
+
+class ChatMLFormat:
+    """ChatML as Qwen uses it.
+
+    Args:
+        default_system_prompt: system message inserted when the conversation has none (Qwen2.5's template
+            inserts one; Qwen3's does not).
+    """
+
+    def __init__(self, default_system_prompt: str | None = None) -> None:
+        self.default_system_prompt = default_system_prompt
+
+    def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
+        out: list[Segment] = []
+        if self.default_system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+            out += [
+                Segment("<|im_start|>", special=True), Segment("system\n" + self.default_system_prompt),
+                Segment("<|im_end|>", special=True), Segment("\n"),
+            ]
+        for i, message in enumerate(messages):
+            out += [
+                Segment("<|im_start|>", special=True),
+                Segment(message["role"] + "\n"),
+                Segment(message["content"], message=i),
+                Segment("<|im_end|>", special=True, message=i),
+                Segment("\n"),
+            ]
+        if add_generation_prompt:
+            out += [Segment("<|im_start|>", special=True), Segment("assistant\n")]
+        return out
+
+
+class Llama2ChatFormat:
+    """Llama 2 chat, as Meta's reference ``chat_completion`` encodes it: each user/assistant exchange is its own
+    ``<s>...</s>`` sequence, the system prompt wrapped in ``<<SYS>>`` inside the first user turn."""
+
+    def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
+        system, turns = _split_system(messages)
+        _check_alternation(turns, "Llama 2")
+        out: list[Segment] = []
+        for position, (i, message) in enumerate(turns):
+            content = message["content"].strip()
+            if message["role"] == "user":
+                if position == 0 and system is not None:
+                    content = f"<<SYS>>\n{system.strip()}\n<</SYS>>\n\n{content}"
+                out += [Segment("<s>", special=True), Segment(f"[INST] {content} [/INST]")]
+            else:
+                out += [Segment(f" {content} ", message=i), Segment("</s>", special=True, message=i)]
+        return out
+
+
+class MistralChatFormat:
+    """Mistral's instruct format with ``[INST]``/``[/INST]`` as control tokens (tokenizer v3, Mistral 7B v0.3).
+    The system prompt goes before the last user message, as in Mistral's template."""
+
+    def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
+        system, turns = _split_system(messages)
+        _check_alternation(turns, "Mistral")
+        last_user = max((p for p, (_, m) in enumerate(turns) if m["role"] == "user"), default=-1)
+        out = [Segment("<s>", special=True)]
+        for position, (i, message) in enumerate(turns):
+            content = message["content"].strip()
+            if message["role"] == "user":
+                if position == last_user and system is not None:
+                    content = f"{system.strip()}\n\n{content}"
+                out += [Segment("[INST]", special=True), Segment(content), Segment("[/INST]", special=True)]
+            else:
+                out += [Segment(content, message=i), Segment("</s>", special=True, message=i)]
+        return out
+
+
+class GemmaChatFormat:
+    """Gemma's turns; Gemma has no system role, so a system message is prepended to the first user turn."""
+
+    def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
+        system, turns = _split_system(messages)
+        out = [Segment("<bos>", special=True)]
+        for position, (i, message) in enumerate(turns):
+            content = message["content"].strip()
+            if position == 0 and system is not None and message["role"] == "user":
+                content = f"{system.strip()}\n\n{content}"
+            role = "model" if message["role"] == "assistant" else message["role"]
+            out += [
+                Segment("<start_of_turn>", special=True),
+                Segment(role + "\n"),
+                Segment(content, message=i),
+                Segment("<end_of_turn>", special=True, message=i),
+                Segment("\n"),
+            ]
+        if add_generation_prompt:
+            out += [Segment("<start_of_turn>", special=True), Segment("model\n")]
+        return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _encode_run(run: list[Segment], encode: Callable[[str], list[int]]) -> tuple[list[int], list[int | None]]:
+    # The run is encoded as one text, as the reference tokenizer sees it. A token that starts in one segment
+    # and ends in the next (a merge across the boundary) is credited to the later segment.
+    ids = encode("".join(s.text for s in run))
+    owners: list[int | None] = [run[-1].message] * len(ids)
+    start = 0
+    for k in range(1, len(run)):
+        end = _common_prefix(encode("".join(s.text for s in run[:k])), ids)
+        for t in range(start, end):
+            owners[t] = run[k - 1].message
+        start = max(start, end)
+    return ids, owners
+
+
+def layout(
+    messages: list[dict],
+    chat_format: ChatFormat,
+    *,
+    encode: Callable[[str], list[int]],
+    special_id: Callable[[str], int],
+    train_on: str,
+    add_generation_prompt: bool = False,
+) -> tuple[list[int], list[bool]]:
+    """Tokens and training mask of a conversation.
+
+    Args:
+        messages: ``{"role", "content"}`` dicts.
+        chat_format: the family's format.
+        encode: text to ids (no special tokens).
+        special_id: a special token's id.
+        train_on: ``assistant`` (bodies of assistant messages), ``last_turn`` (that of the last one) or ``all``
+            (every token but the first).
+        add_generation_prompt: end with the prompt for an assistant answer.
+
+    Raises:
+        UserError: a malformed message, an unknown ``train_on``, or turns the format cannot express.
+    """
+    if train_on not in TRAIN_ON:
+        raise UserError(f"train_on must be one of {', '.join(TRAIN_ON)}; got {train_on!r}")
+    check_messages(messages)
+    last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+
+    def trained(owner: int | None) -> bool:
+        if owner is None:
+            return False
+        return messages[owner]["role"] == "assistant" and (train_on == "assistant" or owner == last_assistant)
+
+    tokens: list[int] = []
+    owners: list[int | None] = []
+    run: list[Segment] = []
+    for segment in chat_format.segments(messages, add_generation_prompt=add_generation_prompt) + [Segment("", True)]:
+        if not segment.special:
+            if segment.text:
+                run.append(segment)
+            continue
+        if run:
+            ids, run_owners = _encode_run(run, encode)
+            tokens += ids
+            owners += run_owners
+            run = []
+        if segment.text:
+            tokens.append(special_id(segment.text))
+            owners.append(segment.message)
+    if train_on == "all":
+        return tokens, [i > 0 for i in range(len(tokens))]
+    return tokens, [trained(owner) for owner in owners]

@@ -1,0 +1,81 @@
+"""Vocabularies from a Hugging Face ``tokenizer.json`` (byte-level BPE for Qwen), on the ``tokenizers`` library."""
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from toolkit.errors import UserError
+from toolkit.tokenizers.chat_templates import ChatMLFormat
+from toolkit.tokenizers.model_tokenizer import ModelTokenizer
+
+# What Qwen2.5's chat template says when a conversation brings no system message (Qwen3's says nothing).
+QWEN2_5_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+class TokenizerJSONEngine:
+    """Text to ids with the ``tokenizers`` library; the file's added special tokens are the special tokens.
+
+    Args:
+        path: the ``tokenizer.json`` file.
+
+    Raises:
+        UserError: the file is missing or unreadable.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"{path}: tokenizer file not found")
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises plain Exception for every parse problem
+            raise UserError(f"{path}: not a tokenizer.json ({e})") from None
+        # Special-token strings inside text stay text (the chat format inserts the real ones by id).
+        self._tokenizer.encode_special_tokens = True
+        self._special_ids = {
+            i: added.content for i, added in self._tokenizer.get_added_tokens_decoder().items() if added.special
+        }
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_ids(self) -> dict[int, str]:
+        return self._special_ids
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+
+def qwen2_5_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokenizer:
+    """Qwen2.5's tokenizer (ChatML, with Qwen2.5's default system prompt) from its ``tokenizer.json``.
+
+    Args:
+        path: the ``tokenizer.json``.
+        max_seq_len: keep at most this many tokens per sequence; ``None`` keeps all.
+    """
+    return ModelTokenizer(
+        engine=TokenizerJSONEngine(path), chat_format=ChatMLFormat(default_system_prompt=QWEN2_5_DEFAULT_SYSTEM),
+        bos_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        stop_tokens=["<|im_end|>", "<|endoftext|>"], max_seq_len=max_seq_len,
+    )
+
+
+def qwen3_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokenizer:
+    """Qwen3's tokenizer (ChatML without a default system prompt) from its ``tokenizer.json``.
+
+    Args:
+        path: the ``tokenizer.json``.
+        max_seq_len: keep at most this many tokens per sequence; ``None`` keeps all.
+    """
+    return ModelTokenizer(
+        engine=TokenizerJSONEngine(path), chat_format=ChatMLFormat(), bos_token=None, eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>", stop_tokens=["<|im_end|>", "<|endoftext|>"], max_seq_len=max_seq_len,
+    )
