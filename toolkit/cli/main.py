@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from toolkit.cli import _download
 from toolkit.cli._catalog import find_config, find_recipe_or_config, list_configs, list_recipes
 from toolkit.cli._run import run_command
 from toolkit.config import apply_overrides, load_config, validate
@@ -105,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="config file, recipe/config, or a config name only one recipe has")
     check.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, as for tune run")
     check.set_defaults(handler=_validate)
+
+    _download.add_parser(commands)
 
     # Listed for `tune --help`; `tune run` itself is handled before argparse (its flags are torchrun's).
     commands.add_parser("run", help="run a recipe on one device or under torchrun", add_help=False)
