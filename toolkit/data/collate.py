@@ -1,8 +1,11 @@
-"""Batching variable-length samples."""
+"""Batching variable-length samples, packed or not."""
+
+from typing import Sequence
 
 import torch
 
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
+from toolkit.data.packing import packed_attention_mask
 
 
 def padded_collate(
@@ -12,10 +15,11 @@ def padded_collate(
     ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
     pad_to_multiple_of: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """Right-pads ``{"tokens", "labels"}`` samples into tensors.
+    """Right-pads ``{"tokens", "labels"}`` samples into tensors; packed samples also get their attention mask.
 
     Args:
-        batch: samples whose ``tokens`` and ``labels`` are equal-length lists of ints.
+        batch: samples whose ``tokens`` and ``labels`` are equal-length lists of ints, and, for packed samples,
+            ``input_pos`` (positions restarting at 0 at each document).
         pad_id: fills ``tokens`` past each sample's end.
         ignore_index: fills ``labels`` past each sample's end, so padding is never a target.
         pad_to_multiple_of: round the padded length up to a multiple of this (steadier shapes for kernels and
@@ -23,6 +27,9 @@ def padded_collate(
 
     Returns:
         ``{"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}`` with ``s`` the longest sample rounded up.
+        If any sample has ``input_pos``, also ``"input_pos": LongTensor[b, s]`` and ``"mask": BoolTensor[b, s,
+        s]`` (True where attention is allowed: causal and within a document). A sample without ``input_pos``
+        counts as one document, and the padding of each row as one more, so no row of the mask is empty.
     """
     if not batch:
         raise ValueError("padded_collate got an empty batch")
@@ -33,12 +40,54 @@ def padded_collate(
             raise ValueError(
                 f"sample {i} of the batch has {len(sample['tokens'])} tokens but {len(sample['labels'])} labels"
             )
+        if "input_pos" in sample and len(sample["input_pos"]) != len(sample["tokens"]):
+            raise ValueError(
+                f"sample {i} of the batch has {len(sample['tokens'])} tokens but {len(sample['input_pos'])} "
+                "input_pos"
+            )
     longest = max(len(sample["tokens"]) for sample in batch)
     seq_len = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    tokens = torch.full((len(batch), seq_len), pad_id, dtype=torch.long)  # [b, s]
-    labels = torch.full((len(batch), seq_len), ignore_index, dtype=torch.long)  # [b, s]
-    for i, sample in enumerate(batch):
-        n = len(sample["tokens"])
-        tokens[i, :n] = torch.tensor(sample["tokens"], dtype=torch.long)
-        labels[i, :n] = torch.tensor(sample["labels"], dtype=torch.long)
-    return {"tokens": tokens, "labels": labels}
+    out = {
+        "tokens": _pad([s["tokens"] for s in batch], seq_len, pad_id),  # [b, s]
+        "labels": _pad([s["labels"] for s in batch], seq_len, ignore_index),  # [b, s]
+    }
+    if any("input_pos" in sample for sample in batch):
+        input_pos = torch.arange(seq_len).repeat(len(batch), 1)  # [b, s]
+        for i, sample in enumerate(batch):
+            n = len(sample["tokens"])
+            if "input_pos" in sample:
+                input_pos[i, :n] = torch.as_tensor(sample["input_pos"], dtype=torch.long)
+            # The padding starts a document of its own: it attends only to itself, and no token to it.
+            input_pos[i, n:] = torch.arange(seq_len - n)
+        out["input_pos"] = input_pos
+        out["mask"] = packed_attention_mask(input_pos)  # [b, s, s]
+    return out
+
+
+def preference_collate(
+    batch: list[dict],
+    *,
+    pad_id: int,
+    ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
+    pad_to_multiple_of: int = 1,
+) -> dict[str, torch.Tensor]:
+    """Pads preference pairs into one batch: the ``b`` chosen sequences, then the ``b`` rejected ones.
+
+    One forward pass then scores both halves, as preference losses (DPO and kin) need.
+
+    Returns:
+        ``{"tokens": LongTensor[2b, s], "labels": LongTensor[2b, s]}``; rows ``:b`` are chosen, ``b:`` rejected.
+    """
+    halves = [
+        {"tokens": sample[f"{name}_tokens"], "labels": sample[f"{name}_labels"]}
+        for name in ("chosen", "rejected")
+        for sample in batch
+    ]
+    return padded_collate(halves, pad_id=pad_id, ignore_index=ignore_index, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def _pad(rows: Sequence[Sequence[int]], seq_len: int, value: int) -> torch.Tensor:
+    out = torch.full((len(rows), seq_len), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return out

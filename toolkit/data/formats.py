@@ -1,0 +1,252 @@
+"""Turning a row of a source into what a tokenizer takes: messages, or plain text.
+
+Each format checks what it reads (columns present, types, roles) and raises :class:`BadRowError` with the
+reason; the dataset builder adds the file and row and either stops or skips the row.
+"""
+
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+from toolkit.errors import UserError
+
+# Role names as OpenAI's messages spell them, which are the tokenizers' names too.
+ROLES: tuple[str, ...] = ("system", "user", "assistant")
+# ShareGPT's ``from`` values; "user" and "assistant" appear in some exports as well.
+SHAREGPT_ROLES: dict[str, str] = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+}
+
+
+class BadRowError(Exception):
+    """A row that cannot become a sample; the message says why, the caller adds where."""
+
+
+def check_column_map(column_map: dict[str, str] | None, allowed: set[str], *, builder: str) -> dict[str, str]:
+    """Validates a ``column_map`` (our name -> the file's column name) so that a typo fails at once.
+
+    Raises:
+        UserError: on a key the builder does not read, or a non-string column name.
+    """
+    column_map = dict(column_map or {})
+    unknown = sorted(set(column_map) - allowed)
+    if unknown:
+        raise UserError(
+            f"{builder}: column_map key(s) {', '.join(map(repr, unknown))} are not read; it maps "
+            f"{', '.join(sorted(allowed))} to the file's column names"
+        )
+    for key, value in column_map.items():
+        if not isinstance(value, str):
+            raise UserError(f"{builder}: column_map[{key!r}] must be a column name, got {value!r}")
+    return column_map
+
+
+def column(row: Any, name: str) -> Any:
+    """``row[name]``, or a :class:`BadRowError` saying which columns the row does have."""
+    if not isinstance(row, dict):
+        raise BadRowError(f"expected an object with named columns, got a {type(row).__name__}")
+    if name not in row:
+        raise BadRowError(f"missing column {name!r} (the row has: {', '.join(map(str, row)) or 'none'})")
+    return row[name]
+
+
+def text_column(row: Any, name: str) -> str:
+    """``row[name]``, which must be a string."""
+    value = column(row, name)
+    if not isinstance(value, str):
+        raise BadRowError(f"column {name!r} must be a string, got {_type_name(value)}")
+    return value
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _content(message: dict, key: str, index: int) -> str:
+    content = message[key]
+    # OpenAI's content may be a list of parts; text parts are all a text model can take.
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise BadRowError(f"message {index} has a content part that is not text: {part!r:.80}")
+            texts.append(part["text"])
+        return "".join(texts)
+    if not isinstance(content, str):
+        raise BadRowError(f"message {index}'s {key!r} must be a string, got {_type_name(content)}")
+    return content
+
+
+def normalize_messages(value: Any, *, name: str) -> list[dict[str, str]]:
+    """OpenAI (``role``/``content``) or ShareGPT (``from``/``value``) messages as ``{"role", "content"}`` dicts.
+
+    Args:
+        value: the column's value.
+        name: the column's name, for messages.
+
+    Raises:
+        BadRowError: not a list, empty, a message that is not a dict or has neither key pair, an unknown role.
+    """
+    if not isinstance(value, list):
+        raise BadRowError(f"column {name!r} must be a list of messages, got {_type_name(value)}")
+    if not value:
+        raise BadRowError(f"empty conversation in column {name!r}")
+    messages = []
+    for index, message in enumerate(value, 1):
+        if isinstance(message, dict) and "role" in message and "content" in message:
+            role = message["role"]
+            if role not in ROLES:
+                raise BadRowError(f"message {index} has unknown role {role!r} (known: {', '.join(ROLES)})")
+            messages.append({"role": role, "content": _content(message, "content", index)})
+        elif isinstance(message, dict) and "from" in message and "value" in message:
+            role = message["from"]
+            if role not in SHAREGPT_ROLES:
+                raise BadRowError(
+                    f"message {index} has unknown role {role!r} (known: {', '.join(SHAREGPT_ROLES)})"
+                )
+            messages.append({"role": SHAREGPT_ROLES[role], "content": _content(message, "value", index)})
+        else:
+            raise BadRowError(
+                f"message {index} must be an object with 'role' and 'content' (OpenAI) or 'from' and 'value' "
+                f"(ShareGPT), got {message!r:.80}"
+            )
+    return messages
+
+
+def _with_system(messages: list[dict[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
+    if system_prompt is None or messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": system_prompt}] + messages
+
+
+@dataclass(frozen=True)
+class InstructFormat:
+    """A prompt column (or several, through a template) and a response column, as a two-turn conversation.
+
+    Attributes:
+        column_map: our names (``input``, ``output``, ``system``, and any template field) to the file's.
+        prompt_template: ``str.format`` template of the user turn; its fields are columns, e.g.
+            ``"{instruction}\\n\\n{input}"``.
+        system_prompt: a fixed system message, unless a ``system`` column is mapped.
+    """
+
+    column_map: dict[str, str]
+    prompt_template: str
+    system_prompt: str | None
+    fields: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        fields = tuple(template_fields(self.prompt_template))
+        if not fields:
+            raise UserError(f"prompt_template {self.prompt_template!r} names no column; use e.g. '{{input}}'")
+        object.__setattr__(self, "fields", fields)  # parsed once, not per row
+
+    def messages(self, row: Any) -> list[dict[str, str]]:
+        """The row as ``[system?, user, assistant]`` messages."""
+        values = {f: text_column(row, self.column_map.get(f, f)) for f in self.fields}
+        messages = [
+            {"role": "user", "content": self.prompt_template.format(**values)},
+            {"role": "assistant", "content": text_column(row, self.column_map.get("output", "output"))},
+        ]
+        if "system" in self.column_map:
+            return [{"role": "system", "content": text_column(row, self.column_map["system"])}] + messages
+        return _with_system(messages, self.system_prompt)
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names a prompt template reads, in order.
+
+    Raises:
+        UserError: on a malformed template, or a positional or indexed field.
+    """
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise UserError(f"prompt_template {template!r} is not a valid format string: {e}") from None
+    fields = []
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        if not field.isidentifier():
+            raise UserError(f"prompt_template fields must be column names like {{input}}; got {{{field}}}")
+        if field not in fields:
+            fields.append(field)
+    return fields
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A column of OpenAI or ShareGPT messages.
+
+    Attributes:
+        column: the messages column; ``None`` takes ``messages``, else ``conversations`` (ShareGPT's name).
+        system_prompt: prepended as a system message to conversations that do not start with one.
+    """
+
+    column: str | None
+    system_prompt: str | None
+
+    def messages(self, row: Any) -> list[dict[str, str]]:
+        """The row's conversation as ``{"role", "content"}`` messages."""
+        name = self.column
+        if name is None:
+            sharegpt = isinstance(row, dict) and "messages" not in row and "conversations" in row
+            name = "conversations" if sharegpt else "messages"
+        return _with_system(normalize_messages(column(row, name), name=name), self.system_prompt)
+
+
+@dataclass(frozen=True)
+class TextFormat:
+    """One document per row, in a text column."""
+
+    column: str
+
+    def text(self, row: Any) -> str:
+        """The document."""
+        text = text_column(row, self.column)
+        if not text:
+            raise BadRowError(f"column {self.column!r} is empty")
+        return text
+
+
+@dataclass(frozen=True)
+class PreferenceFormat:
+    """A prompt with a chosen and a rejected response.
+
+    ``chosen``/``rejected`` are either response strings (then the ``prompt`` column, a string or a list of
+    messages, comes first) or whole conversations as lists of messages (then ``prompt`` is not read).
+
+    Attributes:
+        column_map: our names (``prompt``, ``chosen``, ``rejected``) to the file's.
+        system_prompt: prepended to conversations that do not start with a system message.
+    """
+
+    column_map: dict[str, str]
+    system_prompt: str | None
+
+    def pair(self, row: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+        """``(chosen, rejected)`` conversations."""
+        chosen, rejected = (self._conversation(row, key) for key in ("chosen", "rejected"))
+        return chosen, rejected
+
+    def _conversation(self, row: Any, key: str) -> list[dict[str, str]]:
+        name = self.column_map.get(key, key)
+        value = column(row, name)
+        if isinstance(value, list):
+            messages = normalize_messages(value, name=name)
+        elif isinstance(value, str):
+            messages = self._prompt(row) + [{"role": "assistant", "content": value}]
+        else:
+            raise BadRowError(f"column {name!r} must be a string or a list of messages, got {_type_name(value)}")
+        return _with_system(messages, self.system_prompt)
+
+    def _prompt(self, row: Any) -> list[dict[str, str]]:
+        name = self.column_map.get("prompt", "prompt")
+        value = column(row, name)
+        if isinstance(value, str):
+            return [{"role": "user", "content": value}]
+        return normalize_messages(value, name=name)
