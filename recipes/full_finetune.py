@@ -29,22 +29,26 @@ from toolkit.generation import exact_match_accuracy
 from toolkit.training import (
     IGNORE_INDEX,
     MetricsLogger,
-    all_reduce_sum,
-    apply_ddp,
+    apply_activation_checkpointing,
+    apply_data_parallel,
     barrier,
-    cross_entropy_sum,
     destroy_distributed,
-    global_token_count,
+    forward_backward,
+    gather_full_state_dict,
     gradient_accumulation_steps,
-    gradient_scale,
-    gradient_sync,
     init_distributed,
     init_weights,
+    make_grad_scaler,
     materialize,
     on_rank_zero,
-    param_dtype,
+    optimizer_step,
+    parallel_dims,
+    peak_memory_gib,
+    precision_policy,
     prepare_output_dir,
+    rank_stats,
     set_seed,
+    shard_optimizer_state,
     unwrap,
 )
 
@@ -59,28 +63,40 @@ def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogge
 
 
 def train(cfg: DictConfig) -> None:
-    # --- Processes and devices -------------------------------------------------------------------------------
+    # --- Processes, devices, precision and the data-parallel layout ----------------------------------------------
     env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
+    precision = precision_policy(cfg.dtype, device=env.device)
+    dims = parallel_dims(
+        strategy=cfg.data_parallel,
+        world_size=env.world_size,
+        local_world_size=env.local_world_size,
+        shard_size=cfg.hsdp_shard_size,
+        cpu_offload=cfg.cpu_offload,
+        device_type=env.device.type,
+    )
     accum_steps = gradient_accumulation_steps(
         batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size, world_size=env.world_size
     )
     output_dir = Path(cfg.output_dir)
     on_rank_zero(prepare_output_dir, output_dir, overwrite=cfg.overwrite)
 
-    # --- Model: built on the meta device (no memory), materialized, then initialized or loaded ---------------
+    # --- Model: built on the meta device (no memory), materialized, initialized or loaded, then parallelized ------
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    materialize(model, device=env.device, dtype=param_dtype(cfg.dtype, device=env.device))
+    materialize(model, device=env.device, dtype=precision.param_dtype)
     checkpointer = instantiate(cfg.checkpointer)
     if checkpointer.checkpoint_dir is not None:
         checkpointer.load(model)
     else:
         init_weights(model)
-    if env.is_distributed:
-        model = apply_ddp(model, device=env.device)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    model = apply_data_parallel(model, dims=dims, device=env.device, mp_policy=precision.fsdp_policy())
+    autocast = precision.autocast(env.device, sharded=dims.is_sharded)
+    grad_scaler = make_grad_scaler(enabled=precision.needs_grad_scaler, device=env.device, sharded=dims.is_sharded)
 
-    # --- Data: every rank reads its slice of each global batch, in an order independent of the world size ---
+    # --- Data: every rank reads its slice of each global batch, in an order independent of the world size ---------
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer)
     sampler = GlobalBatchSampler(
@@ -96,18 +112,19 @@ def train(cfg: DictConfig) -> None:
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
 
-    # --- Optimizer and schedule ---------------------------------------------------------------------------------
+    # --- Optimizer and schedule (after sharding: FSDP2 parameters are DTensors) ---------------------------------
     optimizer = instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    optimizer = shard_optimizer_state(optimizer, dims=dims)
     lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
 
     log = MetricsLogger(output_dir, enabled=env.is_rank_zero, total_steps=total_steps, progress_bar=cfg.progress_bar)
     if env.is_rank_zero:
         OmegaConf.save(cfg, output_dir / "config.yaml")
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in unwrap(model).parameters())
     log.print(
-        f"{n_params / 1e6:.2f}M parameters on {env.world_size} process(es) ({env.device.type}); global batch "
-        f"{cfg.batch_size} = {env.world_size} x {cfg.micro_batch_size} x {accum_steps} accumulation step(s); "
-        f"{total_steps} steps"
+        f"{n_params / 1e6:.2f}M parameters; {env.world_size} process(es) on {env.device.type}, {dims.strategy}, "
+        f"{precision.name}; global batch {cfg.batch_size} = {env.world_size} x {cfg.micro_batch_size} x "
+        f"{accum_steps} accumulation step(s); {total_steps} steps"
     )
     eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None
     if eval_tasks:
@@ -127,38 +144,36 @@ def train(cfg: DictConfig) -> None:
                 epoch += 1
                 sampler.set_epoch(epoch)
                 batches = iter(loader)
-        # Count the global batch's trained tokens first, so each micro-batch adds exactly its share of the mean.
-        num_tokens = global_token_count([mb["labels"] for mb in micro_batches])
-        scale = gradient_scale(global_tokens=num_tokens, data_parallel_size=env.world_size)
-        loss_sum = torch.zeros((), device=env.device)
-        for i, mb in enumerate(micro_batches):
-            mb = {k: v.to(env.device) for k, v in mb.items()}
-            with gradient_sync(model, enabled=i == accum_steps - 1):
-                # Packed batches carry a per-document attention mask and restarting positions.
-                logits = model(mb["tokens"], mask=mb.get("mask"), input_pos=mb.get("input_pos"))
-                micro_loss = cross_entropy_sum(logits, mb["labels"])
-                (micro_loss * scale).backward()
-            loss_sum += micro_loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        result = forward_backward(
+            model, micro_batches, device=env.device, data_parallel_size=env.world_size,
+            autocast=autocast, grad_scaler=grad_scaler,
+        )
+        grad_norm = optimizer_step(model, optimizer, max_grad_norm=cfg.clip_grad_norm, grad_scaler=grad_scaler)
         lr = lr_scheduler.get_last_lr()[0]
         lr_scheduler.step()
         sampler.advance()
         step += 1
 
-        loss = all_reduce_sum(loss_sum).item() / num_tokens
         elapsed = time.perf_counter() - start
-        log.log({
-            "step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-            "num_tokens": num_tokens, "tokens_per_second": num_tokens / elapsed, "step_time_s": elapsed,
-        })
+        metrics = {
+            "step": step, "epoch": epoch, "loss": result.loss, "lr": lr, "grad_norm": grad_norm,
+            "num_tokens": result.num_tokens, "tokens_per_second": result.num_tokens / elapsed, "step_time_s": elapsed,
+        }
+        if step % cfg.log_every_n_steps == 0 or step == total_steps:
+            # Per-rank figures, gathered: the max and the slowest rank show a straggler.
+            metrics.update(rank_stats({
+                "rank_step_time_s": elapsed,
+                "rank_positions_per_second": result.num_positions / elapsed,
+                "rank_peak_memory_gib": peak_memory_gib(env.device),
+            }))
+        log.log(metrics)
 
     # --- Evaluate and save ----------------------------------------------------------------------------------------
     if eval_tasks:
         evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="after")
+    full_state = gather_full_state_dict(model)
     if env.is_rank_zero:
-        final = checkpointer.save(unwrap(model), output_dir / "final")
+        final = checkpointer.save(unwrap(model), output_dir / "final", state_dict=full_state)
         log.print(f"saved {final}")
     barrier()
     log.close()

@@ -2,7 +2,12 @@
 precision, schedules, checkpoints and metrics."""
 
 from toolkit.training.accumulation import gradient_accumulation_steps
-from toolkit.training.checkpointing import HFCheckpointer, load_model_family, prepare_output_dir
+from toolkit.training.checkpointing import (
+    HFCheckpointer,
+    gather_full_state_dict,
+    load_model_family,
+    prepare_output_dir,
+)
 from toolkit.training.distributed import (
     DistributedEnv,
     all_reduce_sum,
@@ -14,21 +19,44 @@ from toolkit.training.distributed import (
 from toolkit.training.init import init_weights, materialize, set_seed
 from toolkit.training.loss import IGNORE_INDEX, cross_entropy_sum, global_token_count, gradient_scale
 from toolkit.training.lr_schedulers import cosine_with_warmup
-from toolkit.training.metrics import MetricsLogger, print_rank_zero
-from toolkit.training.parallel import apply_ddp, gradient_sync, unwrap
-from toolkit.training.precision import param_dtype
+from toolkit.training.metrics import MetricsLogger, peak_memory_gib, print_rank_zero, rank_stats
+from toolkit.training.parallel import (
+    STRATEGIES,
+    ParallelDims,
+    apply_activation_checkpointing,
+    apply_data_parallel,
+    apply_ddp,
+    apply_fsdp,
+    clip_grad_norm,
+    gradient_sync,
+    parallel_dims,
+    shard_optimizer_state,
+    unwrap,
+)
+from toolkit.training.precision import PrecisionPolicy, param_dtype, precision_policy
+from toolkit.training.step import StepResult, forward_backward, make_grad_scaler, optimizer_step
 
 __all__ = [
     "IGNORE_INDEX",
+    "STRATEGIES",
     "DistributedEnv",
     "HFCheckpointer",
     "MetricsLogger",
+    "ParallelDims",
+    "PrecisionPolicy",
+    "StepResult",
     "all_reduce_sum",
+    "apply_activation_checkpointing",
+    "apply_data_parallel",
     "apply_ddp",
+    "apply_fsdp",
     "barrier",
+    "clip_grad_norm",
     "cosine_with_warmup",
     "cross_entropy_sum",
     "destroy_distributed",
+    "forward_backward",
+    "gather_full_state_dict",
     "global_token_count",
     "gradient_accumulation_steps",
     "gradient_scale",
@@ -36,11 +64,18 @@ __all__ = [
     "init_distributed",
     "init_weights",
     "load_model_family",
+    "make_grad_scaler",
     "materialize",
     "on_rank_zero",
+    "optimizer_step",
+    "parallel_dims",
     "param_dtype",
+    "peak_memory_gib",
+    "precision_policy",
     "prepare_output_dir",
     "print_rank_zero",
+    "rank_stats",
     "set_seed",
+    "shard_optimizer_state",
     "unwrap",
 ]

@@ -10,6 +10,7 @@ import json
 import os
 import pkgutil
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -72,8 +73,13 @@ class HFCheckpointer:
             raise UserError(f"checkpointer.checkpoint_dir: {self.checkpoint_dir} is not a folder")
 
     @torch.no_grad()
-    def load(self, model: nn.Module) -> None:
+    def load(self, model: nn.Module, *, ignore_missing: Callable[[str], bool] | None = None) -> None:
         """Copy the checkpoint's weights into ``model`` (already materialized), checking every key and shape.
+
+        Args:
+            model: the model to fill.
+            ignore_missing: model state-dict keys for which it returns True may be absent from the checkpoint
+                (``toolkit.modules.peft.is_adapter_key``: a base checkpoint has no adapters).
 
         Raises:
             UserError: a corrupt or truncated file, an unknown or missing key, or a shape mismatch; the message
@@ -89,7 +95,7 @@ class HFCheckpointer:
                         self._load_tensor(file, reader, hf_key, targets, loaded)
             except SafetensorError as e:
                 raise UserError(f"{file}: cannot read safetensors ({e}); the file may be truncated or corrupt") from None
-        missing = sorted(set(targets) - loaded)
+        missing = sorted(key for key in set(targets) - loaded if ignore_missing is None or not ignore_missing(key))
         if missing:
             raise UserError(
                 f"{self.checkpoint_dir}: checkpoint lacks {len(missing)} weight(s) the model needs, e.g. "
@@ -114,8 +120,17 @@ class HFCheckpointer:
         target.copy_(tensor)
         loaded.add(key)
 
-    def save(self, model: nn.Module, output_dir: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
-        """Write ``model`` (a plain, unsharded model) as ``output_dir`` in Hugging Face layout.
+    def save(
+        self,
+        model: nn.Module,
+        output_dir: str | Path,
+        *,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        max_shard_bytes: int = 5 * 2**30,
+    ) -> Path:
+        """Write ``model`` as ``output_dir`` in Hugging Face layout.
+
+        ``state_dict`` gives the full (gathered) weights of a sharded model; by default ``model.state_dict()``.
 
         Writes ``config.json``, safetensors shards of at most ``max_shard_bytes`` (with an index when there are
         several), and copies the tokenizer files of the source checkpoint. The folder appears only when complete.
@@ -124,7 +139,9 @@ class HFCheckpointer:
         tmp_dir = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp_dir, ignore_errors=True)
         tmp_dir.mkdir(parents=True)
-        state = {self.family.tune_key_to_hf(k): v.detach().contiguous() for k, v in model.state_dict().items()}
+        if state_dict is None:
+            state_dict = model.state_dict()
+        state = {self.family.tune_key_to_hf(k): v.detach().contiguous() for k, v in state_dict.items()}
         shards: list[dict[str, torch.Tensor]] = [{}]
         shard_bytes = 0
         for key, tensor in state.items():
@@ -154,6 +171,16 @@ class HFCheckpointer:
             shutil.rmtree(output_dir)
         tmp_dir.rename(output_dir)
         return output_dir
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full, unsharded weights of a (possibly FSDP-sharded) model on rank zero's CPU; empty on other ranks.
+
+    A collective under FSDP: every rank must call it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def prepare_output_dir(output_dir: str | Path, *, overwrite: bool) -> Path:

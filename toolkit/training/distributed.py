@@ -18,6 +18,7 @@ class DistributedEnv:
         rank: global rank (0 when not distributed).
         local_rank: rank on this node; picks the GPU.
         world_size: number of processes in the job.
+        local_world_size: processes on this node.
         device: this process's device (``cuda:<local_rank>`` or ``cpu``).
         backend: ``nccl``, ``gloo``, or ``None`` for a single process without a process group.
     """
@@ -25,6 +26,7 @@ class DistributedEnv:
     rank: int
     local_rank: int
     world_size: int
+    local_world_size: int
     device: torch.device
     backend: str | None
 
@@ -56,6 +58,7 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 600.0) -> Distr
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     if use_cuda:
         torch_device = torch.device("cuda", local_rank)
         torch.cuda.set_device(torch_device)
@@ -70,7 +73,14 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 600.0) -> Distr
                 timeout=timedelta(seconds=timeout_s),
                 device_id=torch_device if use_cuda else None,
             )
-    return DistributedEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=torch_device, backend=backend)
+    return DistributedEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        device=torch_device,
+        backend=backend,
+    )
 
 
 def destroy_distributed() -> None:

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 
@@ -66,3 +67,41 @@ def print_rank_zero(message: str, *, rank: int) -> None:
     """Print ``message`` from rank zero only."""
     if rank == 0:
         print(message, flush=True)
+
+
+def rank_stats(stats: dict[str, float]) -> dict[str, float]:
+    """Gather per-rank figures and summarize them as ``<name>_min``, ``<name>_max`` and, for the first figure,
+    the index of the rank with the largest value (``slowest_rank`` when it is a step time), so a straggler shows.
+
+    Every rank must call this with the same keys (it is a collective).
+    """
+    import torch.distributed as dist
+
+    values = torch.tensor(list(stats.values()), dtype=torch.float64)
+    if dist.is_initialized():
+        gathered = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, values.to(_collective_device()))
+        table = torch.stack([g.cpu() for g in gathered])  # [world, n_stats]
+    else:
+        table = values[None]
+    out: dict[str, float] = {}
+    for j, name in enumerate(stats):
+        out[f"{name}_min"] = float(table[:, j].min())
+        out[f"{name}_max"] = float(table[:, j].max())
+    out["slowest_rank"] = int(table[:, 0].argmax())
+    return out
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: allocated GPU memory on CUDA, resident host memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _collective_device() -> torch.device:
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

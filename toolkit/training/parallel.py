@@ -1,11 +1,122 @@
-"""Data-parallel wrappers applied to a plain model from outside (the model knows nothing of them)."""
+"""Data parallelism applied to a plain model from outside: DDP, ZeRO-1/2/3 stages and HSDP on PyTorch alone.
+
+| strategy | parameters            | gradients | optimizer state | built on                                  |
+|----------|-----------------------|-----------|-----------------|-------------------------------------------|
+| ddp      | replicated            | replicated| replicated      | DistributedDataParallel                   |
+| zero1    | replicated            | replicated| sharded         | DDP + ZeroRedundancyOptimizer             |
+| zero2    | sharded, kept gathered from forward to backward | sharded | sharded | FSDP2, reshard_after_forward=False |
+| zero3    | sharded               | sharded   | sharded         | FSDP2, reshard_after_forward=True         |
+| hsdp     | sharded within a group of ``shard_size`` ranks, replicated across groups | | | FSDP2 on a 2-D mesh |
+
+The model knows nothing of this: transforms take the model and explicit keyword arguments.
+"""
 
 import contextlib
+import inspect
 from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
 
 import torch
-from torch import nn
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.utils.checkpoint import checkpoint
+
+from toolkit.errors import UserError
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+SHARDED_STRATEGIES = ("zero2", "zero3", "hsdp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The data-parallel layout: ``world_size = replicate x shard``.
+
+    Attributes:
+        strategy: one of :data:`STRATEGIES`.
+        world_size: all data-parallel ranks.
+        shard: ranks a parameter is sharded over (1 for ddp/zero1; world_size for zero2/zero3).
+        replicate: groups holding a full replica (world_size / shard).
+        cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
+    """
+
+    strategy: str
+    world_size: int
+    shard: int
+    replicate: int
+    cpu_offload: bool = False
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.strategy in SHARDED_STRATEGIES
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The device mesh FSDP2 shards over (2-D ``(replicate, shard)`` for HSDP), or None when unsharded."""
+        if not self.is_sharded:
+            return None
+        if self.strategy == "hsdp":
+            return init_device_mesh(device_type, (self.replicate, self.shard), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("shard",))
+
+
+def parallel_dims(
+    *,
+    strategy: str,
+    world_size: int,
+    local_world_size: int,
+    shard_size: int | None = None,
+    cpu_offload: bool = False,
+    device_type: str = "cuda",
+) -> ParallelDims:
+    """Check a strategy against the job's shape and return its layout.
+
+    Args:
+        strategy: ``ddp``, ``zero1``, ``zero2``, ``zero3`` or ``hsdp`` (``auto`` is resolved before this).
+        world_size: data-parallel ranks.
+        local_world_size: ranks per node; HSDP shards within a node by default.
+        shard_size: HSDP's shard group size (default: ``local_world_size``).
+        cpu_offload: offload sharded state to host memory (sharded strategies only).
+        device_type: ``cuda`` or ``cpu``; offloading needs an accelerator to offload from.
+
+    Raises:
+        UserError: an unknown strategy, ``cpu_offload`` without sharding or without a GPU, or an HSDP shape that
+            does not divide.
+    """
+    if strategy not in STRATEGIES:
+        raise UserError(f"data_parallel: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or auto")
+    if cpu_offload and strategy not in SHARDED_STRATEGIES:
+        raise UserError(
+            f"cpu_offload: needs a sharded strategy ({', '.join(SHARDED_STRATEGIES)}), not data_parallel={strategy}"
+        )
+    if cpu_offload and device_type == "cpu":
+        raise UserError("cpu_offload: training already runs on the CPU (no GPU found); remove cpu_offload")
+    if strategy == "hsdp":
+        shard = shard_size or local_world_size
+        if shard < 1 or world_size % shard:
+            raise UserError(
+                f"hsdp_shard_size: a world size of {world_size} cannot be split into shard groups of {shard}; "
+                f"choose a divisor of {world_size}"
+            )
+        return ParallelDims(strategy, world_size, shard, world_size // shard, cpu_offload)
+    shard = world_size if strategy in ("zero2", "zero3") else 1
+    return ParallelDims(strategy, world_size, shard, world_size // shard, cpu_offload)
+
+
+def apply_activation_checkpointing(model: nn.Module, *, every_k_layers: int = 1) -> None:
+    """Recompute every ``every_k_layers``-th decoder layer's activations in backward instead of storing them.
+
+    Uses non-reentrant checkpointing, which works with DDP, FSDP2 and frozen parameters (the reentrant variant
+    is what raises DDP's "Expected to mark a variable ready only once"). The layer's ``forward`` is wrapped in
+    place, so parameter names and state-dict keys do not change. Apply before data parallelism.
+    """
+    for i, layer in enumerate(model.layers):
+        if i % every_k_layers == 0:
+            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParallel:
@@ -17,16 +128,81 @@ def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParal
     return DistributedDataParallel(
         model,
         device_ids=[device] if device.type == "cuda" else None,
-        # Every trainable parameter gets a gradient each step in our models; declaring it lets DDP skip the
-        # graph traversal that find_unused_parameters would need.
+        # Every trainable parameter gets a gradient each step in our models; saying so skips the graph
+        # traversal that find_unused_parameters would need.
         find_unused_parameters=False,
         # Reuse gradient buckets as .grad storage: less memory and one copy fewer per step.
         gradient_as_bucket_view=True,
     )
 
 
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2: each decoder layer is one unit (gathered just before use), the rest (embedding,
+    final norm, output) the root unit.
+
+    Args:
+        model: a materialized model (weights already loaded).
+        mesh: 1-D for ZeRO-2/3, 2-D ``(replicate, shard)`` for HSDP.
+        reshard_after_forward: free gathered layer parameters after forward (ZeRO-3) or keep them until backward
+            (ZeRO-2: more memory, one all-gather per layer fewer).
+        mp_policy: parameter (compute) and gradient-reduction dtypes.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+    """
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else None,
+    }
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's parameters are needed again at the start of backward (the output projection), so keep them.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    *,
+    dims: ParallelDims,
+    device: torch.device,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Apply ``dims.strategy`` to ``model``; a no-op for a single process."""
+    if dims.world_size == 1:
+        return model
+    if dims.strategy in ("ddp", "zero1"):
+        return apply_ddp(model, device=device)
+    return apply_fsdp(
+        model,
+        mesh=dims.build_mesh(device.type),
+        reshard_after_forward=dims.strategy != "zero2",
+        mp_policy=mp_policy,
+        cpu_offload=dims.cpu_offload,
+    )
+
+
+def shard_optimizer_state(optimizer: Optimizer, *, dims: ParallelDims) -> Optimizer:
+    """For ZeRO-1, rebuild ``optimizer`` as a ZeroRedundancyOptimizer: each rank keeps the state of, and updates,
+    its share of the parameters, then broadcasts them. Other strategies return it unchanged (FSDP2 already shards
+    optimizer state, since it sees only each rank's shard)."""
+    if dims.strategy != "zero1" or dims.world_size == 1:
+        return optimizer
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **defaults)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside a DDP wrapper (the model itself otherwise)."""
+    """The plain model inside a DDP wrapper (FSDP2 shards in place, so the model itself otherwise)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
@@ -34,11 +210,31 @@ def unwrap(model: nn.Module) -> nn.Module:
 def gradient_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
     """Skip data-parallel gradient reduction inside the block when ``enabled`` is False.
 
-    Use it on every micro-step but the last of an optimizer step: the gradients accumulate locally and are
-    reduced once, instead of once per micro-step.
+    Use it on every micro-step but the last of an optimizer step: gradients accumulate locally and are reduced
+    once per optimizer step instead of once per micro-step.
     """
-    if enabled or not isinstance(model, DistributedDataParallel):
+    if enabled:
         yield
-        return
-    with model.no_sync():
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
         yield
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
+    """Clip the global gradient norm (over all ranks' shards) to ``max_norm``; return the norm before clipping.
+
+    ``None`` only measures the norm.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+    if isinstance(norm, DTensor):  # sharded gradients: the norm is a DTensor, reduced when made full
+        norm = norm.full_tensor()
+    return float(norm)

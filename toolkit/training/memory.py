@@ -1,0 +1,548 @@
+"""How much device memory a training step needs under each data-parallel strategy, and the cheapest strategy that
+fits (``data_parallel: auto`` and ``tune plan``).
+
+The estimate is an analytic count, per device, of what :mod:`toolkit.training.parallel` and
+:mod:`toolkit.training.precision` allocate for a :class:`~toolkit.modules.TransformerDecoder` built on the meta
+device (so a 70B model costs nothing to plan):
+
+- **params**: stored (master) parameters, plus buffers such as the rotary cos/sin cache.
+- **grads**: gradients in the stored dtype (the mixed modes reduce in fp32).
+- **optimizer state**: ``states x`` trainable parameters in the stored dtype (AdamW: exp_avg and exp_avg_sq).
+- **activations**: tensors autograd saves for backward, from the formula in :func:`activation_bytes`.
+- **logits**: the peak of the logits and the loss's float32 copies, see :func:`logits_bytes`.
+- **gathered**: full-size parameters and gradients that exist only around compute: FSDP2's unsharded layers and
+  their unsharded gradients, or autocast's low-precision copies of the weights (DDP and ZeRO-1 mixed modes).
+
+The total is the sum. That is the peak at the start of a backward pass with gradient accumulation, when the
+previous micro-steps' gradients, the optimizer state, every saved activation and the loss's buffers coexist; with
+one micro-step it overestimates by at most the gradients. It counts tensors, not the CUDA caching allocator's
+rounding and fragmentation, the CUDA context or NCCL's buffers: :func:`choose_strategy` keeps ``1 - headroom`` of
+the device free for those.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from toolkit.errors import UserError
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+_SHARDED = ("zero2", "zero3", "hsdp")
+
+# Optimizer state tensors per trainable parameter, each in the stored parameter dtype.
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
+
+_GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class _Precision:
+    stored: int  # bytes per stored (master) parameter, gradient and optimizer-state element
+    compute: int  # bytes per element of activations and of gathered compute weights
+    autocast_when_replicated: bool  # mixed modes run under torch.autocast with DDP/ZeRO-1 (precision.py)
+
+
+# The table in toolkit/training/precision.py, in bytes.
+_PRECISIONS = {
+    "fp32": _Precision(stored=4, compute=4, autocast_when_replicated=False),
+    "bf16": _Precision(stored=2, compute=2, autocast_when_replicated=False),
+    "bf16-mixed": _Precision(stored=4, compute=2, autocast_when_replicated=True),
+    "fp16-mixed": _Precision(stored=4, compute=2, autocast_when_replicated=True),
+}
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in GiB (``12.34 GiB``), or in MiB below one GiB."""
+    return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one device holds during a training step under one strategy (see the module docstring).
+
+    Attributes:
+        strategy: ``ddp``, ``zero1``, ``zero2``, ``zero3`` or ``hsdp``.
+        cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
+        dtype: the precision mode (``fp32``, ``bf16``, ``bf16-mixed``, ``fp16-mixed``).
+        world_size: data-parallel ranks.
+        shard_size: ranks each parameter is sharded over (1 for ddp/zero1, optimizer state aside).
+        params, grads, optimizer_state, activations, logits, gathered: per-device bytes.
+        host: per-rank bytes of host memory for offloaded state (0 without ``cpu_offload``).
+    """
+
+    strategy: str
+    cpu_offload: bool
+    dtype: str
+    world_size: int
+    shard_size: int
+    params: int
+    grads: int
+    optimizer_state: int
+    activations: int
+    logits: int
+    gathered: int
+    host: int = 0
+
+    @property
+    def label(self) -> str:
+        """The strategy as a column title: ``zero3`` or ``zero3+offload``."""
+        return f"{self.strategy}+offload" if self.cpu_offload else self.strategy
+
+    @property
+    def temporary(self) -> int:
+        """Bytes that exist only during a step: the logits' buffers and gathered parameters/gradients."""
+        return self.logits + self.gathered
+
+    @property
+    def total(self) -> int:
+        """Per-device bytes at the peak (the sum of every part)."""
+        return self.params + self.grads + self.optimizer_state + self.activations + self.temporary
+
+    def table(self) -> str:
+        """The estimate as a table in GiB."""
+        return format_table([self])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+_ROWS = (
+    ("params", "params"),
+    ("grads", "grads"),
+    ("optimizer state", "optimizer_state"),
+    ("activations", "activations"),
+    ("logits + loss", "logits"),
+    ("gathered", "gathered"),
+    ("total", "total"),
+)
+
+
+def format_table(estimates: Sequence[MemoryEstimate], *, usable_bytes: int | None = None) -> str:
+    """Estimates side by side, one column each, per device, in GiB (MiB when every total is under one GiB).
+
+    Args:
+        estimates: the columns.
+        usable_bytes: if given, a ``fits`` row says whether each total is within it.
+    """
+    unit, scale = ("GiB", _GIB) if max(e.total for e in estimates) >= _GIB else ("MiB", 2**20)
+    width = max(9, *(len(e.strategy) + 2 for e in estimates))
+
+    def row(title: str, cells: Sequence[str]) -> str:
+        return f"{title:<16}" + "".join(f"{cell:>{width}}" for cell in cells)
+
+    lines = [row(f"{unit} per device", [e.strategy for e in estimates])]
+    if any(e.cpu_offload for e in estimates):
+        lines.append(row("", ["+offload" if e.cpu_offload else "" for e in estimates]))
+    for title, attribute in _ROWS:
+        lines.append(row(title, [f"{getattr(e, attribute) / scale:.2f}" for e in estimates]))
+    if usable_bytes is not None:
+        lines.append(row("fits", ["yes" if e.total <= usable_bytes else "no" for e in estimates]))
+    if any(e.host for e in estimates):
+        lines.append(row("host, per rank", [f"{e.host / scale:.2f}" for e in estimates]))
+    return "\n".join(lines)
+
+
+# --- The model's shape ---------------------------------------------------------------------------------------------
+
+
+def _out_features(module: nn.Module) -> int:
+    # nn.Linear says out_features; adapters and quantized projections at least carry a [out, in] weight.
+    out = getattr(module, "out_features", None)
+    return int(out) if out is not None else int(module.weight.shape[0])
+
+
+def _layer_activation_bytes_per_token(layer: nn.Module, *, embed_dim: int, seq_len: int, compute: int, autocast: bool) -> int:
+    """Bytes one decoder layer saves for backward per token (the formula of :func:`activation_bytes`)."""
+    attn, mlp, d, c = layer.self_attn, layer.mlp, embed_dim, compute
+    n_h, n_kv, h_d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q_dim, kv_dim = n_h * h_d, n_kv * h_d
+    num_norms = sum(1 for name, _ in layer.named_children() if name not in ("self_attn", "mlp"))
+    # Under autocast the norms run in fp32 (mul is not autocast), and every projection casts its input to bf16
+    # separately (autocast caches casts of weights only): q, k, v, gate and up each save their own copy.
+    normed = 4 if autocast else c
+    projection_inputs = 5 if autocast else 2
+    total = num_norms * ((4 + normed) * d + 4) + projection_inputs * c * d
+    # Rotary embeddings save only cos/sin (buffers). SDPA saves rotated q and k, v, its output and the fp32
+    # logsumexp [b, n_h, s]; o_proj's input is a view of that output (flash kernels lay it out as [b, s, n_h, h_d]).
+    total += c * (2 * q_dim + 2 * kv_dim) + 4 * n_h
+    if attn.q_norm is not None:
+        # Per-head norms save their fp32 input copy, rsqrt and normalized value (Qwen3).
+        total += (4 + c) * q_dim + 4 * n_h
+    if attn.k_norm is not None:
+        total += (4 + c) * kv_dim + 4 * n_kv
+    if attn.logit_softcap is not None:
+        # Explicit attention (Gemma 2): repeated k and v, tanh scores, fp32 softmax and its cast, per query.
+        total += 2 * c * q_dim + n_h * seq_len * (2 * c + 4) - 4 * n_h
+    # SwiGLU: gate and up outputs, the activation's output and the product (down_proj's input).
+    total += 4 * c * _out_features(mlp.gate_proj)
+    return total
+
+
+def activation_bytes(
+    model: nn.Module,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype: str = "bf16-mixed",
+    activation_checkpointing: bool = False,
+    autocast: bool = False,
+) -> int:
+    """Bytes autograd keeps for backward after one forward pass, without the logits (see :func:`logits_bytes`).
+
+    With ``t = micro_batch_size * seq_len`` tokens, ``d`` the model width, ``c`` the compute dtype's bytes,
+    ``n_h``/``n_kv`` query/key-value heads of ``h_d`` features, ``f`` the MLP width and ``k`` norms per layer, a
+    Llama-style layer (RMSNorm, rotary SDPA attention, SwiGLU) saves per token::
+
+        k * (4d + c*d + 4)      each norm: its input in fp32 (a copy unless fp32), normalized value, 1/rms
+        + 2 * c*d               the attention and MLP inputs, each saved once for its projections
+        + c * (2*n_h*h_d + 2*n_kv*h_d) + 4*n_h   rotated q and k, v, attention output, fp32 logsumexp
+        + 4 * c*f               gate and up outputs, SiLU output, their product
+
+    Under autocast (mixed precision with DDP or ZeRO-1) the residual stream and norms stay fp32 (``c*d`` becomes
+    ``4d`` in the norm term) and each of the five projections q, k, v, gate, up saves its own bf16 copy of its
+    input (``2*c*d`` becomes ``5*c*d``). Per-head q/k norms and soft-capped attention add their own terms. The
+    model adds ``8`` bytes of token ids and the final norm, ``4d + 2*c*d + 4``, per token.
+
+    With activation checkpointing each layer keeps only its input, ``c*d`` per token (``4d`` under autocast),
+    and one layer's full activations exist again while it is recomputed in backward.
+
+    The formula is exact for the tensors PyTorch's CPU and flash/memory-efficient SDPA kernels save (checked
+    against ``saved_tensors_hooks`` in the tests); per-document attention masks of packed batches are not counted.
+
+    Args:
+        model: a :class:`~toolkit.modules.TransformerDecoder`, on any device (meta is fine).
+        micro_batch_size: sequences per forward pass.
+        seq_len: tokens per sequence.
+        dtype: the precision mode.
+        activation_checkpointing: each layer recomputes its activations in backward.
+        autocast: mixed precision through ``torch.autocast`` rather than low-precision parameters.
+    """
+    compute = _precision(dtype).compute
+    autocast = autocast and _precision(dtype).stored != compute
+    d = model.embed_tokens.embedding_dim
+    tokens = micro_batch_size * seq_len
+    per_layer = [
+        _layer_activation_bytes_per_token(layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast)
+        for layer in model.layers
+    ]
+    head = 8 + (4 + (4 if autocast else compute)) * d + 4 + compute * d
+    if activation_checkpointing:
+        residual = 4 if autocast else compute  # the residual stream is fp32 under autocast
+        return tokens * (len(per_layer) * residual * d + max(per_layer, default=0) + head)
+    return tokens * (sum(per_layer) + head)
+
+
+def logits_bytes(model: nn.Module, *, micro_batch_size: int, seq_len: int, dtype: str = "bf16-mixed") -> int:
+    """Peak bytes of the logits and the loss: ``t * vocab * (12 + c)``.
+
+    The recipe holds the logits (``c`` bytes each) through backward; the loss upcasts them and log-softmax saves
+    its fp32 output (4); at the start of backward the fp32 gradients of the log-probabilities and of the logits
+    (4 + 4) exist together with both. Soft-capped logits (Gemma 2) save their tanh as well (``c``).
+    """
+    compute = _precision(dtype).compute
+    vocab = model.embed_tokens.num_embeddings
+    per_logit = 12 + compute + (compute if getattr(model, "final_logit_softcap", None) else 0)
+    return micro_batch_size * seq_len * vocab * per_logit
+
+
+# --- Parameters, sharding and the estimate -----------------------------------------------------------------------
+
+
+def _shard_numel(param: torch.Tensor, shards: int) -> int:
+    # FSDP2 shards dim 0 and pads it to a multiple of the shard count: every rank holds ceil(rows / shards) rows.
+    if param.dim() == 0 or shards == 1:
+        return param.numel()
+    rows = param.shape[0]
+    return math.ceil(rows / shards) * (param.numel() // max(rows, 1))
+
+
+def _largest_greedy_partition(sizes: list[int], parts: int) -> int:
+    # ZeroRedundancyOptimizer gives each parameter, largest first, to the rank with the fewest elements so far;
+    # the busiest rank sets the memory every rank must have.
+    loads = [0] * parts
+    for size in sorted(sizes, reverse=True):
+        loads[loads.index(min(loads))] += size
+    return max(loads)
+
+
+def _precision(dtype: str) -> _Precision:
+    if dtype not in _PRECISIONS:
+        raise UserError(f"dtype: unknown value {dtype!r}; choose one of {', '.join(_PRECISIONS)}")
+    return _PRECISIONS[dtype]
+
+
+def _check_shape(strategy: str, world_size: int, num_nodes: int, shard_size: int | None, cpu_offload: bool) -> int:
+    """The shard group size, after checking the job's shape (the same rules as ``parallel.parallel_dims``)."""
+    if strategy not in STRATEGIES:
+        hint = "; choose_strategy() resolves auto" if strategy == "auto" else ""
+        raise UserError(f"data_parallel: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}{hint}")
+    if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
+        raise UserError(f"a world size of {world_size} cannot be spread evenly over {num_nodes} node(s)")
+    if cpu_offload and strategy not in _SHARDED:
+        raise UserError(f"cpu_offload: needs a sharded strategy ({', '.join(_SHARDED)}), not data_parallel={strategy}")
+    if strategy in ("ddp", "zero1"):
+        return 1
+    if strategy != "hsdp":
+        return world_size
+    shard = shard_size or world_size // num_nodes
+    if shard < 1 or world_size % shard:
+        raise UserError(f"hsdp_shard_size: a world size of {world_size} cannot be split into shard groups of {shard}")
+    return shard
+
+
+def estimate_memory(
+    model: nn.Module,
+    *,
+    strategy: str,
+    world_size: int,
+    num_nodes: int = 1,
+    micro_batch_size: int,
+    max_seq_len: int,
+    dtype: str = "bf16-mixed",
+    activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
+    trainable_params: int | None = None,
+    optimizer: str = "adamw",
+    shard_size: int | None = None,
+    gradient_accumulation_steps: int = 1,
+) -> MemoryEstimate:
+    """Per-device memory of one training step of ``model`` under ``strategy`` (see the module docstring).
+
+    Per strategy, with ``N`` parameters, ``T`` trainable, ``W`` ranks and ``S`` the shard group size (``W``; HSDP:
+    ranks per node, or ``shard_size``):
+
+    - ``ddp``: everything replicated. Mixed modes run under autocast, which holds a compute-dtype copy of every
+      matmul weight from forward to backward (``gathered``).
+    - ``zero1``: as ``ddp``, but ZeroRedundancyOptimizer keeps each parameter's optimizer state on one rank
+      (whole parameters, largest first, to the least loaded rank).
+    - ``zero2``: parameters, gradients and optimizer state sharded (FSDP2 pads dim 0 to a multiple of ``S``), but
+      every layer's gathered compute-dtype parameters stay from forward to backward: ``gathered ~ N``.
+    - ``zero3``/``hsdp``: the root unit (embedding, final norm, output; kept gathered by ``apply_fsdp``), the layer
+      in use and the one prefetched are gathered; ``hsdp`` shards over ``S`` instead of ``W``.
+    - The sharded strategies also hold unsharded gradients: the root's through backward, one layer's before its
+      reduce-scatter (plus its fp32 copy in the mixed modes); with ``gradient_accumulation_steps > 1``
+      ``gradient_sync`` skips the reduce-scatter, so FSDP2 accumulates full unsharded gradients in the reduce
+      dtype (``T`` elements) on every rank until the last micro-step.
+    - ``cpu_offload``: sharded parameters, gradients and optimizer state move to ``host``.
+
+    Args:
+        model: a :class:`~toolkit.modules.TransformerDecoder`, usually on the meta device.
+        strategy: ``ddp``, ``zero1``, ``zero2``, ``zero3`` or ``hsdp``.
+        world_size: data-parallel ranks (all nodes).
+        num_nodes: nodes; HSDP shards within one by default.
+        micro_batch_size: sequences per device per forward/backward.
+        max_seq_len: tokens per sequence (padded batches use the longest; plan with the maximum).
+        dtype: ``fp32``, ``bf16``, ``bf16-mixed`` or ``fp16-mixed``.
+        activation_checkpointing: recompute each layer's activations in backward.
+        cpu_offload: keep sharded state in host memory (sharded strategies only).
+        trainable_params: parameters with gradients and optimizer state (LoRA); default: those with
+            ``requires_grad``. When given, it is spread over shards and layers in proportion to their size.
+        optimizer: ``adamw``, ``adam`` (2 states) or ``sgd`` (1: momentum).
+        shard_size: HSDP's shard group size (default ``world_size // num_nodes``).
+        gradient_accumulation_steps: micro-steps per optimizer step.
+
+    Raises:
+        UserError: an unknown strategy, dtype or optimizer, ``cpu_offload`` without sharding, or a world size the
+            nodes or HSDP groups do not divide.
+    """
+    precision = _precision(dtype)
+    if optimizer not in OPTIMIZER_STATES:
+        raise UserError(f"optimizer: no memory model for {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}")
+    if micro_batch_size < 1 or max_seq_len < 1:
+        raise UserError(f"micro_batch_size ({micro_batch_size}) and max_seq_len ({max_seq_len}) must be positive")
+    shards = _check_shape(strategy, world_size, num_nodes, shard_size, cpu_offload)
+    p, c = precision.stored, precision.compute
+    autocast = precision.autocast_when_replicated and strategy in ("ddp", "zero1")
+
+    params = list(model.parameters())
+    total = sum(t.numel() for t in params)
+    flagged = sum(t.numel() for t in params if t.requires_grad)
+    trainable = flagged if trainable_params is None else trainable_params
+    by_flags = trainable_params is None
+    fraction = trainable / max(total, 1)
+
+    def trainable_in(tensors: list[torch.Tensor]) -> float:
+        if by_flags:
+            return sum(t.numel() for t in tensors if t.requires_grad)
+        return fraction * sum(t.numel() for t in tensors)
+
+    def sharded(tensors: list[torch.Tensor], *, only_trainable: bool) -> int:
+        # Elements of the given tensors on the rank holding the most (FSDP2's padded dim-0 shards).
+        if only_trainable and not by_flags:
+            return math.ceil(fraction * sum(t.numel() for t in tensors) / shards)
+        return sum(_shard_numel(t, shards) for t in tensors if t.requires_grad or not only_trainable)
+
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())  # replicated by every strategy
+    states = OPTIMIZER_STATES[optimizer]
+    layer_ids = {id(t) for layer in model.layers for t in layer.parameters()}
+    root = [t for t in params if id(t) not in layer_ids]
+    layers = [list(layer.parameters()) for layer in model.layers]
+    largest_layer = max(layers, key=lambda ts: sum(t.numel() for t in ts), default=[])
+
+    if strategy in ("ddp", "zero1"):
+        param_elems, grad_elems = total, trainable
+        if strategy == "ddp" or world_size == 1:
+            opt_elems = trainable
+        elif by_flags:
+            opt_elems = _largest_greedy_partition([t.numel() for t in params if t.requires_grad], world_size)
+        else:
+            opt_elems = math.ceil(trainable / world_size)
+        # Autocast's compute copies: the weights of matmuls (the embedding lookup and the norms run as stored).
+        matmul_weights = [t for t in params if t.dim() >= 2 and t is not model.embed_tokens.weight]
+        if model.output is None:
+            matmul_weights.append(model.embed_tokens.weight)
+        gathered = c * sum(t.numel() for t in matmul_weights) if autocast else 0
+    else:
+        param_elems = sharded(params, only_trainable=False)
+        grad_elems = opt_elems = sharded(params, only_trainable=True)
+        if strategy == "zero2":
+            gathered_params = total  # every unit stays unsharded from its forward to its backward
+        else:
+            gathered_params = sum(t.numel() for t in root) + 2 * sum(t.numel() for t in largest_layer)
+        # Unsharded gradients: the root's live through backward (it reduce-scatters last), one layer's until its
+        # reduce-scatter, which in the mixed modes first casts them to fp32.
+        unsharded_grads = c * trainable_in(root) + (c + (p if p != c else 0)) * trainable_in(largest_layer)
+        gathered = int(c * gathered_params + unsharded_grads)
+        if gradient_accumulation_steps > 1:
+            # gradient_sync(enabled=False) -> FSDP2 accumulates full unsharded gradients in the reduce dtype.
+            gathered += p * trainable
+    host = 0
+    param_bytes, grad_bytes, opt_bytes = p * param_elems, p * grad_elems, p * states * opt_elems
+    if cpu_offload:
+        host = param_bytes + grad_bytes + opt_bytes
+        param_bytes = grad_bytes = opt_bytes = 0
+
+    return MemoryEstimate(
+        strategy=strategy,
+        cpu_offload=cpu_offload,
+        dtype=dtype,
+        world_size=world_size,
+        shard_size=shards,
+        params=param_bytes + buffer_bytes,
+        grads=grad_bytes,
+        optimizer_state=opt_bytes,
+        activations=activation_bytes(
+            model,
+            micro_batch_size=micro_batch_size,
+            seq_len=max_seq_len,
+            dtype=dtype,
+            activation_checkpointing=activation_checkpointing,
+            autocast=autocast,
+        ),
+        logits=logits_bytes(model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype),
+        gathered=gathered,
+        host=host,
+    )
+
+
+# --- Choosing a strategy -------------------------------------------------------------------------------------------
+
+
+def candidate_strategies(*, world_size: int, num_nodes: int = 1) -> list[tuple[str, bool]]:
+    """``(strategy, cpu_offload)`` pairs in the order ``auto`` tries them: least communication first.
+
+    - ``ddp``: one bucketed gradient all-reduce per step, overlapped with backward; nothing else.
+    - ``zero1``: the same all-reduce, then each rank broadcasts the parameters it updated; no per-layer traffic.
+    - ``zero2``: a reduce-scatter of gradients and one all-gather of parameters per layer and step (about DDP's
+      volume, in many smaller collectives).
+    - ``hsdp`` (several nodes only): ZeRO-3's traffic stays on the fast links inside a node, and only an
+      all-reduce of each rank's 1/shard_size of the gradients crosses nodes, where ``zero3`` sends its 1.5x-DDP
+      volume of all-gathers and reduce-scatters over the slow inter-node links too. It shards only within a
+      node, so it needs more memory than ``zero3``: it goes between ``zero2`` and ``zero3``.
+    - ``zero3``: parameters gathered twice per step (forward and backward).
+    - with ``cpu_offload``, in the same order: every step also copies parameters and gradients over PCIe and runs
+      the optimizer on the CPU, far slower than any collective, so these come last. Their device memory barely
+      depends on the shard count, so ``hsdp``'s variant (less inter-node traffic) is tried before ``zero3``'s.
+
+    One process has nothing to shard over (``apply_data_parallel`` leaves the model as it is): only ``ddp``.
+    """
+    if world_size == 1:
+        return [("ddp", False)]
+    sharded = ["zero2", *(["hsdp"] if num_nodes > 1 else []), "zero3"]
+    return [("ddp", False), ("zero1", False), *((s, False) for s in sharded), *((s, True) for s in sharded)]
+
+
+def choose_strategy(
+    model: nn.Module,
+    *,
+    device_memory_bytes: int,
+    world_size: int,
+    num_nodes: int = 1,
+    micro_batch_size: int,
+    max_seq_len: int,
+    dtype: str = "bf16-mixed",
+    activation_checkpointing: bool = False,
+    trainable_params: int | None = None,
+    optimizer: str = "adamw",
+    gradient_accumulation_steps: int = 1,
+    headroom: float = 0.9,
+) -> tuple[str, MemoryEstimate, str]:
+    """The cheapest strategy (order: :func:`candidate_strategies`) whose estimate fits ``headroom`` of the device.
+
+    The other arguments are those of :func:`estimate_memory`.
+
+    Returns:
+        ``(strategy, estimate, reason)``: the ``data_parallel`` value, its estimate (``estimate.cpu_offload`` says
+        whether to set ``cpu_offload: true``) and a one-line reason naming the numbers.
+
+    Raises:
+        UserError: nothing fits; the message gives the smallest estimate and what to change.
+    """
+    usable = int(headroom * device_memory_bytes)
+    budget = f"{format_bytes(usable)} usable ({headroom:.0%} of {format_bytes(device_memory_bytes)})"
+    estimates = []
+    for strategy, offload in candidate_strategies(world_size=world_size, num_nodes=num_nodes):
+        estimate = estimate_memory(
+            model,
+            strategy=strategy,
+            world_size=world_size,
+            num_nodes=num_nodes,
+            micro_batch_size=micro_batch_size,
+            max_seq_len=max_seq_len,
+            dtype=dtype,
+            activation_checkpointing=activation_checkpointing,
+            cpu_offload=offload,
+            trainable_params=trainable_params,
+            optimizer=optimizer,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+        if estimate.total <= usable:
+            rejected = "".join(f"; {e.label} would need {format_bytes(e.total)}" for e in estimates)
+            reason = f"{estimate.label} needs {format_bytes(estimate.total)} per device of {budget}{rejected}"
+            return strategy, estimate, reason
+        estimates.append(estimate)
+    raise UserError(_nothing_fits(min(estimates, key=lambda e: e.total), budget, world_size, micro_batch_size,
+                                  activation_checkpointing))
+
+
+def _nothing_fits(
+    smallest: MemoryEstimate, budget: str, world_size: int, micro_batch_size: int, activation_checkpointing: bool
+) -> str:
+    # The parts worth acting on (a few MiB of buffers would only be noise).
+    parts = ", ".join(
+        f"{title} {format_bytes(getattr(smallest, attribute))}"
+        for title, attribute in _ROWS[:-1]
+        if getattr(smallest, attribute) >= 0.01 * smallest.total
+    )
+    fixes = [] if activation_checkpointing else ["activation_checkpointing=true"]
+    if micro_batch_size > 1:
+        fixes.append(f"a smaller micro_batch_size (now {micro_batch_size})")
+    fixes += ["a shorter max_seq_len", "LoRA/QLoRA instead of a full fine-tune", f"more than {world_size} GPU(s)"]
+    return (
+        f"no data-parallel strategy fits {world_size} device(s) with {budget}: the smallest, {smallest.label}, "
+        f"needs {format_bytes(smallest.total)} per device ({parts}); try {', '.join(fixes)}"
+    )
+
+
+def device_memory_bytes(device: torch.device | str | int) -> int | None:
+    """Total memory of a CUDA device in bytes; ``None`` for other devices (state it then, e.g. ``device_memory_gb``)."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+

@@ -1,0 +1,291 @@
+"""Adapters in the Hugging Face PEFT format, and merging an adapter into a base checkpoint offline.
+
+A PEFT LoRA adapter is a folder with ``adapter_config.json`` and ``adapter_model.safetensors``, whose keys are
+the Hugging Face module names under ``base_model.model.``: ``base_model.model.model.layers.0.self_attn.q_proj.
+lora_A.weight`` (``[r, in]``), ``...lora_B.weight`` (``[out, r]``) and, for DoRA, ``...lora_magnitude_vector``
+(``[out]``). ``peft.PeftModel.from_pretrained(transformers_model, folder)`` loads what we write, and we load what
+PEFT writes for the same targets.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from toolkit.errors import UserError
+from toolkit.modules.peft import DoRALinear, LoRALinear, adapter_modules
+from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _TOKENIZER_FILES, _weight_files, load_model_family
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."
+# Our adapter parameter names -> PEFT's, per adapted module.
+_TO_PEFT = {"lora_a.weight": "lora_A.weight", "lora_b.weight": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
+_FROM_PEFT = {v: k for k, v in _TO_PEFT.items()}
+
+
+def _hf_module_name(family: Any, module_name: str) -> str:
+    # The family converts parameter keys; a module's name is its weight key without ".weight".
+    return family.tune_key_to_hf(f"{module_name}.weight").removesuffix(".weight")
+
+
+def _uniform(values: dict[str, Any], what: str) -> Any:
+    distinct = set(values.values())
+    if len(distinct) != 1:
+        raise ValueError(f"the PEFT format needs one {what} for every adapter; this model has {sorted(distinct)}")
+    return distinct.pop()
+
+
+def _write_atomically(output_dir: Path, write: Any) -> Path:
+    # Write into a sibling temporary folder renamed into place when complete: a crash never leaves a
+    # half-written adapter or checkpoint behind under the final name.
+    output_dir = Path(output_dir)
+    tmp_dir = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    try:
+        write(tmp_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    if output_dir.exists():
+        shutil.rmtree(output_dir)
+    tmp_dir.rename(output_dir)
+    return output_dir
+
+
+def save_peft_adapter(
+    model: nn.Module,
+    output_dir: str | Path,
+    *,
+    model_family: str,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """Write the adapters of ``model`` (a plain, unsharded model) as a PEFT LoRA/DoRA adapter folder.
+
+    ``r``, ``lora_alpha``, ``lora_dropout``, ``use_dora`` and ``target_modules`` are read from the model's
+    adapter layers, so the config always describes the weights. The folder appears only when complete (an
+    existing one is replaced).
+
+    Args:
+        model: a model built by a LoRA builder (e.g. ``lora_llama3_2_1b``).
+        output_dir: the adapter folder to write.
+        model_family: the ``toolkit.models`` family, which names modules the Hugging Face way.
+        base_model_name_or_path: recorded in ``adapter_config.json`` (a hub id or the base checkpoint's folder).
+
+    Returns:
+        ``output_dir``.
+
+    Raises:
+        ValueError: the model has no adapters, or adapters of different ranks, alphas, dropouts or kinds.
+    """
+    family = load_model_family(model_family)
+    modules = adapter_modules(model)
+    if not modules:
+        raise ValueError("the model has no LoRA/DoRA layers to save")
+    tensors = {}
+    for name, module in modules.items():
+        hf_name = _hf_module_name(family, name)
+        for param_name in module.adapter_params():
+            key = f"{_PEFT_PREFIX}{hf_name}.{_TO_PEFT[param_name]}"
+            tensors[key] = module.get_parameter(param_name).detach().contiguous().cpu()
+    use_dora = _uniform({n: isinstance(m, DoRALinear) for n, m in modules.items()}, "adapter kind (LoRA or DoRA)")
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": _uniform({n: m.rank for n, m in modules.items()}, "rank"),
+        "lora_alpha": _uniform({n: m.alpha for n, m in modules.items()}, "alpha"),
+        "lora_dropout": _uniform({n: m.dropout_p for n, m in modules.items()}, "dropout"),
+        # PEFT matches target_modules against the end of each module's name.
+        "target_modules": sorted({_hf_module_name(family, n).rpartition(".")[2] for n in modules}),
+        "use_dora": use_dora,
+        "use_rslora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+    def write(tmp_dir: Path) -> None:
+        save_file(tensors, str(tmp_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+    return _write_atomically(Path(output_dir), write)
+
+
+def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], float]:
+    """The config, the tensors by Hugging Face module name (``{"model.layers.0.self_attn.q_proj": {"lora_A.weight":
+    ...}}``) and the scale ``lora_alpha / r`` of a PEFT LoRA adapter folder.
+
+    Raises:
+        UserError: missing or unreadable files, or a PEFT option we do not reproduce; the message names the file.
+    """
+    adapter_dir = Path(adapter_dir)
+    config_file, weights_file = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise UserError(f"{file}: missing; is {adapter_dir} a PEFT adapter folder?")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{config_file}: not valid JSON ({e})") from None
+    unsupported = {
+        "peft_type": (config.get("peft_type"), "LORA"),
+        "bias": (config.get("bias", "none"), "none"),
+        "use_rslora": (config.get("use_rslora", False), False),
+        "fan_in_fan_out": (config.get("fan_in_fan_out", False), False),
+        "rank_pattern": (config.get("rank_pattern") or {}, {}),
+        "alpha_pattern": (config.get("alpha_pattern") or {}, {}),
+    }
+    for key, (value, expected) in unsupported.items():
+        if value != expected:
+            raise UserError(f"{config_file}: {key}={value!r} is not supported (only {expected!r})")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(config.get(key), (int, float)) or config[key] <= 0:
+            raise UserError(f"{config_file}: {key} must be a positive number, got {config.get(key)!r}")
+    try:
+        flat = load_file(str(weights_file))
+    except SafetensorError as e:
+        raise UserError(f"{weights_file}: cannot read safetensors ({e}); the file may be truncated or corrupt") from None
+    by_module: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in flat.items():
+        if key.endswith(".base_layer.weight"):
+            continue  # PEFT also saves the base of adapted lm_head/embeddings; the base checkpoint has it already
+        module, param = None, None
+        for peft_name in _FROM_PEFT:
+            if key.startswith(_PEFT_PREFIX) and key.endswith("." + peft_name):
+                module, param = key[len(_PEFT_PREFIX): -len(peft_name) - 1], peft_name
+        if module is None:
+            raise UserError(f"{weights_file}: unexpected key {key!r} (not a LoRA/DoRA weight)")
+        by_module.setdefault(module, {})[param] = tensor
+    for module, params in by_module.items():
+        if not {"lora_A.weight", "lora_B.weight"} <= params.keys():
+            raise UserError(f"{weights_file}: {module} lacks lora_A or lora_B")
+        if ("lora_magnitude_vector" in params) != bool(config.get("use_dora", False)):
+            raise UserError(f"{weights_file}: {module}: DoRA magnitude presence disagrees with use_dora in {ADAPTER_CONFIG}")
+    return config, by_module, config["lora_alpha"] / config["r"]
+
+
+@torch.no_grad()
+def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, *, model_family: str) -> None:
+    """Copy a PEFT adapter folder's weights into the adapter layers of ``model``.
+
+    The model must have been built with the adapter's targets, rank, alpha and kind (LoRA or DoRA).
+
+    Raises:
+        UserError: the folder is not a PEFT LoRA adapter, or its targets, rank, alpha, kind or shapes differ from
+            the model's; the message names the file and the module.
+    """
+    family = load_model_family(model_family)
+    config, by_module, _ = _read_adapter(adapter_dir)
+    weights_file = Path(adapter_dir) / ADAPTER_WEIGHTS
+    modules = {_hf_module_name(family, name): module for name, module in adapter_modules(model).items()}
+    if by_module.keys() != modules.keys():
+        missing, extra = sorted(modules.keys() - by_module.keys()), sorted(by_module.keys() - modules.keys())
+        raise UserError(
+            f"{weights_file}: the adapter's modules differ from the model's "
+            f"(missing: {missing[:3]}, not in the model: {extra[:3]}); build the model with the adapter's targets"
+        )
+    for hf_name, module in modules.items():
+        if (module.rank, module.alpha) != (config["r"], config["lora_alpha"]):
+            raise UserError(
+                f"{weights_file}: r={config['r']}, lora_alpha={config['lora_alpha']} but the model's {hf_name} has "
+                f"rank {module.rank}, alpha {module.alpha}"
+            )
+        if isinstance(module, DoRALinear) != bool(config.get("use_dora", False)):
+            raise UserError(f"{weights_file}: use_dora={config.get('use_dora', False)} but the model's {hf_name} differs")
+        for peft_name, tensor in by_module[hf_name].items():
+            target = module.get_parameter(_FROM_PEFT[peft_name])
+            if tensor.shape != target.shape:
+                raise UserError(
+                    f"{weights_file}: {hf_name}.{peft_name} has shape {tuple(tensor.shape)}, the model expects "
+                    f"{tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+
+
+def _merge(weight: torch.Tensor, params: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+    # LoRA: W + s B A (Hu et al., 2021); DoRA: m (W + s B A) / ||W + s B A||, rows (Liu et al., 2024). In float32,
+    # returned in the base dtype.
+    merged = weight.float() + scale * (params["lora_B.weight"].float() @ params["lora_A.weight"].float())
+    if "lora_magnitude_vector" in params:
+        norm = torch.linalg.vector_norm(merged, dim=1, keepdim=True)
+        merged = params["lora_magnitude_vector"].float().unsqueeze(1) * merged / norm
+    return merged.to(weight.dtype)
+
+
+def merge_adapter_into_checkpoint(
+    base_dir: str | Path, adapter_dir: str | Path, output_dir: str | Path, *, overwrite: bool = False
+) -> Path:
+    """Write the Hugging Face checkpoint of ``base_dir`` with the PEFT adapter of ``adapter_dir`` merged in.
+
+    Works on the files alone (no model is built, any family): the base is streamed one safetensors file at a
+    time, each adapted weight replaced by its merged value, and written with the same file names and index;
+    ``config.json`` and tokenizer files are copied. The folder appears only when complete.
+
+    Args:
+        base_dir: the base model's Hugging Face folder.
+        adapter_dir: a PEFT LoRA/DoRA adapter folder (ours or PEFT's).
+        output_dir: the merged checkpoint folder to write.
+        overwrite: replace ``output_dir`` if it exists.
+
+    Returns:
+        ``output_dir``.
+
+    Raises:
+        UserError: unreadable inputs, an adapter module without a base weight, a shape mismatch, or an existing
+            ``output_dir`` without ``overwrite``; checked before anything is written where possible.
+    """
+    base_dir, output_dir = Path(base_dir), Path(output_dir)
+    if not base_dir.is_dir():
+        raise UserError(f"--base: {base_dir} is not a folder")
+    if output_dir.exists() and not overwrite:
+        raise UserError(f"--output: {output_dir} already exists; choose another folder or pass --overwrite")
+    if output_dir.resolve() in (base_dir.resolve(), Path(adapter_dir).resolve()):
+        raise UserError(f"--output: {output_dir} is an input folder; choose another folder")
+    config, by_module, scale = _read_adapter(adapter_dir)
+    targets = {f"{module}.weight": params for module, params in by_module.items()}
+    files = _weight_files(base_dir)
+    found: set[str] = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                found.update(key for key in reader.keys() if key in targets)
+        except SafetensorError as e:
+            raise UserError(f"{file}: cannot read safetensors ({e}); the file may be truncated or corrupt") from None
+    missing = sorted(targets.keys() - found)
+    if missing:
+        raise UserError(
+            f"{base_dir}: no base weight {missing[0]!r} for the adapter's module (tied embeddings, or another model?)"
+        )
+
+    def write(tmp_dir: Path) -> None:
+        for file in files:
+            out = {}
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                metadata = reader.metadata() or {"format": "pt"}
+                for key in reader.keys():
+                    tensor = reader.get_tensor(key)
+                    if key in targets:
+                        params = targets[key]
+                        shape = (params["lora_B.weight"].shape[0], params["lora_A.weight"].shape[1])
+                        if tuple(tensor.shape) != shape:
+                            raise UserError(f"{file}: {key} has shape {tuple(tensor.shape)}, the adapter expects {shape}")
+                        tensor = _merge(tensor, params, scale)
+                    out[key] = tensor
+            save_file(out, str(tmp_dir / file.name), metadata=metadata)
+        for name in (_SAFETENSORS_INDEX, "config.json", *_TOKENIZER_FILES):
+            if (base_dir / name).is_file():
+                shutil.copy2(base_dir / name, tmp_dir / name)
+
+    return _write_atomically(output_dir, write)

@@ -1,0 +1,105 @@
+"""One optimizer step: micro-batches forward and backward with exact loss normalization, then the update."""
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.optim import Optimizer
+
+from toolkit.training.distributed import all_reduce_sum
+from toolkit.training.loss import cross_entropy_sum, global_token_count, gradient_scale
+from toolkit.training.parallel import clip_grad_norm, gradient_sync
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What an optimizer step computed.
+
+    Attributes:
+        loss: mean token loss over the whole global batch (all micro-batches and ranks).
+        num_tokens: non-ignored tokens in the global batch.
+        num_positions: this rank's input positions, padding included (for throughput).
+    """
+
+    loss: float
+    num_tokens: int
+    num_positions: int
+
+
+def forward_backward(
+    model: nn.Module,
+    micro_batches: list[dict[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    data_parallel_size: int,
+    autocast: contextlib.AbstractContextManager | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
+) -> StepResult:
+    """Accumulate the gradients of one global batch's share on this rank.
+
+    The global count of trained tokens is taken first (one small all-reduce), so each micro-batch contributes
+    ``sum of its token losses / N_global``: the accumulated, reduced gradient is that of the mean over the whole
+    global batch, whatever the split into ranks and micro-steps. Gradients are reduced across ranks only on the
+    last micro-batch.
+
+    Args:
+        model: the (data-parallel) model.
+        micro_batches: this rank's micro-batches of the step (``tokens``, ``labels``, optional ``mask`` and
+            ``input_pos``).
+        device: where to run.
+        data_parallel_size: ranks the gradient reduction averages over.
+        autocast: forward-pass context (mixed precision without FSDP2).
+        grad_scaler: fp16 loss scaling.
+        loss_fn: returns the *sum* of token losses of a micro-batch.
+    """
+    num_tokens = global_token_count([mb["labels"] for mb in micro_batches])
+    scale = gradient_scale(global_tokens=num_tokens, data_parallel_size=data_parallel_size)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+    num_positions = 0
+    for i, mb in enumerate(micro_batches):
+        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+        num_positions += mb["tokens"].numel()
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+            with autocast or contextlib.nullcontext():
+                # Packed batches carry a per-document attention mask and positions that restart per document.
+                logits = model(mb["tokens"], mask=mb.get("mask"), input_pos=mb.get("input_pos"))
+            micro_loss = loss_fn(logits, mb["labels"])
+            scaled = micro_loss * scale
+            (grad_scaler.scale(scaled) if grad_scaler is not None else scaled).backward()
+        loss_sum += micro_loss.detach().float()
+    loss = all_reduce_sum(loss_sum).item() / max(num_tokens, 1)
+    return StepResult(loss=loss, num_tokens=num_tokens, num_positions=num_positions)
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: Optimizer,
+    *,
+    max_grad_norm: float | None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> float:
+    """Unscale (fp16), clip the global gradient norm, step, and clear the gradients; returns the norm."""
+    if grad_scaler is not None:
+        grad_scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm(model, max_grad_norm)
+    if grad_scaler is not None:
+        grad_scaler.step(optimizer)  # skipped when the gradients overflowed
+        grad_scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def make_grad_scaler(*, enabled: bool, device: torch.device, sharded: bool) -> torch.amp.GradScaler | None:
+    """A loss scaler for fp16; the sharded variant agrees on overflow across ranks."""
+    if not enabled:
+        return None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
