@@ -21,7 +21,10 @@ def test_unreachable_hub_is_one_line_with_the_retry_command(tmp_path):
     env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf_home")}
     out = tmp_path / "model"
     result = subprocess.run(
-        [sys.executable, "-m", "toolkit.cli.main", "download", "org/model", "--output-dir", str(out), "--exclude", "*.pth"],
+        [
+            sys.executable, "-m", "toolkit.cli.main", "download", "org/model", "--output-dir", str(out),
+            "--exclude", "*.pth",
+        ],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert result.returncode == 1

@@ -10,7 +10,10 @@ from toolkit.models.llama3 import llama3_3_70b
 @pytest.mark.parametrize(
     "builder,expected",
     # Parameter counts of the released checkpoints.
-    [(llama2_7b, 6_738_415_616), (llama2_13b, 13_015_864_320), (llama2_70b, 68_976_648_192), (llama3_3_70b, 70_553_706_496)],
+    [
+        (llama2_7b, 6_738_415_616), (llama2_13b, 13_015_864_320), (llama2_70b, 68_976_648_192),
+        (llama3_3_70b, 70_553_706_496),
+    ],
 )
 def test_public_sizes_on_meta(builder, expected):
     with torch.device("meta"):
@@ -25,7 +28,10 @@ def test_matches_transformers(hf_interop, version):
     torch.manual_seed(0)
     # Llama 2: multi-head attention, rotary base 10,000. Llama 3.1: grouped-query attention and rotary scaling
     # (with original_max_position_embeddings below the input length, so the scaling matters). 3.2: tied output.
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    common = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64,
+    )
     if version == "llama2":
         config = transformers.LlamaConfig(**common, num_key_value_heads=4, rope_theta=10_000.0, rms_norm_eps=1e-5)
     else:

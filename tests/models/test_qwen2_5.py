@@ -32,7 +32,9 @@ def test_public_sizes_on_meta(builder, expected_billions):
 
 
 def test_weight_names_round_trip():
-    model = qwen2_5(vocab_size=64, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=48, max_seq_len=16)
+    model = qwen2_5(
+        vocab_size=64, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=48, max_seq_len=16
+    )
     keys = list(model.state_dict())
     assert "layers.0.self_attn.q_proj.bias" in keys and "layers.0.self_attn.o_proj.bias" not in keys
     hf_keys = [tune_key_to_hf(k) for k in keys]

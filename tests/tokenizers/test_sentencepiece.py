@@ -49,7 +49,8 @@ def gemma_model(tmp_path_factory, corpus):
     path = tmp_path_factory.mktemp("gemma") / "tokenizer.model"
     sp = train(
         corpus, path, add_dummy_prefix=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
-        eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
     )
     return path, sp
 

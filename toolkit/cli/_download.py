@@ -65,7 +65,9 @@ def download(args: argparse.Namespace) -> int:
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
         # LocalEntryNotFoundError is what the hub client raises when it cannot connect at all.
         reason = str(e).splitlines()[0]
-        raise UserError(f"could not download {args.repo_id} ({reason}); check the network, then retry: {retry}") from None
+        raise UserError(
+            f"could not download {args.repo_id} ({reason}); check the network, then retry: {retry}"
+        ) from None
     print(f"downloaded {args.repo_id} to {path}")
     return 0
 
@@ -84,7 +86,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--output-dir", default=None, help=f"folder to download into (default: {DEFAULT_ROOT}/<repository name>)"
     )
-    parser.add_argument("--hf-token", default=None, help="hub access token for gated or private models (default: HF_TOKEN)")
+    parser.add_argument(
+        "--hf-token", default=None, help="hub access token for gated or private models (default: HF_TOKEN)"
+    )
     parser.add_argument("--include", nargs="+", metavar="PATTERN", help="download only files matching these globs")
     parser.add_argument("--exclude", nargs="+", metavar="PATTERN", help="skip files matching these globs")
     parser.set_defaults(handler=download)

@@ -70,7 +70,9 @@ class Gemma2DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = pre_feedforward_layernorm
         self.post_feedforward_layernorm = post_feedforward_layernorm
 
-    def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, *, mask: torch.Tensor | None = None, input_pos: torch.Tensor | None = None
+    ) -> torch.Tensor:
         attn_out = self.self_attn(self.input_layernorm(x), mask=mask, input_pos=input_pos)
         h = x + self.post_attention_layernorm(attn_out)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))

@@ -84,5 +84,6 @@ def from_pretrained(path: str, max_seq_len: int | None = None) -> ModelTokenizer
         build = mistral_tokenizer if model_type == "mistral" else gemma_tokenizer
         return build(str(sp_model), max_seq_len=max_seq_len)
     raise UserError(
-        f"{folder / 'config.json'}: no tokenizer for model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        f"{folder / 'config.json'}: no tokenizer for model_type {model_type!r}; "
+        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
     )

@@ -85,7 +85,10 @@ class Llama3ChatFormat:
         self.bos = bos
 
     def _header(self, role: str) -> list[Segment]:
-        return [Segment("<|start_header_id|>", special=True), Segment(role), Segment("<|end_header_id|>", special=True), Segment("\n\n")]
+        return [
+            Segment("<|start_header_id|>", special=True), Segment(role), Segment("<|end_header_id|>", special=True),
+            Segment("\n\n"),
+        ]
 
     def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
         out = [Segment(self.bos, special=True)]

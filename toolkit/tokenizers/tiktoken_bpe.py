@@ -12,7 +12,8 @@ from toolkit.tokenizers.model_tokenizer import ModelTokenizer
 # Llama 3's pre-tokenization: contractions, letter runs, digit groups of at most three, punctuation runs, newline
 # runs and other whitespace (from Meta's Llama 3 tokenizer).
 LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # Llama 3.1's 256 special tokens, in id order after the 128,000 BPE ranks; unnamed slots are reserved.
 _LLAMA3_NAMED = {

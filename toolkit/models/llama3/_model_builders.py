@@ -106,7 +106,9 @@ def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) ->
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise UserError("Llama checkpoints with attention_bias or mlp_bias are not supported")
     if _hf_config.head_dim(config) * config["num_attention_heads"] != config["hidden_size"]:
-        raise UserError("Llama checkpoints whose head_dim differs from hidden_size / num_attention_heads are not supported")
+        raise UserError(
+            "Llama checkpoints whose head_dim differs from hidden_size / num_attention_heads are not supported"
+        )
     return llama3(
         vocab_size=config["vocab_size"],
         num_layers=config["num_hidden_layers"],

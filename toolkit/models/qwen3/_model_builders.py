@@ -18,21 +18,24 @@ _qwen3 = partial(qwen3, vocab_size=151_936, head_dim=128, num_kv_heads=8)
 def qwen3_0_6b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
     """Qwen3 0.6B."""
     return _qwen3(
-        num_layers=28, num_heads=16, embed_dim=1024, intermediate_dim=3072, max_seq_len=max_seq_len, tie_word_embeddings=True
+        num_layers=28, num_heads=16, embed_dim=1024, intermediate_dim=3072, max_seq_len=max_seq_len,
+        tie_word_embeddings=True,
     )
 
 
 def qwen3_1_7b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
     """Qwen3 1.7B."""
     return _qwen3(
-        num_layers=28, num_heads=16, embed_dim=2048, intermediate_dim=6144, max_seq_len=max_seq_len, tie_word_embeddings=True
+        num_layers=28, num_heads=16, embed_dim=2048, intermediate_dim=6144, max_seq_len=max_seq_len,
+        tie_word_embeddings=True,
     )
 
 
 def qwen3_4b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
     """Qwen3 4B."""
     return _qwen3(
-        num_layers=36, num_heads=32, embed_dim=2560, intermediate_dim=9728, max_seq_len=max_seq_len, tie_word_embeddings=True
+        num_layers=36, num_heads=32, embed_dim=2560, intermediate_dim=9728, max_seq_len=max_seq_len,
+        tie_word_embeddings=True,
     )
 
 
