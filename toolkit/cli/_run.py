@@ -119,8 +119,15 @@ def _run_single_device(path: Path, recipe_args: list[str]) -> int:
 
 def _describe(rank: int, failure: Any) -> str:
     what = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
-    error_file = failure.error_file if os.path.isfile(failure.error_file) else "none written"
-    return f"rank {rank} {what} (error file: {error_file})"
+    if not os.path.isfile(failure.error_file):
+        return f"rank {rank} {what} (error file: none written)"
+    # The recipe's `record` wrapper stored the exception there: its last line names the exception and message.
+    message = getattr(failure, "message", "")
+    if isinstance(message, dict):  # torchrun keeps the error file's {"message": ..., "extraInfo": ...}
+        message = message.get("message", "")
+    lines = [line for line in str(message).strip().splitlines() if line.strip()]
+    cause = f": {lines[-1].strip()}" if lines else ""
+    return f"rank {rank} {what}{cause} (error file: {failure.error_file})"
 
 
 def _report_failure(failures: dict[int, Any]) -> int:

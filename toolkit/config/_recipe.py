@@ -73,8 +73,12 @@ def recipe_main(fn: Callable[[DictConfig], T]) -> Callable[..., T]:
     def wrapper(cfg: DictConfig | None = None) -> Any:
         if cfg is not None:
             return fn(cfg)
+        # torchrun's `record` writes any other exception's traceback to the rank's error file, so the launcher
+        # names the rank that failed and its exception instead of "error file: none written".
+        from torch.distributed.elastic.multiprocessing.errors import record
+
         try:
-            return fn(parse_recipe_args(sys.argv[1:]))
+            return record(fn)(parse_recipe_args(sys.argv[1:]))
         except UserError as e:
             report_user_error(e)
             sys.exit(2)

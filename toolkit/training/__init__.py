@@ -8,6 +8,7 @@ from toolkit.training.checkpointing import (
     load_model_family,
     prepare_output_dir,
 )
+from toolkit.training.debug import breakpoint_on_rank
 from toolkit.training.distributed import (
     DistributedEnv,
     all_reduce_sum,
@@ -51,6 +52,7 @@ __all__ = [
     "apply_ddp",
     "apply_fsdp",
     "barrier",
+    "breakpoint_on_rank",
     "clip_grad_norm",
     "cosine_with_warmup",
     "cross_entropy_sum",

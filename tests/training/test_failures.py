@@ -1,0 +1,88 @@
+"""Bad data-parallel settings stop before training with one line; a crashing rank is reported, not a hang."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.errors import UserError
+from toolkit.training import parallel_dims, precision_policy
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["max_steps=2", "dataset.num_samples=64", "progress_bar=false", "~eval_tasks", "batch_size=4", "micro_batch_size=2"]
+
+
+def tune_run(tmp_path: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "toolkit.cli.main", "run", "--nproc_per_node", str(nproc), "full_finetune_distributed",
+         "--config", "demo", f"output_dir={tmp_path}", *FAST, *args],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"strategy": "zero4"}, "unknown strategy 'zero4'"),
+        ({"strategy": "hsdp", "shard_size": 3}, "cannot be split into shard groups of 3"),
+        ({"strategy": "ddp", "cpu_offload": True}, "needs a sharded strategy"),
+        ({"strategy": "zero3", "cpu_offload": True, "device_type": "cpu"}, "already runs on the CPU"),
+    ],
+)
+def test_bad_layouts(kwargs, message):
+    kwargs = {"world_size": 4, "local_world_size": 4, **kwargs}
+    with pytest.raises(UserError, match=message):
+        parallel_dims(**kwargs)
+
+
+def test_hsdp_layout():
+    dims = parallel_dims(strategy="hsdp", world_size=8, local_world_size=4)
+    assert (dims.replicate, dims.shard) == (2, 4)
+
+
+def test_dtypes(monkeypatch):
+    with pytest.raises(UserError, match="unknown value 'fp8'"):
+        precision_policy("fp8", device=torch.device("cpu"))
+    mixed = precision_policy("bf16-mixed", device=torch.device("cpu"))
+    assert mixed.param_dtype == torch.float32 and mixed.compute_dtype == torch.bfloat16 and not mixed.needs_grad_scaler
+    assert precision_policy("fp16-mixed", device=torch.device("cpu")).needs_grad_scaler
+    # A GPU without bf16 (pre-Ampere) is refused with the advice to use fp16-mixed.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
+    with pytest.raises(UserError, match="Tesla V100 lacks; use fp16-mixed"):
+        precision_policy("bf16", device=torch.device("cuda", 0))
+
+
+def test_cpu_offload_with_ddp_is_one_line_before_training(tmp_path):
+    result = tune_run(tmp_path, "data_parallel=ddp", "cpu_offload=true")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "cpu_offload" in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_crashing_rank_is_named_and_the_others_do_not_hang(tmp_path):
+    # Rank 0 goes on to a collective and waits there for rank 1. The collective timeout is 600 s and tune_run's
+    # subprocess timeout 180 s: only the launcher ending the group when rank 1 dies lets this return at all.
+    result = tune_run(
+        tmp_path, "dataset._component_=tests.training.faulty_components.dataset_failing_on_rank_one",
+        "dist_timeout_s=600",
+    )
+    assert result.returncode == 1
+    # The launcher's closing line names the failed rank and its exception.
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert "rank 1" in last_line and "RuntimeError: injected failure on rank 1" in last_line
+
+
+def test_metrics_gather_per_rank_figures(tmp_path):
+    result = tune_run(tmp_path, "log_every_n_steps=1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    import json
+
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["rank_step_time_s_max"] >= record["rank_step_time_s_min"] > 0
+    assert record["slowest_rank"] in (0, 1)
+    assert record["rank_peak_memory_gib_max"] > 0
