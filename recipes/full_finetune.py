@@ -35,6 +35,7 @@ from toolkit.training import (
     destroy_distributed,
     forward_backward,
     gather_full_state_dict,
+    global_batches,
     gradient_accumulation_steps,
     init_distributed,
     init_weights,
@@ -132,18 +133,11 @@ def train(cfg: DictConfig) -> None:
 
     # --- Training loop ------------------------------------------------------------------------------------------
     model.train()
-    step, epoch = 0, 0
-    batches = iter(loader)
-    while step < total_steps:
+    step = 0
+    for epoch, micro_batches in global_batches(loader, sampler, accum_steps=accum_steps):
+        if step == total_steps:
+            break
         start = time.perf_counter()
-        micro_batches = []
-        while len(micro_batches) < accum_steps:
-            try:
-                micro_batches.append(next(batches))
-            except StopIteration:  # the epoch is over: the next global batches come from a new permutation
-                epoch += 1
-                sampler.set_epoch(epoch)
-                batches = iter(loader)
         result = forward_backward(
             model, micro_batches, device=env.device, data_parallel_size=env.world_size,
             autocast=autocast, grad_scaler=grad_scaler,

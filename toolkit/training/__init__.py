@@ -35,7 +35,7 @@ from toolkit.training.parallel import (
     unwrap,
 )
 from toolkit.training.precision import PrecisionPolicy, param_dtype, precision_policy
-from toolkit.training.step import StepResult, forward_backward, make_grad_scaler, optimizer_step
+from toolkit.training.step import StepResult, forward_backward, global_batches, make_grad_scaler, optimizer_step
 
 __all__ = [
     "IGNORE_INDEX",
@@ -59,6 +59,7 @@ __all__ = [
     "destroy_distributed",
     "forward_backward",
     "gather_full_state_dict",
+    "global_batches",
     "global_token_count",
     "gradient_accumulation_steps",
     "gradient_scale",

@@ -1,12 +1,14 @@
 """One optimizer step: micro-batches forward and backward with exact loss normalization, then the update."""
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.optim import Optimizer
+
+from toolkit.data import GlobalBatchSampler
 
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import cross_entropy_sum, global_token_count, gradient_scale
@@ -103,3 +105,24 @@ def make_grad_scaler(*, enabled: bool, device: torch.device, sharded: bool) -> t
 
         return ShardedGradScaler(device.type)
     return torch.amp.GradScaler(device.type)
+
+
+def global_batches(
+    loader: Iterable[dict[str, torch.Tensor]], sampler: GlobalBatchSampler, *, accum_steps: int
+) -> Iterator[tuple[int, list[dict[str, torch.Tensor]]]]:
+    """Yield ``(epoch, micro_batches)`` per optimizer step, endlessly, starting a new epoch when one runs out.
+
+    The sampler gives each rank exactly ``accum_steps`` micro-batches of every global batch and drops an
+    incomplete last one, so a step never straddles two epochs. The caller calls ``sampler.advance()`` after
+    each optimizer step (the sampler's resumable position), not this generator.
+    """
+    epoch = sampler.epoch
+    while True:
+        micro_batches: list[dict[str, torch.Tensor]] = []
+        for micro_batch in loader:
+            micro_batches.append(micro_batch)
+            if len(micro_batches) == accum_steps:
+                yield epoch, micro_batches
+                micro_batches = []
+        epoch += 1
+        sampler.set_epoch(epoch)
