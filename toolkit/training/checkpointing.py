@@ -109,6 +109,8 @@ class HFCheckpointer:
             key = self.family.hf_key_to_tune(hf_key)
         except KeyError:
             raise UserError(f"{file}: unexpected key {hf_key!r} for this model family") from None
+        if key == "output.weight" and key not in targets and "embed_tokens.weight" in targets:
+            return  # a tied model: some exporters still write the (shared) lm_head; the embedding is the weight
         if key not in targets:
             raise UserError(f"{file}: key {hf_key!r} has no counterpart in the model; is it a checkpoint of this model?")
         tensor = reader.get_tensor(hf_key)
