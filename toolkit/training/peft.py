@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from toolkit.errors import UserError
-from toolkit.modules.peft import DoRALinear, LoRALinear, adapter_modules
+from toolkit.modules.peft import DoRALinear, adapter_modules
 from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _TOKENIZER_FILES, _weight_files, load_model_family
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -156,7 +156,7 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, di
     try:
         flat = load_file(str(weights_file))
     except SafetensorError as e:
-        raise UserError(f"{weights_file}: cannot read safetensors ({e}); the file may be truncated or corrupt") from None
+        raise UserError(f"{weights_file}: cannot read safetensors ({e}); the file may be truncated") from None
     by_module: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in flat.items():
         if key.endswith(".base_layer.weight"):
@@ -172,7 +172,7 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, di
         if not {"lora_A.weight", "lora_B.weight"} <= params.keys():
             raise UserError(f"{weights_file}: {module} lacks lora_A or lora_B")
         if ("lora_magnitude_vector" in params) != bool(config.get("use_dora", False)):
-            raise UserError(f"{weights_file}: {module}: DoRA magnitude presence disagrees with use_dora in {ADAPTER_CONFIG}")
+            raise UserError(f"{weights_file}: {module}: a DoRA magnitude is present iff use_dora in {ADAPTER_CONFIG}")
     return config, by_module, config["lora_alpha"] / config["r"]
 
 
@@ -203,7 +203,9 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, *, model_family
                 f"rank {module.rank}, alpha {module.alpha}"
             )
         if isinstance(module, DoRALinear) != bool(config.get("use_dora", False)):
-            raise UserError(f"{weights_file}: use_dora={config.get('use_dora', False)} but the model's {hf_name} differs")
+            kind = "DoRA" if isinstance(module, DoRALinear) else "LoRA"
+            use_dora = config.get("use_dora", False)
+            raise UserError(f"{weights_file}: use_dora={use_dora} but the model's {hf_name} is {kind}")
         for peft_name, tensor in by_module[hf_name].items():
             target = module.get_parameter(_FROM_PEFT[peft_name])
             if tensor.shape != target.shape:
@@ -280,7 +282,8 @@ def merge_adapter_into_checkpoint(
                         params = targets[key]
                         shape = (params["lora_B.weight"].shape[0], params["lora_A.weight"].shape[1])
                         if tuple(tensor.shape) != shape:
-                            raise UserError(f"{file}: {key} has shape {tuple(tensor.shape)}, the adapter expects {shape}")
+                            got = tuple(tensor.shape)
+                            raise UserError(f"{file}: {key} has shape {got}; the adapter expects {shape}")
                         tensor = _merge(tensor, params, scale)
                     out[key] = tensor
             save_file(out, str(tmp_dir / file.name), metadata=metadata)

@@ -10,6 +10,19 @@ from toolkit.models.llama3._convert_weights import (
     tune_to_hf,
     tune_to_meta,
 )
+from toolkit.models.llama3._lora_builders import (
+    lora_llama3,
+    lora_llama3_1_8b,
+    lora_llama3_1_70b,
+    lora_llama3_2_1b,
+    lora_llama3_2_3b,
+    lora_llama3_demo,
+    qlora_llama3_1_8b,
+    qlora_llama3_1_70b,
+    qlora_llama3_2_1b,
+    qlora_llama3_2_3b,
+    qlora_llama3_demo,
+)
 from toolkit.models.llama3._model_builders import (
     HF_MODEL_TYPES,
     from_hf_config,
@@ -39,4 +52,15 @@ __all__ = [
     "tune_key_to_hf",
     "tune_to_hf",
     "tune_to_meta",
+    "lora_llama3",
+    "lora_llama3_1_70b",
+    "lora_llama3_1_8b",
+    "lora_llama3_2_1b",
+    "lora_llama3_2_3b",
+    "lora_llama3_demo",
+    "qlora_llama3_1_70b",
+    "qlora_llama3_1_8b",
+    "qlora_llama3_2_1b",
+    "qlora_llama3_2_3b",
+    "qlora_llama3_demo",
 ]

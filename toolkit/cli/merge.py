@@ -1,0 +1,33 @@
+"""``tune merge``: merge a PEFT LoRA/DoRA adapter into a Hugging Face base checkpoint, offline."""
+
+import argparse
+
+
+def merge(args: argparse.Namespace) -> int:
+    """Run ``tune merge`` (see :func:`toolkit.training.peft.merge_adapter_into_checkpoint`)."""
+    # Imported here so that `tune --help` and the other commands do not pay for importing torch.
+    from toolkit.training.peft import merge_adapter_into_checkpoint
+
+    out = merge_adapter_into_checkpoint(args.base, args.adapter, args.output, overwrite=args.overwrite)
+    print(f"merged {args.adapter} into {args.base}: wrote {out}")
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``tune merge`` on the ``tune`` subcommand parsers."""
+    parser = commands.add_parser(
+        "merge",
+        help="merge a LoRA/DoRA adapter into its base checkpoint",
+        description=(
+            "Write a Hugging Face checkpoint whose weights are the base's with a PEFT-format LoRA or DoRA adapter "
+            "merged in, e.g. tune merge --base ./Llama-3.2-1B --adapter ./out/final/adapter --output ./merged. "
+            "Works on the files (any model family), one safetensors file in memory at a time."
+        ),
+    )
+    parser.add_argument("--base", required=True, metavar="DIR", help="the base model's Hugging Face folder")
+    parser.add_argument(
+        "--adapter", required=True, metavar="DIR", help="PEFT adapter folder (adapter_config.json + safetensors)"
+    )
+    parser.add_argument("--output", required=True, metavar="DIR", help="folder to write (must not exist)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    parser.set_defaults(handler=merge)

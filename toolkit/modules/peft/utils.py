@@ -1,0 +1,134 @@
+"""Model-wide adapter helpers: initialize, select and freeze parameters, filter state dicts, merge, disable."""
+
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from toolkit.modules.peft.lora import DoRALinear, LoRALinear
+from toolkit.modules.peft.nf4 import NF4Linear, dequantize
+
+_ADAPTER_SUFFIXES = (".lora_a.weight", ".lora_b.weight", ".magnitude")
+
+
+def adapter_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every LoRA/DoRA layer of ``model`` by its module name (``layers.0.self_attn.q_proj``)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a state-dict key names an adapter parameter (``...q_proj.lora_a.weight``, ``...magnitude``).
+
+    Pass it as ``HFCheckpointer.load(model, ignore_missing=is_adapter_key)``: a base checkpoint has no adapters.
+    """
+    return key.endswith(_ADAPTER_SUFFIXES)
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module) -> None:
+    """Initialize every adapter of ``model``: LoRA ``A`` Kaiming-uniform and ``B`` zero, DoRA magnitudes set to the
+    base rows' norms.
+
+    Call once the base weights are in place (loaded from a checkpoint or initialized), before training or before
+    loading a saved adapter state; the model then computes exactly what its base computes.
+    """
+    for module in adapter_modules(model).values():
+        module.reset_lora_parameters()
+        if isinstance(module, DoRALinear):
+            module.initialize_dora_magnitude()
+
+
+def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The trained parameters of every adapter of ``model``, by their full names
+    (``layers.0.self_attn.q_proj.lora_a.weight``)."""
+    params = {}
+    for prefix, module in adapter_modules(model).items():
+        for name in module.adapter_params():
+            params[f"{prefix}.{name}" if prefix else name] = module.get_parameter(name)
+    return params
+
+
+def set_trainable_params(model: nn.Module, trainable: Collection[str]) -> None:
+    """Make exactly the parameters named in ``trainable`` require gradients, and freeze all others.
+
+    ``set_trainable_params(model, get_adapter_params(model))`` trains only the adapters, so data parallelism
+    all-reduces only their gradients and the optimizer holds state only for them.
+
+    Raises:
+        ValueError: a name in ``trainable`` is not a parameter of ``model``.
+    """
+    names = {name for name, _ in model.named_parameters()}
+    unknown = sorted(set(trainable) - names)
+    if unknown:
+        raise ValueError(f"not parameters of the model: {unknown[:3]}")
+    for name, param in model.named_parameters():
+        param.requires_grad_(name in trainable)
+
+
+def get_adapter_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter entries of a model state dict (what a step checkpoint must keep: the base never changes)."""
+    return {key: value for key, value in state_dict.items() if is_adapter_key(key)}
+
+
+def _dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    # The plain-linear weight of every adapted or quantized layer, by state-dict key.
+    weights = {f"{name}.weight": module.merged_weight() for name, module in adapter_modules(model).items()}
+    for name, module in model.named_modules():
+        if isinstance(module, NF4Linear):
+            weights[f"{name}.weight"] = dequantize(module.weight)
+    return weights
+
+
+@torch.no_grad()
+def get_merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of the plain model that computes what ``model`` computes: adapters merged into their base
+    weights (LoRA: ``W + s B A``; DoRA: ``m (W + s B A) / ||W + s B A||``), NF4 weights dequantized, adapter keys
+    dropped. Keys are those of the model built without adapters. ``model`` is left unchanged.
+    """
+    dense = _dense_weights(model)
+    merged = {}
+    for key, value in model.state_dict().items():
+        if is_adapter_key(key):
+            continue
+        merged[key] = dense.get(key, value)
+    return merged
+
+
+@torch.no_grad()
+def merge_lora_weights(model: nn.Module) -> nn.Module:
+    """Replace, in place, every LoRA/DoRA layer by a plain ``nn.Linear`` holding its merged weight, and every NF4
+    layer by a dequantized one; return the model (a new module if ``model`` itself was such a layer).
+
+    The result has no adapter and no torchao tensor: save it with ``HFCheckpointer.save`` or export it anywhere.
+    Merged weights take the adapter's dtype (the NF4 layers' their nominal dtype).
+    """
+    replaced: dict[str, nn.Module] = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (LoRALinear, NF4Linear)):
+            weight = module.merged_weight() if isinstance(module, LoRALinear) else dequantize(module.weight)
+            linear = nn.Linear(module.in_dim, module.out_dim, bias=module.bias is not None, device="meta")
+            linear.weight = nn.Parameter(weight.detach().clone())
+            if module.bias is not None:
+                linear.bias = nn.Parameter(module.bias.detach().clone())
+            replaced[name] = linear
+    for name, linear in replaced.items():
+        if not name:
+            return linear
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, linear)
+    return model
+
+
+@contextmanager
+def disable_adapters(model: nn.Module) -> Iterator[None]:
+    """Within the block, every adapter layer computes its base only (e.g. a DPO reference model for free)."""
+    modules = list(adapter_modules(model).values())
+    previous = [module.disabled for module in modules]
+    for module in modules:
+        module.disabled = True
+    try:
+        yield
+    finally:
+        for module, was in zip(modules, previous):
+            module.disabled = was
