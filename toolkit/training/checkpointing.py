@@ -68,6 +68,7 @@ class HFCheckpointer:
 
     def __init__(self, checkpoint_dir: str | None = None, *, model_family: str) -> None:
         self.checkpoint_dir = Path(checkpoint_dir).expanduser() if checkpoint_dir else None
+        self.family_name = model_family
         self.family = load_model_family(model_family)
         if self.checkpoint_dir is not None and not self.checkpoint_dir.is_dir():
             raise UserError(f"checkpointer.checkpoint_dir: {self.checkpoint_dir} is not a folder")

@@ -22,15 +22,17 @@ def materialize(model: nn.Module, *, device: torch.device, dtype: torch.dtype | 
 
 @torch.no_grad()
 def init_weights(model: nn.Module, *, std: float = 0.02) -> None:
-    """Initialize from scratch: normal(0, std) weights for linear and embedding layers, zero biases, and each
-    other module's own ``reset_parameters`` (norms start at one). Draws from the global torch RNG, so the same
-    seed gives the same model on every rank."""
+    """Initialize from scratch: every matrix parameter (linear, embedding, and the frozen base weights of adapter
+    layers) from normal(0, std), biases at zero, and other leaf modules (norms) by their own
+    ``reset_parameters``. Draws from the global torch RNG in a fixed order, so the same seed gives the same model
+    on every rank. Adapter layers reset their own adapters afterwards (``init_adapters``)."""
     for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-        elif hasattr(module, "reset_parameters") and not list(module.children()):
+        own = dict(module.named_parameters(recurse=False))
+        if "weight" in own and own["weight"].dim() >= 2:
+            nn.init.normal_(own["weight"], mean=0.0, std=std)
+            if own.get("bias") is not None:
+                nn.init.zeros_(own["bias"])
+        elif own and hasattr(module, "reset_parameters"):
             module.reset_parameters()
 
 

@@ -1,0 +1,212 @@
+"""LoRA, DoRA and QLoRA fine-tuning: the base model is frozen and only low-rank adapters train.
+
+One file for one device and for many, and for all three methods (chosen by the model builder's arguments:
+``use_dora: true`` for DoRA, a ``qlora_*`` builder or ``quantize_base: true`` for QLoRA):
+
+    tune run lora_finetune_single_device --config demo
+    tune run lora_finetune_distributed --config demo                      # every local GPU (or CPU processes)
+    tune run --nproc_per_node 8 lora_finetune_distributed --config llama3_1_8b_lora
+
+Only the adapters' gradients are reduced across ranks (under DDP only trainable parameters are registered), and
+the optimizer holds state only for them. The result is written as a PEFT adapter (``final/adapter``, loadable with
+``peft.PeftModel.from_pretrained``) and, with ``save_merged: true``, as a merged Hugging Face model
+(``final/merged``). Loss normalization, accumulation and data parallelism are the full fine-tune's (toolkit).
+"""
+
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from toolkit.config import instantiate, recipe_main
+from toolkit.data import GlobalBatchSampler, padded_collate
+from toolkit.generation import exact_match_accuracy
+from toolkit.modules.peft import get_adapter_params, get_merged_state_dict, init_adapters, is_adapter_key
+from toolkit.modules.peft import set_trainable_params
+from toolkit.training.peft import save_peft_adapter
+from toolkit.training import (
+    IGNORE_INDEX,
+    MetricsLogger,
+    apply_activation_checkpointing,
+    apply_data_parallel,
+    barrier,
+    destroy_distributed,
+    forward_backward,
+    gather_full_state_dict,
+    global_batches,
+    gradient_accumulation_steps,
+    init_distributed,
+    init_weights,
+    make_grad_scaler,
+    materialize,
+    on_rank_zero,
+    optimizer_step,
+    parallel_dims,
+    peak_memory_gib,
+    precision_policy,
+    prepare_output_dir,
+    rank_stats,
+    set_seed,
+    shard_optimizer_state,
+    unwrap,
+)
+
+
+def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogger, when: str) -> float:
+    """Held-out exact-match accuracy, printed by rank zero."""
+    correct, total = exact_match_accuracy(
+        unwrap(model), tokenizer, tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank, world_size=env.world_size
+    )
+    log.print(f"held-out accuracy {when} training: {correct / total:.1%} ({correct}/{total})")
+    return correct / total
+
+
+def save_adapter_and_merged(model, checkpointer, *, cfg: DictConfig, env, output_dir: Path, log: MetricsLogger) -> None:
+    """Write the PEFT adapter and, if asked, the merged model, from rank zero.
+
+    Sharded adapters are gathered first (a collective), into a plain copy of the model built on rank zero.
+    """
+    plain = unwrap(model)
+    if any(isinstance(p, DTensor) for p in plain.parameters()):
+        full_state = gather_full_state_dict(model)
+        plain = None
+        if env.is_rank_zero:
+            with torch.device("meta"):
+                plain = instantiate(cfg.model)
+            plain.load_state_dict(full_state, assign=True)
+    if not env.is_rank_zero:
+        return
+    base = str(checkpointer.checkpoint_dir) if checkpointer.checkpoint_dir is not None else None
+    adapter_dir = save_peft_adapter(
+        plain, output_dir / "final" / "adapter", model_family=checkpointer.family_name, base_model_name_or_path=base
+    )
+    log.print(f"saved {adapter_dir}")
+    if cfg.save_merged:
+        merged_dir = checkpointer.save(plain, output_dir / "final" / "merged", state_dict=get_merged_state_dict(plain))
+        log.print(f"saved {merged_dir}")
+
+
+def train(cfg: DictConfig) -> None:
+    # --- Processes, devices, precision and the data-parallel layout ----------------------------------------------
+    env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
+    precision = precision_policy(cfg.dtype, device=env.device)
+    dims = parallel_dims(
+        strategy=cfg.data_parallel,
+        world_size=env.world_size,
+        local_world_size=env.local_world_size,
+        shard_size=cfg.hsdp_shard_size,
+        cpu_offload=cfg.cpu_offload,
+        device_type=env.device.type,
+    )
+    accum_steps = gradient_accumulation_steps(
+        batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size, world_size=env.world_size
+    )
+    output_dir = Path(cfg.output_dir)
+    on_rank_zero(prepare_output_dir, output_dir, overwrite=cfg.overwrite)
+
+    # --- Model: built on the meta device (no memory), materialized, initialized or loaded, then parallelized ------
+    set_seed(cfg.seed)  # the same seed on every rank: identical initial weights
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    materialize(model, device=env.device, dtype=precision.param_dtype)
+    checkpointer = instantiate(cfg.checkpointer)
+    if checkpointer.checkpoint_dir is not None:
+        checkpointer.load(model, ignore_missing=is_adapter_key)  # a base checkpoint holds no adapters
+    else:
+        init_weights(model)
+    init_adapters(model)  # B = 0 (and DoRA magnitudes = base norms): the model starts as exactly the base
+    set_trainable_params(model, get_adapter_params(model))
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    model = apply_data_parallel(model, dims=dims, device=env.device, mp_policy=precision.fsdp_policy())
+    autocast = precision.autocast(env.device, sharded=dims.is_sharded)
+    grad_scaler = make_grad_scaler(enabled=precision.needs_grad_scaler, device=env.device, sharded=dims.is_sharded)
+
+    # --- Data: every rank reads its slice of each global batch, in an order independent of the world size ---------
+    tokenizer = instantiate(cfg.tokenizer)
+    dataset = instantiate(cfg.dataset, tokenizer)
+    sampler = GlobalBatchSampler(
+        len(dataset), global_batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size, seed=cfg.seed
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.micro_batch_size,
+        sampler=sampler,
+        collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id, ignore_index=IGNORE_INDEX),
+    )
+    total_steps = cfg.epochs * sampler.steps_per_epoch
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+
+    # --- Optimizer and schedule (after sharding: FSDP2 parameters are DTensors) ---------------------------------
+    optimizer = instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    optimizer = shard_optimizer_state(optimizer, dims=dims)
+    lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
+
+    log = MetricsLogger(output_dir, enabled=env.is_rank_zero, total_steps=total_steps, progress_bar=cfg.progress_bar)
+    if env.is_rank_zero:
+        OmegaConf.save(cfg, output_dir / "config.yaml")
+    n_params = sum(p.numel() for p in unwrap(model).parameters())
+    n_trainable = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
+    log.print(
+        f"{n_params / 1e6:.2f}M parameters, {n_trainable / 1e6:.3f}M trainable; {env.world_size} process(es) on {env.device.type}, {dims.strategy}, "
+        f"{precision.name}; global batch {cfg.batch_size} = {env.world_size} x {cfg.micro_batch_size} x "
+        f"{accum_steps} accumulation step(s); {total_steps} steps"
+    )
+    eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None
+    if eval_tasks:
+        evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")
+
+    # --- Training loop ------------------------------------------------------------------------------------------
+    model.train()
+    step = 0
+    for epoch, micro_batches in global_batches(loader, sampler, accum_steps=accum_steps):
+        if step == total_steps:
+            break
+        start = time.perf_counter()
+        result = forward_backward(
+            model, micro_batches, device=env.device, data_parallel_size=env.world_size,
+            autocast=autocast, grad_scaler=grad_scaler,
+        )
+        grad_norm = optimizer_step(model, optimizer, max_grad_norm=cfg.clip_grad_norm, grad_scaler=grad_scaler)
+        lr = lr_scheduler.get_last_lr()[0]
+        lr_scheduler.step()
+        sampler.advance()
+        step += 1
+
+        elapsed = time.perf_counter() - start
+        metrics = {
+            "step": step, "epoch": epoch, "loss": result.loss, "lr": lr, "grad_norm": grad_norm,
+            "num_tokens": result.num_tokens, "tokens_per_second": result.num_tokens / elapsed, "step_time_s": elapsed,
+        }
+        if step % cfg.log_every_n_steps == 0 or step == total_steps:
+            # Per-rank figures, gathered: the max and the slowest rank show a straggler.
+            metrics.update(rank_stats({
+                "rank_step_time_s": elapsed,
+                "rank_positions_per_second": result.num_positions / elapsed,
+                "rank_peak_memory_gib": peak_memory_gib(env.device),
+            }))
+        log.log(metrics)
+
+    # --- Evaluate and save ----------------------------------------------------------------------------------------
+    if eval_tasks:
+        evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="after")
+    save_adapter_and_merged(model, checkpointer, cfg=cfg, env=env, output_dir=output_dir, log=log)
+    barrier()
+    log.close()
+
+
+@recipe_main
+def main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
