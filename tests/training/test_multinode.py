@@ -1,0 +1,166 @@
+"""Several nodes through torchrun's c10d rendezvous, simulated by two launchers on localhost.
+
+Each "node" is its own ``tune run --nnodes 2 ... --rdzv_backend c10d`` process, started concurrently, exactly as a
+user would start one per machine (docs/multi_node.md). The job must train as one: with the same global batch the
+losses equal those of a single process (promise 1; fp32, so within float rounding: 1e-5 relative, as in
+test_parallel_parity.py), and only the node holding global rank 0 writes ``metrics.jsonl`` and the checkpoint.
+
+c10d ignores ``--node_rank`` (torchrun warns so): the rendezvous numbers the nodes itself, in the order of their
+(host, launcher pid). Each node therefore gets its own ``output_dir`` here, and the test finds which one was
+node 0 by what it wrote, then checks that the other wrote nothing at all.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+# Tiny and fast; words of 2 to 8 letters so that a wrong loss normalization across nodes would show.
+COMMON = [
+    "dataset.word_len=[2,8]", "max_steps=4", "dataset.num_samples=256", "progress_bar=false", "~eval_tasks",
+    "batch_size=8", "micro_batch_size=2",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+TIMEOUT_S = 150  # per launch; a healthy run takes ~20-30 s on a busy 2-core machine
+# How often to retry a launch whose rendezvous port was taken by someone else between our probe and its use.
+PORT_ATTEMPTS = 3
+
+
+def free_port() -> int:
+    """A port nothing listens on now: the kernel picks one from the ephemeral range, which it hands out in turn,
+    so a port just released is unlikely to be handed to another process in the next seconds."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Stop a launcher and the workers it started (each launcher leads its own session)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def wait_all(procs: list[subprocess.Popen], logs: list[Path], *, timeout_s: float) -> list[subprocess.CompletedProcess]:
+    """Wait for every launcher; as soon as one fails, stop the others (they would wait for it in the rendezvous or
+    at a collective until a timeout) and return what each printed."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        if time.monotonic() > deadline:
+            for p in procs:
+                kill_group(p)
+            raise AssertionError(f"the nodes did not finish within {timeout_s} s")
+        time.sleep(0.2)
+    for p in procs:
+        kill_group(p)
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, log.with_suffix(".out").read_text(), log.with_suffix(".err").read_text())
+        for p, log in zip(procs, logs)
+    ]
+
+
+def launch_nodes(outs: list[Path], logs: Path, nproc_per_node: int, *args: str) -> list[subprocess.CompletedProcess]:
+    """Start one ``tune run`` per node, concurrently, and wait for all of them (bounded).
+
+    Output goes to files under ``logs`` rather than pipes: a failing job's tracebacks could fill a pipe that
+    nobody reads while we poll, and block the launcher.
+
+    Node 0 is told to host the rendezvous store (``is_host``): if its port was taken meanwhile, it fails at
+    once and we retry on a new port and a new rendezvous id, instead of both nodes joining a stranger's store.
+    """
+    for attempt in range(PORT_ATTEMPTS):
+        port, run_id = free_port(), uuid.uuid4().hex[:12]
+        procs: list[subprocess.Popen] = []
+        node_logs: list[Path] = []
+        try:
+            for node, out in enumerate(outs):
+                cmd = [
+                    sys.executable, "-m", "toolkit.cli.main", "run",
+                    "--nnodes", str(len(outs)), "--node_rank", str(node), "--nproc_per_node", str(nproc_per_node),
+                    "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_id,
+                    "--rdzv_conf", f"is_host={int(node == 0)}",
+                    "full_finetune_distributed", "--config", "demo", f"output_dir={out}", *COMMON, *args,
+                ]
+                logs.mkdir(parents=True, exist_ok=True)
+                node_logs.append(logs / f"node{node}-try{attempt}")
+                with node_logs[-1].with_suffix(".out").open("w") as stdout, \
+                        node_logs[-1].with_suffix(".err").open("w") as stderr:
+                    # The child keeps its own copies of the descriptors; ours can close at once.
+                    procs.append(subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=ENV, start_new_session=True))
+            results = wait_all(procs, node_logs, timeout_s=TIMEOUT_S)
+        finally:
+            # On a timeout or an error, leave no launcher or worker behind; a no-op for those that finished.
+            for proc in procs:
+                kill_group(proc)
+        port_taken = any("address already in use" in r.stderr.lower() for r in results)
+        if port_taken and attempt + 1 < PORT_ATTEMPTS:
+            continue
+        for node, r in enumerate(results):
+            assert r.returncode == 0, f"node {node} failed:\n{r.stderr[-3000:]}"
+        return results
+    raise AssertionError("unreachable")
+
+
+def run_single_process(out: Path) -> list[float]:
+    result = subprocess.run(
+        [sys.executable, "-m", "toolkit.cli.main", "run", "full_finetune_single_device", "--config", "demo",
+         f"output_dir={out}", *COMMON],
+        capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_losses(out)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    """One process, 4 micro-steps of 2 per optimizer step: the same global batch of 8."""
+    return run_single_process(tmp_path_factory.mktemp("reference"))
+
+
+def assert_one_writer(outs: list[Path], reference: list[float]) -> None:
+    """Exactly one node (global rank 0's) wrote metrics and the checkpoint; its losses match the reference."""
+    writers = [out for out in outs if (out / "metrics.jsonl").exists()]
+    assert len(writers) == 1, f"expected one node to write metrics, got {writers}"
+    (writer,) = writers
+    for out in outs:
+        if out != writer:
+            # prepare_output_dir, metrics and saves all run on rank 0 only: the other node's folder never appears.
+            assert not out.exists(), f"a node other than node 0 wrote {sorted(out.rglob('*'))}"
+    assert (writer / "final" / "model.safetensors").is_file()
+    losses = read_losses(writer)
+    assert len(losses) == len(reference)
+    torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0)
+
+
+def test_two_nodes_one_process_each_train_like_one_process(reference, tmp_path):
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    results = launch_nodes(outs, tmp_path / "logs", 1, "data_parallel=ddp")
+    assert_one_writer(outs, reference)
+    # The job really spanned both launchers: a world of 2, one process per node.
+    assert any("2 process(es)" in r.stdout for r in results)
+
+
+def test_hsdp_two_nodes_two_processes_each(reference, tmp_path):
+    """HSDP on a (replicate=2 nodes, shard=2 processes) mesh: shard within a node, replicate across nodes."""
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    results = launch_nodes(outs, tmp_path / "logs", 2, "data_parallel=hsdp")
+    assert_one_writer(outs, reference)
+    assert any("4 process(es)" in r.stdout and "hsdp" in r.stdout for r in results)
