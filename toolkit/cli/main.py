@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, as for tune run")
     check.set_defaults(handler=_validate)
 
+    # Parsed by its own parser (overrides may follow its flags), like `tune run`; listed here for `tune --help`.
+    commands.add_parser("plan", help="estimate memory per data-parallel strategy; show what auto picks", add_help=False)
+
     _download.add_parser(commands)
     merge.add_parser(commands)
 
@@ -132,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args[:1] == ["run"]:
             return run_command(args[1:])
+        if args[:1] == ["plan"]:
+            from toolkit.cli.plan import plan_command  # imports torch: only for this command, not every `tune`
+
+            return plan_command(args[1:])
         parser = build_parser()
         namespace = parser.parse_args(args)
         if namespace.command is None:

@@ -5,7 +5,8 @@ The estimate is an analytic count, per device, of what :mod:`toolkit.training.pa
 :mod:`toolkit.training.precision` allocate for a :class:`~toolkit.modules.TransformerDecoder` built on the meta
 device (so a 70B model costs nothing to plan):
 
-- **params**: stored (master) parameters, plus buffers such as the rotary cos/sin cache.
+- **params**: stored (master) parameters, NF4 base weights (QLoRA) at their quantized size, plus buffers such
+  as the rotary cos/sin cache.
 - **grads**: gradients in the stored dtype (the mixed modes reduce in fp32).
 - **optimizer state**: ``states x`` trainable parameters in the stored dtype (AdamW: exp_avg and exp_avg_sq).
 - **activations**: tensors autograd saves for backward, from the formula in :func:`activation_bytes`.
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import UserError
+from toolkit.modules.gemma2 import GemmaRMSNorm
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 _SHARDED = ("zero2", "zero3", "hsdp")
@@ -104,7 +106,7 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer_state + self.activations + self.temporary
 
     def table(self) -> str:
-        """The estimate as a table in GiB."""
+        """The estimate as a one-column table (see :func:`format_table`)."""
         return format_table([self])
 
     def __str__(self) -> str:
@@ -156,17 +158,27 @@ def _out_features(module: nn.Module) -> int:
     return int(out) if out is not None else int(module.weight.shape[0])
 
 
-def _layer_activation_bytes_per_token(layer: nn.Module, *, embed_dim: int, seq_len: int, compute: int, autocast: bool) -> int:
+def _norm_bytes_per_token(norm: nn.Module, *, embed_dim: int, compute: int, autocast: bool) -> int:
+    """What a norm saves per token: its input as fp32 (a copy unless fp32), 1/rms, and the normalized value the
+    weight's gradient needs, in the compute dtype (fp32 under autocast, where mul is not autocast, and in
+    Gemma's norm, which scales before casting back)."""
+    normed = 4 if autocast or isinstance(norm, GemmaRMSNorm) else compute
+    return (4 + normed) * embed_dim + 4
+
+
+def _layer_activation_bytes_per_token(
+    layer: nn.Module, *, embed_dim: int, seq_len: int, compute: int, autocast: bool
+) -> int:
     """Bytes one decoder layer saves for backward per token (the formula of :func:`activation_bytes`)."""
     attn, mlp, d, c = layer.self_attn, layer.mlp, embed_dim, compute
     n_h, n_kv, h_d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_dim, kv_dim = n_h * h_d, n_kv * h_d
-    num_norms = sum(1 for name, _ in layer.named_children() if name not in ("self_attn", "mlp"))
-    # Under autocast the norms run in fp32 (mul is not autocast), and every projection casts its input to bf16
-    # separately (autocast caches casts of weights only): q, k, v, gate and up each save their own copy.
-    normed = 4 if autocast else c
+    norms = [m for name, m in layer.named_children() if name not in ("self_attn", "mlp")]
+    # Under autocast every projection casts its input to bf16 separately (autocast caches casts of weights
+    # only), so q, k, v, gate and up each save their own copy instead of sharing one per block.
     projection_inputs = 5 if autocast else 2
-    total = num_norms * ((4 + normed) * d + 4) + projection_inputs * c * d
+    total = sum(_norm_bytes_per_token(norm, embed_dim=d, compute=c, autocast=autocast) for norm in norms)
+    total += projection_inputs * c * d
     # Rotary embeddings save only cos/sin (buffers). SDPA saves rotated q and k, v, its output and the fp32
     # logsumexp [b, n_h, s]; o_proj's input is a view of that output (flash kernels lay it out as [b, s, n_h, h_d]).
     total += c * (2 * q_dim + 2 * kv_dim) + 4 * n_h
@@ -176,8 +188,10 @@ def _layer_activation_bytes_per_token(layer: nn.Module, *, embed_dim: int, seq_l
     if attn.k_norm is not None:
         total += (4 + c) * kv_dim + 4 * n_kv
     if attn.logit_softcap is not None:
-        # Explicit attention (Gemma 2): repeated k and v, tanh scores, fp32 softmax and its cast, per query.
-        total += 2 * c * q_dim + n_h * seq_len * (2 * c + 4) - 4 * n_h
+        # Explicit attention (Gemma 2) instead of SDPA's logsumexp: repeated k and v, then per query and head
+        # the scores' tanh, the fp32 softmax and its cast (masks of size s x s per layer are not counted).
+        cast = c if c != 4 else 0  # the softmax's cast back to the compute dtype, a no-op in fp32
+        total += 2 * c * q_dim + n_h * seq_len * (c + 4 + cast) - 4 * n_h
     # SwiGLU: gate and up outputs, the activation's output and the product (down_proj's input).
     total += 4 * c * _out_features(mlp.gate_proj)
     return total
@@ -213,6 +227,8 @@ def activation_bytes(
 
     The formula is exact for the tensors PyTorch's CPU and flash/memory-efficient SDPA kernels save (checked
     against ``saved_tensors_hooks`` in the tests); per-document attention masks of packed batches are not counted.
+    With a frozen base (LoRA) a norm with a frozen weight saves no normalized value and LoRA adds rank-sized
+    tensors: there the estimate is a few percent high.
 
     Args:
         model: a :class:`~toolkit.modules.TransformerDecoder`, on any device (meta is fine).
@@ -230,7 +246,7 @@ def activation_bytes(
         _layer_activation_bytes_per_token(layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast)
         for layer in model.layers
     ]
-    head = 8 + (4 + (4 if autocast else compute)) * d + 4 + compute * d
+    head = 8 + _norm_bytes_per_token(model.norm, embed_dim=d, compute=compute, autocast=autocast) + compute * d
     if activation_checkpointing:
         residual = 4 if autocast else compute  # the residual stream is fp32 under autocast
         return tokens * (len(per_layer) * residual * d + max(per_layer, default=0) + head)
@@ -253,12 +269,23 @@ def logits_bytes(model: nn.Module, *, micro_batch_size: int, seq_len: int, dtype
 # --- Parameters, sharding and the estimate -----------------------------------------------------------------------
 
 
-def _shard_numel(param: torch.Tensor, shards: int) -> int:
+def _is_subclass(t: torch.Tensor) -> bool:
+    # Tensor subclasses that store their data in inner tensors (torchao's NF4 for QLoRA's frozen base).
+    return type(t.data) is not torch.Tensor and hasattr(t.data, "__tensor_flatten__")
+
+
+def _stored_bytes(t: torch.Tensor, element_bytes: int, shards: int = 1) -> int:
+    """Bytes of ``t``'s shard on the rank holding the most: ``element_bytes`` per element, except for tensor
+    subclasses, which keep their own format (NF4: 4 bits and a scaler per block) whatever the dtype policy."""
+    if _is_subclass(t):
+        names, _ = t.data.__tensor_flatten__()
+        inner = sum(getattr(t.data, name).numel() * getattr(t.data, name).element_size() for name in names)
+        return math.ceil(inner / shards)
+    if t.dim() == 0 or shards == 1:
+        return t.numel() * element_bytes
     # FSDP2 shards dim 0 and pads it to a multiple of the shard count: every rank holds ceil(rows / shards) rows.
-    if param.dim() == 0 or shards == 1:
-        return param.numel()
-    rows = param.shape[0]
-    return math.ceil(rows / shards) * (param.numel() // max(rows, 1))
+    rows = t.shape[0]
+    return math.ceil(rows / shards) * (t.numel() // max(rows, 1)) * element_bytes
 
 
 def _largest_greedy_partition(sizes: list[int], parts: int) -> int:
@@ -371,11 +398,11 @@ def estimate_memory(
             return sum(t.numel() for t in tensors if t.requires_grad)
         return fraction * sum(t.numel() for t in tensors)
 
-    def sharded(tensors: list[torch.Tensor], *, only_trainable: bool) -> int:
-        # Elements of the given tensors on the rank holding the most (FSDP2's padded dim-0 shards).
-        if only_trainable and not by_flags:
+    def trainable_shard(tensors: list[torch.Tensor]) -> int:
+        # Trainable elements of the given tensors on the rank holding the most (FSDP2's padded dim-0 shards).
+        if not by_flags:
             return math.ceil(fraction * sum(t.numel() for t in tensors) / shards)
-        return sum(_shard_numel(t, shards) for t in tensors if t.requires_grad or not only_trainable)
+        return sum(_stored_bytes(t, 1, shards) for t in tensors if t.requires_grad)
 
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())  # replicated by every strategy
     states = OPTIMIZER_STATES[optimizer]
@@ -384,35 +411,41 @@ def estimate_memory(
     layers = [list(layer.parameters()) for layer in model.layers]
     largest_layer = max(layers, key=lambda ts: sum(t.numel() for t in ts), default=[])
 
+    def compute_copies(tensors: list[torch.Tensor]) -> int:
+        # Unsharded in the compute dtype (FSDP2's gathered parameters); subclasses gather in their own format.
+        return sum(_stored_bytes(t, c) for t in tensors)
+
     if strategy in ("ddp", "zero1"):
-        param_elems, grad_elems = total, trainable
+        param_bytes = sum(_stored_bytes(t, p) for t in params)
+        grad_elems = trainable
         if strategy == "ddp" or world_size == 1:
             opt_elems = trainable
         elif by_flags:
             opt_elems = _largest_greedy_partition([t.numel() for t in params if t.requires_grad], world_size)
         else:
             opt_elems = math.ceil(trainable / world_size)
-        # Autocast's compute copies: the weights of matmuls (the embedding lookup and the norms run as stored).
+        # Autocast's compute copies of matmul weights, saved for backward; not of the embedding lookup or the norms
+        # (which run as stored), nor of NF4 weights (dequantized inside the matmul, in forward and again in backward).
         matmul_weights = [t for t in params if t.dim() >= 2 and t is not model.embed_tokens.weight]
         if model.output is None:
             matmul_weights.append(model.embed_tokens.weight)
-        gathered = c * sum(t.numel() for t in matmul_weights) if autocast else 0
+        gathered = sum(c * t.numel() for t in matmul_weights if not _is_subclass(t)) if autocast else 0
     else:
-        param_elems = sharded(params, only_trainable=False)
-        grad_elems = opt_elems = sharded(params, only_trainable=True)
+        param_bytes = sum(_stored_bytes(t, p, shards) for t in params)
+        grad_elems = opt_elems = trainable_shard(params)
         if strategy == "zero2":
-            gathered_params = total  # every unit stays unsharded from its forward to its backward
+            gathered_params = compute_copies(params)  # every unit stays unsharded from its forward to its backward
         else:
-            gathered_params = sum(t.numel() for t in root) + 2 * sum(t.numel() for t in largest_layer)
+            gathered_params = compute_copies(root) + 2 * compute_copies(largest_layer)
         # Unsharded gradients: the root's live through backward (it reduce-scatters last), one layer's until its
         # reduce-scatter, which in the mixed modes first casts them to fp32.
         unsharded_grads = c * trainable_in(root) + (c + (p if p != c else 0)) * trainable_in(largest_layer)
-        gathered = int(c * gathered_params + unsharded_grads)
+        gathered = int(gathered_params + unsharded_grads)
         if gradient_accumulation_steps > 1:
             # gradient_sync(enabled=False) -> FSDP2 accumulates full unsharded gradients in the reduce dtype.
             gathered += p * trainable
     host = 0
-    param_bytes, grad_bytes, opt_bytes = p * param_elems, p * grad_elems, p * states * opt_elems
+    grad_bytes, opt_bytes = p * grad_elems, p * states * opt_elems
     if cpu_offload:
         host = param_bytes + grad_bytes + opt_bytes
         param_bytes = grad_bytes = opt_bytes = 0

@@ -1,0 +1,138 @@
+"""tune plan: the per-strategy memory table for a real config, and what auto picks."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from toolkit.cli.main import main
+
+EIGHT_B = ("model._component_=toolkit.models.llama3.llama3_1_8b", "micro_batch_size=1", "max_seq_len=2048")
+SEVENTY_B = ("model._component_=toolkit.models.llama3.llama3_1_70b", "micro_batch_size=1", "max_seq_len=2048")
+
+
+@pytest.fixture
+def plan(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """`tune plan ARGS` in this process, on the repository's own recipes and configs."""
+    for name in ("TUNE_RECIPES_DIR", "TUNE_CONFIGS_DIR"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        code = main(["plan", *args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["tune", "plan", *args], code, out, err)
+
+    return run
+
+
+def _row(out: str, title: str) -> list[str]:
+    return next(line for line in out.splitlines() if line.startswith(title))[len(title):].split()
+
+
+def test_plan_demo_prints_the_table_and_the_choice(plan) -> None:
+    result = plan("full_finetune", "--config", "demo", "--device-memory-gb", "24")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "per device" in out and _row(out, "total") and _row(out, "fits") == ["yes"]
+    for part in ("params", "grads", "optimizer state", "activations", "logits + loss", "gathered"):
+        assert part in out
+    assert "24.00 GiB each (--device-memory-gb), 21.60 GiB usable" in out
+    assert "auto picks: data_parallel=ddp (ddp needs" in out
+    assert "config: data_parallel=ddp needs" in out  # the demo config names ddp
+    if not torch.cuda.is_available():
+        assert "no GPU here, so one process per node" in out
+
+
+def test_plan_shows_every_strategy_with_and_without_offload(plan) -> None:
+    # Flags and overrides in any order, as for tune run.
+    result = plan(
+        "full_finetune_distributed", "--config", "demo", "--nnodes", "2", "batch_size=64", "--nproc_per_node", "4",
+        "--device-memory-gb", "24", "dtype=bf16-mixed", "micro_batch_size=8",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if "per device" in line)
+    assert lines[header].split()[3:] == ["ddp", "zero1", "zero2", "hsdp", "zero3", "zero2", "hsdp", "zero3"]
+    assert lines[header + 1].split() == ["+offload"] * 3
+    assert "world size 8" in result.stdout and "1 accumulation step(s)" in result.stdout
+    assert len(_row(result.stdout, "host, per rank")) == 8
+
+
+def test_plan_8b_on_two_24gb_gpus_offloads(plan) -> None:
+    result = plan(
+        "full_finetune", "--config", "demo", "--nproc_per_node", "2", "--device-memory-gb", "24", *EIGHT_B,
+        "batch_size=2", "dtype=bf16-mixed", "activation_checkpointing=true", "data_parallel=auto",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "auto picks: data_parallel=zero3 with cpu_offload: true (zero3+offload needs" in result.stdout
+    assert _row(result.stdout, "fits") == ["no", "no", "no", "no", "no", "yes"]
+
+
+def test_plan_70b_that_fits_nowhere_prints_the_table_then_one_error(plan) -> None:
+    result = plan("full_finetune", "--config", "demo", "--nproc_per_node", "2", "--device-memory-gb", "24", *SEVENTY_B)
+    assert result.returncode == 1
+    assert "no" in _row(result.stdout, "fits") and "yes" not in _row(result.stdout, "fits")
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("tune: error: no data-parallel strategy fits 2 device(s)") and "LoRA/QLoRA" in line
+
+
+def test_device_memory_from_the_config(plan) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU's own memory is used before the config's")
+    result = plan("full_finetune", "--config", "demo", "device_memory_gb=80")
+    assert result.returncode == 0, result.stderr
+    assert "80.00 GiB each (config device_memory_gb)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "no GPU here to measure: say how much memory one device has with --device-memory-gb G"),
+        (("--device-memory-gb", "24", "micro_batch_size=auto"), "micro_batch_size: auto is found at run time"),
+        (("--device-memory-gb", "24", "~micro_batch_size"), "micro_batch_size: the config has none"),
+        (("--device-memory-gb", "24", "data_parallel=zero4"), "data_parallel: unknown strategy 'zero4'"),
+        (("--device-memory-gb", "-1"), "--device-memory-gb: must be a positive number of GiB"),
+        (("--device-memory-gb", "24", "--bogus"), "unrecognized arguments: --bogus; see `tune plan --help`"),
+    ],
+)
+def test_bad_input_is_one_line(plan, args: tuple[str, ...], message: str) -> None:
+    if not args and torch.cuda.is_available():
+        pytest.skip("the GPU's memory is known here")
+    result = plan("full_finetune", "--config", "demo", *args)
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("tune: error: ") and message in line
+
+
+def test_unknown_recipe_and_config(plan) -> None:
+    assert "unknown recipe 'full_finetun'" in plan("full_finetun", "--config", "demo").stderr
+    assert "no config 'dem' for recipe 'full_finetune'" in plan("full_finetune", "--config", "dem").stderr
+
+
+def test_help_lists_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0 and "plan" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--device-memory-gb" in out and "tune plan full_finetune --config demo" in out
+
+
+def test_plan_lora_trains_only_the_adapters(plan) -> None:
+    result = plan(
+        "full_finetune", "--config", "demo", "--device-memory-gb", "24",
+        "model._component_=toolkit.models.llama3.lora_llama3_demo", "model.lora_attn_modules=[q_proj,v_proj]",
+    )
+    assert result.returncode == 0, result.stderr
+    params, trainable = (float(x) for x in _between(result.stdout, "model: ", "M parameters (", "M trainable"))
+    assert 0 < trainable < params / 2
+
+
+def _between(text: str, start: str, middle: str, end: str) -> tuple[str, str]:
+    line = next(line for line in text.splitlines() if line.startswith(start))
+    first, rest = line.split(middle, 1)
+    return first.rsplit(" ", 1)[-1].replace(",", ""), rest.split(end, 1)[0].replace(",", "")

@@ -1,0 +1,415 @@
+"""The memory estimate against measurements on CPU, and the strategy `auto` picks."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint
+
+from toolkit.errors import UserError
+from toolkit.models.gemma2._component_builders import gemma2
+from toolkit.models.llama3 import llama3_1_8b, llama3_1_70b, llama3_demo
+from toolkit.models.qwen2_5._component_builders import qwen2_5
+from toolkit.models.qwen3._component_builders import qwen3
+from toolkit.training.memory import (
+    activation_bytes,
+    candidate_strategies,
+    choose_strategy,
+    device_memory_bytes,
+    estimate_memory,
+    logits_bytes,
+)
+
+GIB = 1024**3
+VOCAB = 384
+BATCH, SEQ = 2, 64
+
+# Tiny members of each block family: Llama (RMSNorm, SDPA, SwiGLU), Qwen3 (per-head q/k norms), Qwen2.5 (q/k/v
+# biases), Gemma 2 (sandwich norms, soft-capped explicit attention and logits, sliding window).
+FAMILIES: dict[str, Callable[[], nn.Module]] = {
+    "llama3": llama3_demo,
+    "qwen3": lambda: qwen3(
+        vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, embed_dim=96,
+        intermediate_dim=256, max_seq_len=128,
+    ),
+    "qwen2_5": lambda: qwen2_5(
+        vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=128, intermediate_dim=256,
+        max_seq_len=128,
+    ),
+    "gemma2": lambda: gemma2(
+        vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, embed_dim=128,
+        intermediate_dim=256, max_seq_len=128, query_pre_attn_scalar=32, sliding_window=32,
+    ),
+}
+# Llama-style blocks: the formula counts exactly the tensors autograd saves (what is left is a few 0-dim
+# scalars). Gemma 2's explicit attention also saves s x s masks and small per-layer tensors the formula leaves
+# out; it is within 3% here, and the tolerance says so.
+TOLERANCE = {"llama3": 1e-3, "qwen3": 1e-3, "qwen2_5": 1e-3, "gemma2": 0.05}
+
+
+def _model(family: str, dtype: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    if dtype == "bf16":
+        model.to(torch.bfloat16)
+    return model
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What forward_backward does: logits in the compute dtype, held until after backward; the loss in fp32."""
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens.reshape(-1), reduction="sum")
+    return loss, logits
+
+
+def _saved_bytes(model: nn.Module, tokens: torch.Tensor, *, autocast: bool) -> int:
+    """Bytes of the distinct storages autograd saves for backward in forward and loss (not params/buffers)."""
+    state = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in state:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())  # views share their base's storage
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, logits = _loss(model, tokens)
+    del loss, logits
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-mixed"])
+def test_activation_formula_matches_saved_tensors(family: str, dtype: str) -> None:
+    model = _model(family, dtype)
+    autocast = dtype == "bf16-mixed"  # mixed precision without FSDP2 runs under autocast (precision.py)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    measured = _saved_bytes(model, tokens, autocast=autocast)
+
+    compute = 4 if dtype == "fp32" else 2
+    expected = activation_bytes(model, micro_batch_size=BATCH, seq_len=SEQ, dtype=dtype, autocast=autocast)
+    # Saved by the loss, counted in logits_bytes: the fp32 log-probabilities, and Gemma's tanh of the logits.
+    softcap = getattr(model, "final_logit_softcap", None) is not None
+    expected += BATCH * SEQ * VOCAB * (4 + (compute if softcap else 0))
+    if autocast:  # autocast's bf16 copies of the weights are saved too; the estimate puts them in `gathered`
+        expected += estimate_memory(
+            model, strategy="ddp", world_size=1, micro_batch_size=BATCH, max_seq_len=SEQ, dtype=dtype
+        ).gathered
+    assert expected == pytest.approx(measured, rel=TOLERANCE[family])
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Every storage ops create, as a timeline of allocations and frees (a CPU stand-in for CUDA's allocator
+    statistics)."""
+
+    def __init__(self, existing: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._existing = {t.untyped_storage()._cdata for t in existing}
+        self._live: dict[int, int] = {}  # storage address -> allocation id (addresses are reused after a free)
+        self.events: list[tuple[int, int]] = []  # (allocation id, +bytes or -bytes)
+        self._ids = itertools.count()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self._existing and key not in self._live:
+                    uid, size = next(self._ids), storage.nbytes()
+                    self._live[key] = uid
+                    self.events.append((uid, size))
+                    weakref.finalize(storage, self._free, key, uid, size)
+        return out
+
+    def _free(self, key: int, uid: int, size: int) -> None:
+        self._live.pop(key, None)
+        self.events.append((uid, -size))
+
+    def allocation_id(self, t: torch.Tensor) -> int:
+        return self._live[t.untyped_storage()._cdata]
+
+    def live_bytes(self) -> int:
+        return sum(size for _, size in self.events)
+
+    def peak_bytes(self, *, excluding: set[int]) -> int:
+        live = peak = 0
+        for uid, size in self.events:
+            if uid not in excluding:
+                live += size
+                peak = max(peak, live)
+        return peak
+
+
+def _checkpoint_layers(model: nn.Module) -> None:
+    # What apply_activation_checkpointing does: non-reentrant checkpointing around each layer's forward.
+    for layer in model.layers:
+        layer.forward = (lambda forward: lambda x, **kw: checkpoint(forward, x, use_reentrant=False, **kw))(
+            layer.forward
+        )
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("activation_checkpointing", [False, True], ids=["no_ac", "ac"])
+def test_activations_and_logits_match_live_memory(dtype: str, activation_checkpointing: bool) -> None:
+    model = _model("llama3", dtype)
+    if activation_checkpointing:
+        _checkpoint_layers(model)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    tracker = _LiveStorages([*model.parameters(), *model.buffers(), tokens])
+    with tracker:
+        loss, logits = _loss(model, tokens)
+        after_forward = tracker.live_bytes()
+        loss.backward()
+        del loss, logits
+    grads = {tracker.allocation_id(p.grad) for p in model.parameters()}
+    peak = tracker.peak_bytes(excluding=grads)
+
+    compute = 4 if dtype == "fp32" else 2
+    kwargs = dict(micro_batch_size=BATCH, seq_len=SEQ, dtype=dtype)
+    activations = activation_bytes(model, activation_checkpointing=activation_checkpointing, **kwargs)
+    logits = logits_bytes(model, **kwargs)
+    one_layer = (activation_bytes(model, **kwargs) - _head_bytes(model, dtype)) // len(model.layers)
+
+    # After forward: the saved tensors (with checkpointing each layer's input only: no layer is recomputed yet),
+    # the logits the caller holds and the loss's fp32 log-probabilities; not the token ids, which the estimate
+    # counts but existed before. A few scalars are the difference.
+    held = BATCH * SEQ * VOCAB * (compute + 4) - tokens.nbytes
+    kept = activations - one_layer if activation_checkpointing else activations
+    assert after_forward == pytest.approx(kept + held, rel=1e-3)
+    # The peak over backward, gradients aside. Without checkpointing: at the loss's backward, when every
+    # activation and the logits' buffers coexist, which is the estimate. With checkpointing the estimate adds a
+    # recomputed layer to the loss's peak, which never happen together: an upper bound by at most one layer.
+    estimate = activations + logits - tokens.nbytes
+    if activation_checkpointing:
+        assert estimate - one_layer <= peak <= estimate
+    else:
+        assert peak == pytest.approx(estimate, rel=1e-3)
+
+
+def _head_bytes(model: nn.Module, dtype: str) -> int:
+    """What activation_bytes counts outside the layers (token ids, final norm): its value for no layers."""
+    layers = model.layers
+    model.layers = nn.ModuleList()
+    try:
+        return activation_bytes(model, micro_batch_size=BATCH, seq_len=SEQ, dtype=dtype)
+    finally:
+        model.layers = layers
+
+
+# --- Parameters, gradients and optimizer state: exact against counting --------------------------------------------
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_state_matches_a_real_adamw_step() -> None:
+    model = _model("llama3", "fp32")
+    estimate = estimate_memory(
+        model, strategy="ddp", world_size=1, micro_batch_size=BATCH, max_seq_len=SEQ, dtype="fp32"
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    loss, _ = _loss(model, torch.randint(0, VOCAB, (BATCH, SEQ)))
+    loss.backward()
+    optimizer.step()
+
+    params = list(model.parameters())
+    assert estimate.params == _bytes(params) + _bytes(list(model.buffers()))
+    assert estimate.grads == _bytes([p.grad for p in params])
+    moments = [state[key] for state in optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
+    assert estimate.optimizer_state == _bytes(moments)  # (plus one 0-dim step counter per parameter)
+    assert estimate.gathered == 0  # fp32: no compute copies
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_state_is_fsdp2s_padded_dim0_shards(world_size: int) -> None:
+    with torch.device("meta"):
+        model = llama3_demo()
+    # Only the norms train (a frozen base): gradients and optimizer state follow requires_grad.
+    for name, p in model.named_parameters():
+        p.requires_grad = "norm" in name
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert 0 < len(trainable) < len(list(model.parameters()))
+
+    # FSDP2 splits dim 0 like torch.chunk and pads every rank to the first (largest) chunk.
+    def shard(tensors: list[torch.Tensor]) -> int:
+        return sum(torch.chunk(t, world_size, dim=0)[0].numel() for t in tensors)
+
+    kwargs = dict(world_size=world_size, micro_batch_size=BATCH, max_seq_len=SEQ, dtype="bf16-mixed")
+    zero3 = estimate_memory(model, strategy="zero3", **kwargs)
+    buffers = _bytes(list(model.buffers()))
+    assert zero3.params == 4 * shard(list(model.parameters())) + buffers  # fp32 master weights
+    assert zero3.grads == 4 * shard(trainable)  # reduced in fp32
+    assert zero3.optimizer_state == 2 * 4 * shard(trainable)  # AdamW: two fp32 moments
+
+    ddp = estimate_memory(model, strategy="ddp", **kwargs)
+    n_trainable = sum(p.numel() for p in trainable)
+    assert (ddp.grads, ddp.optimizer_state) == (4 * n_trainable, 8 * n_trainable)
+    # ZeroRedundancyOptimizer keeps whole parameters per rank: at least an even share, at most one more tensor.
+    zero1 = estimate_memory(model, strategy="zero1", **kwargs)
+    share = 8 * n_trainable / world_size
+    assert share <= zero1.optimizer_state <= share + 8 * max(p.numel() for p in trainable)
+    # A count instead of flags spreads evenly.
+    counted = estimate_memory(model, strategy="zero3", trainable_params=n_trainable, **kwargs)
+    assert counted.grads == 4 * -(-n_trainable // world_size)
+
+
+def test_offload_moves_sharded_state_to_host() -> None:
+    with torch.device("meta"):
+        model = llama3_demo()
+    kwargs = dict(strategy="zero3", world_size=2, micro_batch_size=BATCH, max_seq_len=SEQ)
+    on_device = estimate_memory(model, **kwargs)
+    offloaded = estimate_memory(model, cpu_offload=True, **kwargs)
+    buffers = _bytes(list(model.buffers()))  # stay on the device
+    assert offloaded.host == on_device.params + on_device.grads + on_device.optimizer_state - buffers
+    assert offloaded.grads == offloaded.optimizer_state == 0
+    assert offloaded.total < on_device.total and offloaded.gathered == on_device.gathered
+
+
+# --- Choosing a strategy -------------------------------------------------------------------------------------------
+
+
+def _meta(builder: Callable[..., nn.Module]) -> nn.Module:
+    with torch.device("meta"):
+        return builder(max_seq_len=4096)
+
+
+def test_auto_picks_ddp_when_the_model_fits() -> None:
+    with torch.device("meta"):
+        model = llama3_demo()
+    strategy, estimate, reason = choose_strategy(
+        model, device_memory_bytes=24 * GIB, world_size=2, micro_batch_size=16, max_seq_len=64, dtype="fp32"
+    )
+    assert (strategy, estimate.cpu_offload) == ("ddp", False)
+    assert estimate.total <= 0.9 * 24 * GIB
+    assert reason.startswith("ddp needs ") and "21.60 GiB usable (90% of 24.00 GiB)" in reason
+
+
+def test_auto_shards_an_8b_full_finetune_on_two_24gb_gpus() -> None:
+    model = _meta(llama3_1_8b)
+    n = sum(p.numel() for p in model.parameters())
+    usable = 0.9 * 24 * GIB
+    kwargs = dict(world_size=2, micro_batch_size=1, max_seq_len=2048, dtype="bf16-mixed", activation_checkpointing=True)
+    ddp = estimate_memory(model, strategy="ddp", **kwargs)
+    # fp32 master weights + fp32 gradients + two fp32 AdamW moments = 16 bytes per parameter, replicated: ~128 GB.
+    assert ddp.params + ddp.grads + ddp.optimizer_state == 16 * n + _bytes(list(model.buffers()))
+    # Even sharded over 2 GPUs that state is 8 bytes per parameter, ~64 GB: only offloading it to the host fits.
+    zero3 = estimate_memory(model, strategy="zero3", **kwargs)
+    assert zero3.params + zero3.grads + zero3.optimizer_state > usable
+
+    strategy, estimate, reason = choose_strategy(model, device_memory_bytes=24 * GIB, **kwargs)
+    assert (strategy, estimate.cpu_offload) == ("zero3", True)
+    assert estimate.total <= usable
+    assert reason.startswith("zero3+offload needs") and "ddp would need" in reason and "zero3 would need" in reason
+
+
+def test_auto_picks_zero2_for_8b_on_eight_80gb_gpus() -> None:
+    model = _meta(llama3_1_8b)
+    kwargs = dict(world_size=8, micro_batch_size=1, max_seq_len=4096, dtype="bf16-mixed", activation_checkpointing=True)
+    strategy, estimate, reason = choose_strategy(model, device_memory_bytes=80 * GIB, **kwargs)
+    assert (strategy, estimate.cpu_offload) == ("zero2", False)
+    for cheaper in ("ddp", "zero1"):
+        assert estimate_memory(model, strategy=cheaper, **kwargs).total > 0.9 * 80 * GIB
+        assert f"{cheaper} would need" in reason
+
+
+def test_hsdp_is_tried_between_zero2_and_zero3_on_several_nodes() -> None:
+    assert [s for s, offload in candidate_strategies(world_size=16, num_nodes=2) if not offload] == [
+        "ddp", "zero1", "zero2", "hsdp", "zero3"
+    ]
+    assert "hsdp" not in dict(candidate_strategies(world_size=8, num_nodes=1))
+    assert candidate_strategies(world_size=1) == [("ddp", False)]
+
+    model = _meta(llama3_1_8b)
+    kwargs = dict(world_size=16, num_nodes=2, micro_batch_size=1, max_seq_len=4096, activation_checkpointing=True)
+    zero2 = estimate_memory(model, strategy="zero2", **kwargs)
+    hsdp = estimate_memory(model, strategy="hsdp", **kwargs)
+    assert hsdp.shard_size == 8 and hsdp.total < zero2.total  # the premise of this case
+    memory = int(hsdp.total / 0.9) + 2**20  # room for hsdp, not for zero2
+    strategy, estimate, _ = choose_strategy(model, device_memory_bytes=memory, **kwargs)
+    assert (strategy, estimate.cpu_offload, estimate.total) == ("hsdp", False, hsdp.total)
+
+
+def test_nothing_fits_is_one_actionable_line() -> None:
+    model = _meta(llama3_1_70b)
+    with pytest.raises(UserError) as error:
+        choose_strategy(model, device_memory_bytes=24 * GIB, world_size=2, micro_batch_size=2, max_seq_len=4096)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("no data-parallel strategy fits 2 device(s) with 21.60 GiB usable")
+    assert "zero3+offload" in message  # the smallest, with its numbers
+    for fix in ("activation_checkpointing=true", "micro_batch_size (now 2)", "LoRA/QLoRA", "more than 2 GPU(s)"):
+        assert fix in message
+
+
+def test_gradient_accumulation_keeps_full_gradients_under_fsdp() -> None:
+    # gradient_sync(enabled=False) skips FSDP2's reduce-scatter, which then accumulates unsharded fp32 gradients.
+    with torch.device("meta"):
+        model = llama3_demo()
+    kwargs = dict(strategy="zero3", world_size=4, micro_batch_size=BATCH, max_seq_len=SEQ, dtype="bf16-mixed")
+    one = estimate_memory(model, **kwargs)
+    many = estimate_memory(model, gradient_accumulation_steps=4, **kwargs)
+    assert many.gathered - one.gathered == 4 * sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(strategy="auto"), "choose_strategy() resolves auto"),
+        (dict(strategy="ddp", cpu_offload=True), "cpu_offload: needs a sharded strategy"),
+        (dict(strategy="hsdp", world_size=6, shard_size=4), "hsdp_shard_size: a world size of 6 cannot be split"),
+        (dict(strategy="hsdp", world_size=6, num_nodes=4), "cannot be spread evenly over 4 node(s)"),
+        (dict(strategy="ddp", dtype="fp8"), "dtype: unknown value 'fp8'"),
+        (dict(strategy="ddp", optimizer="lion"), "optimizer: no memory model for 'lion'"),
+    ],
+)
+def test_bad_input_is_a_user_error(kwargs: dict, message: str) -> None:
+    with torch.device("meta"):
+        model = llama3_demo()
+    kwargs = {"world_size": 2, "micro_batch_size": 1, "max_seq_len": 8, **kwargs}
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        estimate_memory(model, **kwargs)
+
+
+def test_device_memory_is_unknown_off_gpu() -> None:
+    assert device_memory_bytes("cpu") is None
+    assert device_memory_bytes(torch.device("meta")) is None
+    if torch.cuda.is_available():
+        assert device_memory_bytes(0) == torch.cuda.get_device_properties(0).total_memory
+
+
+def test_table_shows_every_part_and_the_total() -> None:
+    model = _meta(llama3_1_8b)
+    estimate = estimate_memory(model, strategy="zero3", world_size=8, micro_batch_size=1, max_seq_len=4096)
+    lines = str(estimate).splitlines()
+    assert lines[0].split() == ["GiB", "per", "device", "zero3"]
+    total = next(line for line in lines if line.startswith("total"))
+    assert float(total.split()[-1]) == pytest.approx(estimate.total / GIB, abs=0.005)
+    assert estimate.total == estimate.params + estimate.grads + estimate.optimizer_state + estimate.activations + (
+        estimate.temporary
+    )
+
+
+def test_nf4_base_weights_count_at_their_quantized_size() -> None:
+    from toolkit.models.llama3 import lora_llama3_demo
+
+    with torch.device("meta"):
+        lora = lora_llama3_demo(lora_attn_modules=["q_proj", "v_proj"])
+        qlora = lora_llama3_demo(lora_attn_modules=["q_proj", "v_proj"], quantize_base=True)
+    nf4 = [p for p in qlora.parameters() if type(p.data).__name__ == "NF4Tensor"]
+    assert nf4
+    kwargs = dict(strategy="ddp", world_size=1, micro_batch_size=1, max_seq_len=8, dtype="bf16-mixed")
+    saved = estimate_memory(lora, **kwargs).params - estimate_memory(qlora, **kwargs).params
+    # fp32 (4 bytes) becomes 4 bits plus an 8-bit scaler per 64-element block (and a few constants per tensor).
+    assert saved == pytest.approx(sum(p.numel() for p in nf4) * (4 - 0.5 - 1 / 64), rel=0.01)

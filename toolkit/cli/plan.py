@@ -1,0 +1,227 @@
+"""``tune plan``: the memory each data-parallel strategy needs for a config, and what ``auto`` would pick.
+
+Nothing is trained or allocated: the model is built on the meta device and counted
+(:mod:`toolkit.training.memory`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from omegaconf import DictConfig
+
+from toolkit.cli._catalog import config_for_recipe, recipe_path, split_launch_suffix
+from toolkit.config import apply_overrides, instantiate, load_config, validate
+from toolkit.errors import UserError
+from toolkit.modules.peft import get_adapter_params, set_trainable_params
+from toolkit.training.accumulation import gradient_accumulation_steps
+from toolkit.training.memory import (
+    OPTIMIZER_STATES,
+    candidate_strategies,
+    choose_strategy,
+    device_memory_bytes,
+    estimate_memory,
+    format_bytes,
+    format_table,
+)
+
+_GIB = 1024**3
+
+DESCRIPTION = """\
+Estimate per-device memory (parameters, gradients, optimizer state, activations, logits, gathered parameters)
+for every data-parallel strategy, and show the one `data_parallel: auto` picks: the cheapest that fits.
+
+Reads the config keys model, micro_batch_size, max_seq_len, dtype (default bf16-mixed), activation_checkpointing,
+data_parallel, cpu_offload, hsdp_shard_size, batch_size, optimizer and device_memory_gb.
+
+examples:
+  tune plan full_finetune --config demo --device-memory-gb 24
+  tune plan full_finetune --config llama3_1_8b --nproc_per_node 8 --device-memory-gb 80 max_seq_len=4096"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """One-line usage errors, like every other ``tune`` error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message}; see `tune plan --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tune plan`` argument parser."""
+    parser = _Parser(prog="tune plan", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", help="recipe name (a launch suffix is ignored) or recipe file")
+    parser.add_argument("--config", required=True, help="config file, config name of the recipe, or recipe/config")
+    parser.add_argument(
+        "--nproc_per_node", "--nproc-per-node", type=int, help="processes per node (default: the GPUs here, else 1)"
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    parser.add_argument(
+        "--device-memory-gb",
+        "--device_memory_gb",
+        type=float,
+        help="memory of one device in GiB (default: this machine's GPU, else the config's device_memory_gb)",
+    )
+    parser.add_argument("--headroom", type=float, default=0.9, help="fraction of device memory a plan may use")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, as for tune run")
+    return parser
+
+
+def _load(recipe: str, config: str, overrides: list[str]) -> tuple[DictConfig, Path]:
+    # The same resolution as `tune run`: a recipe file, or a recipe name whose configs are looked up first.
+    if recipe.endswith(".py") and Path(recipe).is_file():
+        path = config_for_recipe(config, None)
+    else:
+        recipe_path(recipe)  # an unknown recipe fails here, with a did-you-mean
+        path = config_for_recipe(config, split_launch_suffix(recipe)[0])
+    cfg = load_config(path)
+    apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cfg, path
+
+
+def _positive_int(cfg: DictConfig, key: str) -> int:
+    if key not in cfg:
+        raise UserError(f"{key}: the config has none; add {key}=N to plan")
+    value = cfg[key]
+    if value == "auto":
+        raise UserError(f"{key}: auto is found at run time; plan a fixed one with {key}=N")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{key}: must be a positive integer, got {value!r}")
+    return value
+
+
+def _optimizer_name(cfg: DictConfig) -> tuple[str, str | None]:
+    """The memory model's optimizer name and a note when the config's is not one it knows."""
+    component = str(cfg.get("optimizer", {}).get("_component_", "torch.optim.AdamW"))
+    name = component.rsplit(".", 1)[-1].lower()
+    if name in OPTIMIZER_STATES:
+        return name, None
+    return "adamw", f"note: no memory model for optimizer {component}; counted as AdamW (2 states per parameter)"
+
+
+def _world(args: argparse.Namespace) -> tuple[int, int, str | None]:
+    """``(processes per node, nodes, note)``: the flags, or one process per local GPU."""
+    if args.nnodes < 1:
+        raise UserError(f"--nnodes must be at least 1, got {args.nnodes}")
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1:
+            raise UserError(f"--nproc_per_node must be at least 1, got {args.nproc_per_node}")
+        return args.nproc_per_node, args.nnodes, None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus:
+        return gpus, args.nnodes, None
+    return 1, args.nnodes, "note: no GPU here, so one process per node; plan for more with --nproc_per_node N"
+
+
+def _device_memory(args: argparse.Namespace, cfg: DictConfig) -> tuple[int, str]:
+    """Bytes of one device and where the number came from: the flag, this machine's GPU, or the config."""
+    if args.device_memory_gb is not None:
+        gib, source = args.device_memory_gb, "--device-memory-gb"
+    elif torch.cuda.is_available() and (detected := device_memory_bytes(0)) is not None:
+        return detected, torch.cuda.get_device_name(0)
+    elif cfg.get("device_memory_gb") is not None:
+        gib, source = cfg.device_memory_gb, "config device_memory_gb"
+    else:
+        raise UserError(
+            "no GPU here to measure: say how much memory one device has with --device-memory-gb G "
+            "(or device_memory_gb in the config)"
+        )
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib <= 0:
+        raise UserError(f"{source}: must be a positive number of GiB, got {gib!r}")
+    return int(gib * _GIB), source
+
+
+def plan_command(argv: Sequence[str]) -> int:
+    """Run ``tune plan`` with ``argv`` (the arguments after ``plan``): print the per-strategy memory table for a
+    config and the strategy ``auto`` picks.
+
+    Returns:
+        0; problems (including a model that fits no strategy) raise :class:`~toolkit.errors.UserError`.
+    """
+    # Intermixed: key=value overrides may come after the flags, as in `tune run`.
+    args = build_parser().parse_intermixed_args(list(argv))
+    if not 0 < args.headroom <= 1:
+        raise UserError(f"--headroom must be in (0, 1], got {args.headroom}")
+    cfg, path = _load(args.recipe, args.config, args.overrides)
+    if "model" not in cfg:
+        raise UserError(f"{path}: model: the config has no model to plan for")
+    micro_batch_size = _positive_int(cfg, "micro_batch_size")
+    max_seq_len = _positive_int(cfg, "max_seq_len")
+    dtype = str(cfg.get("dtype", "bf16-mixed"))
+    activation_checkpointing = bool(cfg.get("activation_checkpointing", False))
+    nproc, nnodes, world_note = _world(args)
+    world_size = nproc * nnodes
+    memory, memory_source = _device_memory(args, cfg)
+    optimizer, optimizer_note = _optimizer_name(cfg)
+    accumulation, accumulation_note = 1, None
+    if "batch_size" in cfg:
+        try:
+            accumulation = gradient_accumulation_steps(
+                batch_size=cfg.batch_size, micro_batch_size=micro_batch_size, world_size=world_size
+            )
+        except UserError as e:
+            accumulation_note = f"note: tune run would stop here: {e}"
+    if accumulation > 1 and world_size > 1:
+        accumulation_note = (
+            f"note: {accumulation} accumulation steps: zero2/zero3/hsdp skip the reduce-scatter until the last "
+            "micro-step, so every rank holds full unsharded gradients in the meantime (in `gathered`)"
+        )
+
+    with torch.device("meta"):  # shapes only: a 70B model costs nothing
+        model = instantiate(cfg.model)
+    adapters = get_adapter_params(model)
+    if adapters:  # what the LoRA recipe does: only the adapters train
+        set_trainable_params(model, adapters)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    common: dict[str, Any] = dict(
+        world_size=world_size,
+        num_nodes=nnodes,
+        micro_batch_size=micro_batch_size,
+        max_seq_len=max_seq_len,
+        dtype=dtype,
+        activation_checkpointing=activation_checkpointing,
+        optimizer=optimizer,
+        gradient_accumulation_steps=accumulation,
+    )
+    usable = int(args.headroom * memory)
+
+    print(f"plan for {path}")
+    print(
+        f"model: {cfg.model._component_}, {n_params / 1e6:,.2f}M parameters ({n_trainable / 1e6:,.2f}M trainable); "
+        f"micro batch {micro_batch_size} x {max_seq_len} tokens, dtype {dtype}, activation checkpointing "
+        f"{'on' if activation_checkpointing else 'off'}, {optimizer}, {accumulation} accumulation step(s)"
+    )
+    print(
+        f"devices: {nnodes} node(s) x {nproc} process(es) = world size {world_size}; {memory / _GIB:.2f} GiB each "
+        f"({memory_source}), {usable / _GIB:.2f} GiB usable (headroom {args.headroom:g})"
+    )
+    for note in (world_note, optimizer_note, accumulation_note):
+        if note:
+            print(note)
+    print()
+    candidates = candidate_strategies(world_size=world_size, num_nodes=nnodes)
+    estimates = [estimate_memory(model, strategy=s, cpu_offload=o, **common) for s, o in candidates]
+    print(format_table(estimates, usable_bytes=usable))
+    if world_size == 1:
+        print("(one process: nothing to shard over, every strategy runs as plain single-device training)")
+    print()
+
+    configured = str(cfg.get("data_parallel", "auto"))
+    if configured != "auto":
+        offload = bool(cfg.get("cpu_offload", False))
+        mine = estimate_memory(
+            model, strategy=configured, cpu_offload=offload, shard_size=cfg.get("hsdp_shard_size"), **common
+        )
+        verdict = "fits" if mine.total <= usable else "does NOT fit"
+        print(f"config: data_parallel={mine.label} needs {format_bytes(mine.total)} per device: {verdict}")
+    strategy, estimate, reason = choose_strategy(
+        model, device_memory_bytes=memory, headroom=args.headroom, **common
+    )
+    offload = " with cpu_offload: true" if estimate.cpu_offload else ""
+    print(f"auto picks: data_parallel={strategy}{offload} ({reason})")
+    return 0
