@@ -118,7 +118,8 @@ def test_distributed_crash_names_the_rank(tune_process) -> None:
     assert result.returncode == 1
     assert "RuntimeError: bug on rank 1" in result.stderr  # the rank's own traceback
     summary = result.stderr.splitlines()[-1]
-    assert summary.startswith("tune: error: rank 1 exited with code 1 (error file: ")
+    # The summary names the rank, its exit code and its exception (from the error file the recipe recorded).
+    assert summary.startswith("tune: error: rank 1 exited with code 1: RuntimeError: bug on rank 1 (error file: ")
 
 
 @pytest.mark.parametrize(

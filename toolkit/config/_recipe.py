@@ -73,11 +73,12 @@ def recipe_main(fn: Callable[[DictConfig], T]) -> Callable[..., T]:
     def wrapper(cfg: DictConfig | None = None) -> Any:
         if cfg is not None:
             return fn(cfg)
-        # torchrun's `record` writes any other exception's traceback to the rank's error file, so the launcher
-        # names the rank that failed and its exception instead of "error file: none written".
-        from torch.distributed.elastic.multiprocessing.errors import record
-
         try:
+            # torchrun's `record` writes any other exception's traceback to the rank's error file, so the
+            # launcher names the rank that failed and its exception. Imported inside the try: a Ctrl-C that lands
+            # during this (slow) import must exit quietly too.
+            from torch.distributed.elastic.multiprocessing.errors import record
+
             return record(fn)(parse_recipe_args(sys.argv[1:]))
         except UserError as e:
             report_user_error(e)

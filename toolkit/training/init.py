@@ -5,6 +5,8 @@ import random
 import torch
 from torch import nn
 
+from toolkit.modules.peft.nf4 import is_nf4
+
 
 def materialize(model: nn.Module, *, device: torch.device, dtype: torch.dtype | None = None) -> nn.Module:
     """Allocate a meta-device model's storage on ``device`` (values undefined) and rebuild derived buffers.
@@ -29,7 +31,11 @@ def init_weights(model: nn.Module, *, std: float = 0.02) -> None:
     for module in model.modules():
         own = dict(module.named_parameters(recurse=False))
         if "weight" in own and own["weight"].dim() >= 2:
-            nn.init.normal_(own["weight"], mean=0.0, std=std)
+            weight = own["weight"]
+            if is_nf4(weight):  # a QLoRA base: NF4 has no in-place normal_, but copy_ quantizes what it is given
+                weight.copy_(torch.empty(weight.shape, dtype=torch.float32, device=weight.device).normal_(0.0, std))
+            else:
+                nn.init.normal_(weight, mean=0.0, std=std)
             if own.get("bias") is not None:
                 nn.init.zeros_(own["bias"])
         elif own and hasattr(module, "reset_parameters"):

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -53,7 +53,8 @@ class ParallelDims:
 
     @property
     def is_sharded(self) -> bool:
-        return self.strategy in SHARDED_STRATEGIES
+        """Whether FSDP2 shards the model (never for one process: it is then left unwrapped)."""
+        return self.strategy in SHARDED_STRATEGIES and self.world_size > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """The device mesh FSDP2 shards over (2-D ``(replicate, shard)`` for HSDP), or None when unsharded."""
@@ -208,23 +209,17 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
-    """Skip data-parallel gradient reduction inside the block when ``enabled`` is False.
+    """Skip DDP's gradient all-reduce inside the block when ``enabled`` is False.
 
     Use it on every micro-step but the last of an optimizer step: gradients accumulate locally and are reduced
-    once per optimizer step instead of once per micro-step.
+    once per optimizer step instead of once per micro-step. FSDP2 always reduce-scatters: skipping it would keep
+    full, unsharded fp32 gradients on every rank between micro-steps (32 GB for an 8B model), undoing the point
+    of sharding gradients; the sharded gradients then accumulate in place.
     """
-    if enabled:
+    if enabled or not isinstance(model, DistributedDataParallel):
         yield
-    elif isinstance(model, DistributedDataParallel):
-        with model.no_sync():
-            yield
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
+        return
+    with model.no_sync():
         yield
 
 
