@@ -48,6 +48,7 @@ from toolkit.training import (
     precision_policy,
     prepare_output_dir,
     rank_stats,
+    resolve_strategy,
     set_seed,
     shard_optimizer_state,
     unwrap,
@@ -64,17 +65,9 @@ def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogge
 
 
 def train(cfg: DictConfig) -> None:
-    # --- Processes, devices, precision and the data-parallel layout ----------------------------------------------
+    # --- Processes, devices and precision --------------------------------------------------------------------------
     env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     precision = precision_policy(cfg.dtype, device=env.device)
-    dims = parallel_dims(
-        strategy=cfg.data_parallel,
-        world_size=env.world_size,
-        local_world_size=env.local_world_size,
-        shard_size=cfg.hsdp_shard_size,
-        cpu_offload=cfg.cpu_offload,
-        device_type=env.device.type,
-    )
     accum_steps = gradient_accumulation_steps(
         batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size, world_size=env.world_size
     )
@@ -85,6 +78,22 @@ def train(cfg: DictConfig) -> None:
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights
     with torch.device("meta"):
         model = instantiate(cfg.model)
+    # `auto` picks the least-communicating strategy whose memory estimate fits the device.
+    strategy, cpu_offload, reason = resolve_strategy(
+        cfg.data_parallel, model=model, cpu_offload=cfg.cpu_offload, device=env.device,
+        device_memory_gb=cfg.get("device_memory_gb"), world_size=env.world_size,
+        local_world_size=env.local_world_size, micro_batch_size=cfg.micro_batch_size, max_seq_len=cfg.max_seq_len,
+        dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
+        gradient_accumulation_steps=accum_steps,
+    )
+    dims = parallel_dims(
+        strategy=strategy,
+        world_size=env.world_size,
+        local_world_size=env.local_world_size,
+        shard_size=cfg.hsdp_shard_size,
+        cpu_offload=cpu_offload,
+        device_type=env.device.type,
+    )
     materialize(model, device=env.device, dtype=precision.param_dtype)
     checkpointer = instantiate(cfg.checkpointer)
     if checkpointer.checkpoint_dir is not None:
@@ -127,6 +136,8 @@ def train(cfg: DictConfig) -> None:
         f"{precision.name}; global batch {cfg.batch_size} = {env.world_size} x {cfg.micro_batch_size} x "
         f"{accum_steps} accumulation step(s); {total_steps} steps"
     )
+    if reason:
+        log.print(f"data_parallel: auto -> {reason}")
     eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None
     if eval_tasks:
         evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")

@@ -86,3 +86,15 @@ def test_metrics_gather_per_rank_figures(tmp_path):
     assert record["rank_step_time_s_max"] >= record["rank_step_time_s_min"] > 0
     assert record["slowest_rank"] in (0, 1)
     assert record["rank_peak_memory_gib_max"] > 0
+
+
+def test_auto_strategy_is_resolved_and_explained(tmp_path):
+    result = tune_run(tmp_path, "data_parallel=auto", "device_memory_gb=24")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "data_parallel: auto -> ddp needs" in result.stdout
+
+
+def test_auto_without_device_memory_on_cpu_is_one_line(tmp_path):
+    result = tune_run(tmp_path, "data_parallel=auto")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "device_memory_gb" in result.stderr

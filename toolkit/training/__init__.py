@@ -20,6 +20,7 @@ from toolkit.training.distributed import (
 from toolkit.training.init import init_weights, materialize, set_seed
 from toolkit.training.loss import IGNORE_INDEX, cross_entropy_sum, global_token_count, gradient_scale
 from toolkit.training.lr_schedulers import cosine_with_warmup
+from toolkit.training.memory import choose_strategy, estimate_memory, resolve_strategy
 from toolkit.training.metrics import MetricsLogger, peak_memory_gib, print_rank_zero, rank_stats
 from toolkit.training.parallel import (
     STRATEGIES,
@@ -54,9 +55,11 @@ __all__ = [
     "barrier",
     "breakpoint_on_rank",
     "clip_grad_norm",
+    "choose_strategy",
     "cosine_with_warmup",
     "cross_entropy_sum",
     "destroy_distributed",
+    "estimate_memory",
     "forward_backward",
     "gather_full_state_dict",
     "global_batches",
@@ -76,6 +79,7 @@ __all__ = [
     "peak_memory_gib",
     "precision_policy",
     "prepare_output_dir",
+    "resolve_strategy",
     "print_rank_zero",
     "rank_stats",
     "set_seed",

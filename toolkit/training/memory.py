@@ -579,3 +579,60 @@ def device_memory_bytes(device: torch.device | str | int) -> int | None:
         return None
     return int(torch.cuda.get_device_properties(device).total_memory)
 
+
+
+def resolve_strategy(
+    strategy: str,
+    *,
+    model: nn.Module,
+    cpu_offload: bool,
+    device: torch.device,
+    device_memory_gb: float | None,
+    world_size: int,
+    local_world_size: int,
+    micro_batch_size: int,
+    max_seq_len: int,
+    dtype: str,
+    activation_checkpointing: bool,
+    gradient_accumulation_steps: int,
+) -> tuple[str, bool, str | None]:
+    """Resolve ``data_parallel: auto`` to a strategy (and offload) from the memory estimate; pass others through.
+
+    Args:
+        strategy: the configured strategy.
+        model: the model, on the meta device (only shapes are read).
+        cpu_offload: the configured offload (kept unless ``auto`` decides).
+        device: this rank's device; its memory is used on CUDA.
+        device_memory_gb: the memory to plan for where the device does not say (CPU), in GiB.
+        world_size, local_world_size: the job's shape.
+        micro_batch_size, max_seq_len, dtype, activation_checkpointing, gradient_accumulation_steps: as in the
+            config.
+
+    Returns:
+        ``(strategy, cpu_offload, reason)``; ``reason`` is None unless ``auto`` chose.
+
+    Raises:
+        UserError: ``auto`` without a known device memory, or nothing fits.
+    """
+    if strategy != "auto":
+        return strategy, cpu_offload, None
+    memory = device_memory_bytes(device)
+    if memory is None:
+        if device_memory_gb is None:
+            raise UserError(
+                "data_parallel: auto needs the memory of each device; on CPU set device_memory_gb=<GiB> "
+                "(or choose a strategy: ddp, zero1, zero2, zero3, hsdp)"
+            )
+        memory = int(device_memory_gb * 2**30)
+    chosen, estimate, reason = choose_strategy(
+        model,
+        device_memory_bytes=memory,
+        world_size=world_size,
+        num_nodes=max(1, world_size // max(1, local_world_size)),
+        micro_batch_size=micro_batch_size,
+        max_seq_len=max_seq_len,
+        dtype=dtype,
+        activation_checkpointing=activation_checkpointing,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+    )
+    return chosen, estimate.cpu_offload, reason
