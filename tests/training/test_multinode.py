@@ -72,7 +72,9 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], *, timeout_s: floa
     for p in procs:
         kill_group(p)
     return [
-        subprocess.CompletedProcess(p.args, p.returncode, log.with_suffix(".out").read_text(), log.with_suffix(".err").read_text())
+        subprocess.CompletedProcess(
+            p.args, p.returncode, log.with_suffix(".out").read_text(), log.with_suffix(".err").read_text()
+        )
         for p, log in zip(procs, logs)
     ]
 
