@@ -1,6 +1,6 @@
 """Weak-scaling efficiency of each data-parallel strategy on CPU, and the bytes each communicates per step.
 
-    python benchmarks/scaling.py                                   # demo model, ddp zero1 zero2 zero3, ~2-3 min
+    python benchmarks/scaling.py                                   # demo model, ddp zero1 zero2 zero3, ~3 min
     python benchmarks/scaling.py --steps 100 --micro_batch_size 32 --strategies ddp zero3
     python benchmarks/scaling.py --model toolkit.models.llama3.llama3_demo --override max_seq_len=128
 
