@@ -79,7 +79,15 @@ def recipe_main(fn: Callable[[DictConfig], T]) -> Callable[..., T]:
             # during this (slow) import must exit quietly too.
             from torch.distributed.elastic.multiprocessing.errors import record
 
-            return record(fn)(parse_recipe_args(sys.argv[1:]))
+            result = record(fn)(parse_recipe_args(sys.argv[1:]))
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                # A torchrun worker that finished: leave without running interpreter teardown, where torch 2.13's
+                # gloo process-group destructor can deadlock or abort ("terminate called without an active
+                # exception") after all work is done. The recipe has closed its files; flush what is buffered.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
+            return result
         except UserError as e:
             report_user_error(e)
             sys.exit(2)
