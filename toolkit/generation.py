@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from toolkit.errors import UserError
 from toolkit.modules import TransformerDecoder
@@ -93,7 +94,7 @@ def exact_match_accuracy(
     """Greedy-decode each sample's ``prompt`` and compare with its ``answer``, split over ranks.
 
     Args:
-        model: a plain (unwrapped) decoder.
+        model: a plain (unwrapped) decoder, or one sharded in place by FSDP2.
         tokenizer: gives ``prompt_tokens(messages)``, ``stop_tokens`` and ``decode``.
         samples: dicts with ``prompt`` and ``answer``.
         max_new_tokens: generation budget per sample.
@@ -102,11 +103,16 @@ def exact_match_accuracy(
     Returns:
         ``(correct, total)`` over all samples.
     """
+    # A sharded model all-gathers each layer's weights in every forward, a collective: all ranks must run the
+    # same forwards, so each evaluates every sample (the same weights and prompts give the same generations)
+    # instead of splitting the samples and stopping after different numbers of tokens.
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
     correct = 0
-    for sample in samples[rank::world_size]:
+    for sample in samples if sharded else samples[rank::world_size]:
         prompt = tokenizer.prompt_tokens([{"role": "user", "content": sample["prompt"]}])
         out = generate(model, prompt, max_new_tokens=max_new_tokens, stop_tokens=tokenizer.stop_tokens)
         correct += int(tokenizer.decode(out).strip() == sample["answer"].strip())
-    device = model.embed_tokens.weight.device
-    counts = all_reduce_sum(torch.tensor([correct], dtype=torch.int64, device=device))
-    return int(counts.item()), len(samples)
+    if not sharded:
+        device = model.embed_tokens.weight.device
+        correct = int(all_reduce_sum(torch.tensor([correct], dtype=torch.int64, device=device)).item())
+    return correct, len(samples)

@@ -98,3 +98,22 @@ def test_auto_without_device_memory_on_cpu_is_one_line(tmp_path):
     result = tune_run(tmp_path, "data_parallel=auto")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "device_memory_gb" in result.stderr
+
+
+def test_held_out_evaluation_under_zero3_matches_ddp(tmp_path):
+    """Sharded layers all-gather in every forward: evaluation must not let ranks run different numbers of
+    forwards (which waited for the collective timeout, set low here so a regression fails fast)."""
+    lines = {}
+    for strategy in ("ddp", "zero3"):
+        out = tmp_path / strategy
+        result = subprocess.run(
+            [sys.executable, "-m", "toolkit.cli.main", "run", "--nproc_per_node", "2", "full_finetune_distributed",
+             "--config", "demo", f"output_dir={out}", "max_steps=2", "dataset.num_samples=64", "progress_bar=false",
+             "batch_size=4", "micro_batch_size=2", "eval_tasks.num_samples=6", "dist_timeout_s=60",
+             f"data_parallel={strategy}"],
+            capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        lines[strategy] = [line for line in result.stdout.splitlines() if line.startswith("held-out accuracy")]
+        assert len(lines[strategy]) == 2 and all(line.endswith("/6)") for line in lines[strategy])
+    assert lines["zero3"] == lines["ddp"]
