@@ -46,13 +46,12 @@ from toolkit.training import (
     on_rank_zero,
     optimizer_step,
     parallel_dims,
-    peak_memory_gib,
     precision_policy,
     prepare_output_dir,
-    rank_stats,
     resolve_strategy,
     set_seed,
     shard_optimizer_state,
+    step_metrics,
     unwrap,
 )
 
@@ -189,19 +188,11 @@ def train(cfg: DictConfig) -> None:
         sampler.advance()
         step += 1
 
-        elapsed = time.perf_counter() - start
-        metrics = {
-            "step": step, "epoch": epoch, "loss": result.loss, "lr": lr, "grad_norm": grad_norm,
-            "num_tokens": result.num_tokens, "tokens_per_second": result.num_tokens / elapsed, "step_time_s": elapsed,
-        }
-        if step % cfg.log_every_n_steps == 0 or step == total_steps:
-            # Per-rank figures, gathered: the max and the slowest rank show a straggler.
-            metrics.update(rank_stats({
-                "rank_step_time_s": elapsed,
-                "rank_positions_per_second": result.num_positions / elapsed,
-                "rank_peak_memory_gib": peak_memory_gib(env.device),
-            }))
-        log.log(metrics)
+        log.log(step_metrics(
+            step=step, epoch=epoch, result=result, lr=lr, grad_norm=grad_norm,
+            elapsed_s=time.perf_counter() - start, device=env.device,
+            gather_rank_stats=step % cfg.log_every_n_steps == 0 or step == total_steps,
+        ))
 
     # --- Evaluate and save ----------------------------------------------------------------------------------------
     if eval_tasks:

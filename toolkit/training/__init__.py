@@ -21,7 +21,7 @@ from toolkit.training.init import init_weights, materialize, set_seed
 from toolkit.training.loss import IGNORE_INDEX, cross_entropy_sum, global_token_count, gradient_scale
 from toolkit.training.lr_schedulers import cosine_with_warmup
 from toolkit.training.memory import choose_strategy, estimate_memory, resolve_strategy
-from toolkit.training.metrics import MetricsLogger, peak_memory_gib, print_rank_zero, rank_stats
+from toolkit.training.metrics import MetricsLogger, peak_memory_gib, print_rank_zero, rank_stats, step_metrics
 from toolkit.training.parallel import (
     STRATEGIES,
     ParallelDims,
@@ -84,5 +84,6 @@ __all__ = [
     "rank_stats",
     "set_seed",
     "shard_optimizer_state",
+    "step_metrics",
     "unwrap",
 ]

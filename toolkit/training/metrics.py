@@ -1,12 +1,16 @@
 """Rank-zero metrics: one JSON object per optimizer step in ``metrics.jsonl``, and a progress bar."""
 
 import json
+import resource
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
+
+from toolkit.training.step import StepResult
 
 
 class MetricsLogger:
@@ -69,19 +73,59 @@ def print_rank_zero(message: str, *, rank: int) -> None:
         print(message, flush=True)
 
 
+def step_metrics(
+    *,
+    step: int,
+    epoch: int,
+    result: StepResult,
+    lr: float,
+    grad_norm: float,
+    elapsed_s: float,
+    device: torch.device,
+    gather_rank_stats: bool,
+) -> dict[str, float]:
+    """The ``metrics.jsonl`` record of one optimizer step.
+
+    With ``gather_rank_stats`` (a collective: every rank must ask on the same steps) it adds each rank's step
+    time, throughput and peak memory as min/max over ranks and the slowest rank, so a straggler shows.
+    """
+    metrics = {
+        "step": step,
+        "epoch": epoch,
+        "loss": result.loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "num_tokens": result.num_tokens,
+        "tokens_per_second": result.num_tokens / elapsed_s,
+        "step_time_s": elapsed_s,
+    }
+    if gather_rank_stats:
+        metrics.update(
+            rank_stats(
+                {
+                    "rank_step_time_s": elapsed_s,
+                    "rank_positions_per_second": result.num_positions / elapsed_s,
+                    "rank_peak_memory_gib": peak_memory_gib(device),
+                }
+            )
+        )
+    return metrics
+
+
 def rank_stats(stats: dict[str, float]) -> dict[str, float]:
     """Gather per-rank figures and summarize them as ``<name>_min``, ``<name>_max`` and, for the first figure,
     the index of the rank with the largest value (``slowest_rank`` when it is a step time), so a straggler shows.
 
     Every rank must call this with the same keys (it is a collective).
     """
-    import torch.distributed as dist
-
     values = torch.tensor(list(stats.values()), dtype=torch.float64)
     if dist.is_initialized():
+        # NCCL gathers GPU tensors only: inputs and outputs both live on this rank's GPU there.
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else values.device
+        values = values.to(device)
         gathered = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, values.to(_collective_device()))
-        table = torch.stack([g.cpu() for g in gathered])  # [world, n_stats]
+        dist.all_gather(gathered, values)
+        table = torch.stack(gathered).cpu()  # [world, n_stats]
     else:
         table = values[None]
     out: dict[str, float] = {}
@@ -96,12 +140,4 @@ def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: allocated GPU memory on CUDA, resident host memory on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-def _collective_device() -> torch.device:
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
