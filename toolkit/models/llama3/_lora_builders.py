@@ -12,7 +12,7 @@ from functools import partial
 from torch import nn
 
 from toolkit.models.llama3._component_builders import _llama3
-from toolkit.models.llama3._model_builders import _LLAMA3_VOCAB
+from toolkit.models.llama3._model_builders import LLAMA3_1_8B, LLAMA3_1_70B, LLAMA3_2_1B, LLAMA3_2_3B, LLAMA3_DEMO
 from toolkit.modules import Llama3RopeScaling, TransformerDecoder
 from toolkit.modules.peft import DoRALinear, LoRALinear, NF4Linear
 
@@ -122,14 +122,9 @@ def lora_llama3_demo(
         lora_dropout=lora_dropout,
         use_dora=use_dora,
         quantize_base=quantize_base,
+        **LLAMA3_DEMO,
         vocab_size=vocab_size,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=128,
-        intermediate_dim=384,
         max_seq_len=max_seq_len,
-        rope_base=10_000.0,
     )
 
 
@@ -153,15 +148,8 @@ def lora_llama3_2_1b(
         lora_dropout=lora_dropout,
         use_dora=use_dora,
         quantize_base=quantize_base,
-        vocab_size=_LLAMA3_VOCAB,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        embed_dim=2048,
-        intermediate_dim=8192,
+        **LLAMA3_2_1B,
         max_seq_len=max_seq_len,
-        rope_scaling=Llama3RopeScaling(factor=32.0),
-        tie_word_embeddings=True,
     )
 
 
@@ -185,15 +173,8 @@ def lora_llama3_2_3b(
         lora_dropout=lora_dropout,
         use_dora=use_dora,
         quantize_base=quantize_base,
-        vocab_size=_LLAMA3_VOCAB,
-        num_layers=28,
-        num_heads=24,
-        num_kv_heads=8,
-        embed_dim=3072,
-        intermediate_dim=8192,
+        **LLAMA3_2_3B,
         max_seq_len=max_seq_len,
-        rope_scaling=Llama3RopeScaling(factor=32.0),
-        tie_word_embeddings=True,
     )
 
 
@@ -219,14 +200,8 @@ def lora_llama3_1_8b(
         lora_dropout=lora_dropout,
         use_dora=use_dora,
         quantize_base=quantize_base,
-        vocab_size=_LLAMA3_VOCAB,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        embed_dim=4096,
-        intermediate_dim=14_336,
+        **LLAMA3_1_8B,
         max_seq_len=max_seq_len,
-        rope_scaling=Llama3RopeScaling(factor=8.0),
     )
 
 
@@ -252,14 +227,8 @@ def lora_llama3_1_70b(
         lora_dropout=lora_dropout,
         use_dora=use_dora,
         quantize_base=quantize_base,
-        vocab_size=_LLAMA3_VOCAB,
-        num_layers=80,
-        num_heads=64,
-        num_kv_heads=8,
-        embed_dim=8192,
-        intermediate_dim=28_672,
+        **LLAMA3_1_70B,
         max_seq_len=max_seq_len,
-        rope_scaling=Llama3RopeScaling(factor=8.0),
     )
 
 
