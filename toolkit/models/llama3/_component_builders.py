@@ -4,14 +4,13 @@ from collections.abc import Callable
 
 from torch import nn
 
+from toolkit.models._decoder import prenorm_decoder
 from toolkit.modules import (
     FeedForward,
     GroupedQueryAttention,
     Llama3RopeScaling,
-    RMSNorm,
     RotaryPositionalEmbeddings,
     TransformerDecoder,
-    TransformerDecoderLayer,
 )
 
 
@@ -92,9 +91,9 @@ def _llama3(
     # The architecture, shared by llama3() and the LoRA builders, which differ only in how projections are made.
     head_dim = embed_dim // num_heads
     rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base, scaling=rope_scaling)
-    layers = []
-    for _ in range(num_layers):
-        attn = GroupedQueryAttention(
+
+    def attention() -> GroupedQueryAttention:
+        return GroupedQueryAttention(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -104,23 +103,21 @@ def _llama3(
             o_proj=linear("o_proj", num_heads * head_dim, embed_dim),
             pos_embeddings=rope,
         )
-        mlp = FeedForward(
+
+    def mlp() -> FeedForward:
+        return FeedForward(
             gate_proj=linear("gate_proj", embed_dim, intermediate_dim),
             down_proj=linear("down_proj", intermediate_dim, embed_dim),
             up_proj=linear("up_proj", embed_dim, intermediate_dim),
         )
-        layers.append(
-            TransformerDecoderLayer(
-                self_attn=attn,
-                mlp=mlp,
-                input_layernorm=RMSNorm(embed_dim, eps=norm_eps),
-                post_attention_layernorm=RMSNorm(embed_dim, eps=norm_eps),
-            )
-        )
-    return TransformerDecoder(
-        embed_tokens=nn.Embedding(vocab_size, embed_dim),
-        layers=layers,
-        norm=RMSNorm(embed_dim, eps=norm_eps),
-        output=None if tie_word_embeddings else linear("output", embed_dim, vocab_size),
+
+    return prenorm_decoder(
+        vocab_size=vocab_size,
+        embed_dim=embed_dim,
+        num_layers=num_layers,
         max_seq_len=max_seq_len,
+        norm_eps=norm_eps,
+        attention=attention,
+        mlp=mlp,
+        output=None if tie_word_embeddings else lambda: linear("output", embed_dim, vocab_size),
     )

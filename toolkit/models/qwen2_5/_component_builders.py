@@ -4,13 +4,8 @@ query, key and value projections (Qwen Team, 2024, https://arxiv.org/abs/2412.15
 from torch import nn
 
 from toolkit.models.llama3 import llama3_mlp
-from toolkit.modules import (
-    GroupedQueryAttention,
-    RMSNorm,
-    RotaryPositionalEmbeddings,
-    TransformerDecoder,
-    TransformerDecoderLayer,
-)
+from toolkit.models._decoder import prenorm_decoder
+from toolkit.modules import GroupedQueryAttention, RotaryPositionalEmbeddings, TransformerDecoder
 
 
 def qwen2_5(
@@ -42,9 +37,9 @@ def qwen2_5(
     """
     head_dim = embed_dim // num_heads
     rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
-    layers = []
-    for _ in range(num_layers):
-        attn = GroupedQueryAttention(
+
+    def attention() -> GroupedQueryAttention:
+        return GroupedQueryAttention(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -54,18 +49,14 @@ def qwen2_5(
             o_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
             pos_embeddings=rope,
         )
-        layers.append(
-            TransformerDecoderLayer(
-                self_attn=attn,
-                mlp=llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
-                input_layernorm=RMSNorm(embed_dim, eps=norm_eps),
-                post_attention_layernorm=RMSNorm(embed_dim, eps=norm_eps),
-            )
-        )
-    return TransformerDecoder(
-        embed_tokens=nn.Embedding(vocab_size, embed_dim),
-        layers=layers,
-        norm=RMSNorm(embed_dim, eps=norm_eps),
-        output=None if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False),
+
+    return prenorm_decoder(
+        vocab_size=vocab_size,
+        embed_dim=embed_dim,
+        num_layers=num_layers,
         max_seq_len=max_seq_len,
+        norm_eps=norm_eps,
+        attention=attention,
+        mlp=lambda: llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
+        output=None if tie_word_embeddings else lambda: nn.Linear(embed_dim, vocab_size, bias=False),
     )

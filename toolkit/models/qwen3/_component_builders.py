@@ -5,13 +5,8 @@ https://arxiv.org/abs/2505.09388)."""
 from torch import nn
 
 from toolkit.models.llama3 import llama3_mlp
-from toolkit.modules import (
-    GroupedQueryAttention,
-    RMSNorm,
-    RotaryPositionalEmbeddings,
-    TransformerDecoder,
-    TransformerDecoderLayer,
-)
+from toolkit.models._decoder import prenorm_decoder
+from toolkit.modules import GroupedQueryAttention, RMSNorm, RotaryPositionalEmbeddings, TransformerDecoder
 
 
 def qwen3(
@@ -44,9 +39,9 @@ def qwen3(
         tie_word_embeddings: reuse the embedding as output projection (0.6B, 1.7B, 4B).
     """
     rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
-    layers = []
-    for _ in range(num_layers):
-        attn = GroupedQueryAttention(
+
+    def attention() -> GroupedQueryAttention:
+        return GroupedQueryAttention(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -58,18 +53,14 @@ def qwen3(
             q_norm=RMSNorm(head_dim, eps=norm_eps),
             k_norm=RMSNorm(head_dim, eps=norm_eps),
         )
-        layers.append(
-            TransformerDecoderLayer(
-                self_attn=attn,
-                mlp=llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
-                input_layernorm=RMSNorm(embed_dim, eps=norm_eps),
-                post_attention_layernorm=RMSNorm(embed_dim, eps=norm_eps),
-            )
-        )
-    return TransformerDecoder(
-        embed_tokens=nn.Embedding(vocab_size, embed_dim),
-        layers=layers,
-        norm=RMSNorm(embed_dim, eps=norm_eps),
-        output=None if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False),
+
+    return prenorm_decoder(
+        vocab_size=vocab_size,
+        embed_dim=embed_dim,
+        num_layers=num_layers,
         max_seq_len=max_seq_len,
+        norm_eps=norm_eps,
+        attention=attention,
+        mlp=lambda: llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
+        output=None if tie_word_embeddings else lambda: nn.Linear(embed_dim, vocab_size, bias=False),
     )
