@@ -190,11 +190,8 @@ def instruct_dataset(
     fmt = InstructFormat(column_map=columns, prompt_template=prompt_template, system_prompt=system_prompt)
     _check_train_on(train_on)
 
-    def encode(tok: ChatTokenizer) -> Callable[[Any], list[Sequence]]:
-        return lambda row: [tok.tokenize_messages(fmt.messages(row), add_eos=True, train_on=train_on)]
-
     return _build(
-        tokenizer, "instruct", {"format": repr(fmt), "train_on": train_on}, encode,
+        tokenizer, "instruct", {"format": repr(fmt), "train_on": train_on}, _messages_encoder(fmt, train_on),
         source=source, format=format, split=split, name=name, revision=revision, max_seq_len=max_seq_len,
         truncation=truncation, packed=packed, packing_strategy=packing_strategy, skip_bad_rows=skip_bad_rows,
         cache_dir=cache_dir,
@@ -239,11 +236,8 @@ def chat_dataset(
     fmt = ChatFormat(column=columns.get("messages"), system_prompt=system_prompt)
     _check_train_on(train_on)
 
-    def encode(tok: ChatTokenizer) -> Callable[[Any], list[Sequence]]:
-        return lambda row: [tok.tokenize_messages(fmt.messages(row), add_eos=True, train_on=train_on)]
-
     return _build(
-        tokenizer, "chat", {"format": repr(fmt), "train_on": train_on}, encode,
+        tokenizer, "chat", {"format": repr(fmt), "train_on": train_on}, _messages_encoder(fmt, train_on),
         source=source, format=format, split=split, name=name, revision=revision, max_seq_len=max_seq_len,
         truncation=truncation, packed=packed, packing_strategy=packing_strategy, skip_bad_rows=skip_bad_rows,
         cache_dir=cache_dir,
@@ -348,6 +342,17 @@ def preference_dataset(
         truncation=truncation, packed=False, packing_strategy="best_fit", skip_bad_rows=skip_bad_rows,
         cache_dir=cache_dir,
     )
+
+
+def _messages_encoder(
+    fmt: InstructFormat | ChatFormat, train_on: str
+) -> Callable[[ChatTokenizer], Callable[[Any], list[Sequence]]]:
+    """For formats that turn a row into messages: tokenizes them with the train mask ``train_on`` asks for."""
+
+    def encode(tok: ChatTokenizer) -> Callable[[Any], list[Sequence]]:
+        return lambda row: [tok.tokenize_messages(fmt.messages(row), add_eos=True, train_on=train_on)]
+
+    return encode
 
 
 def _check_train_on(train_on: str) -> None:
