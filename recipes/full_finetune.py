@@ -27,7 +27,6 @@ from toolkit.config import instantiate, recipe_main
 from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import exact_match_accuracy
 from toolkit.training import (
-    IGNORE_INDEX,
     MetricsLogger,
     apply_activation_checkpointing,
     apply_data_parallel,
@@ -115,7 +114,7 @@ def train(cfg: DictConfig) -> None:
         dataset,
         batch_size=cfg.micro_batch_size,
         sampler=sampler,
-        collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id, ignore_index=IGNORE_INDEX),
+        collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id),
     )
     total_steps = cfg.epochs * sampler.steps_per_epoch
     if cfg.max_steps is not None:

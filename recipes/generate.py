@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from toolkit.config import instantiate, recipe_main
 from toolkit.generation import generate
-from toolkit.training import init_distributed, materialize, param_dtype, set_seed
+from toolkit.training import init_distributed, materialize, precision_policy, set_seed
 
 
 @recipe_main
@@ -20,7 +20,7 @@ def main(cfg: DictConfig) -> None:
     set_seed(cfg.seed)
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    materialize(model, device=env.device, dtype=param_dtype(cfg.dtype, device=env.device))
+    materialize(model, device=env.device, dtype=precision_policy(cfg.dtype, device=env.device).param_dtype)
     instantiate(cfg.checkpointer).load(model)
     tokenizer = instantiate(cfg.tokenizer)
 

@@ -29,7 +29,6 @@ from toolkit.modules.peft import get_adapter_params, get_merged_state_dict, init
 from toolkit.modules.peft import set_trainable_params
 from toolkit.training.peft import save_peft_adapter
 from toolkit.training import (
-    IGNORE_INDEX,
     MetricsLogger,
     apply_activation_checkpointing,
     apply_data_parallel,
@@ -144,7 +143,7 @@ def train(cfg: DictConfig) -> None:
         dataset,
         batch_size=cfg.micro_batch_size,
         sampler=sampler,
-        collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id, ignore_index=IGNORE_INDEX),
+        collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id),
     )
     total_steps = cfg.epochs * sampler.steps_per_epoch
     if cfg.max_steps is not None:

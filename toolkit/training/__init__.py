@@ -18,10 +18,10 @@ from toolkit.training.distributed import (
     on_rank_zero,
 )
 from toolkit.training.init import init_weights, materialize, set_seed
-from toolkit.training.loss import IGNORE_INDEX, cross_entropy_sum, global_token_count, gradient_scale
+from toolkit.training.loss import cross_entropy_sum, global_token_count, gradient_scale
 from toolkit.training.lr_schedulers import cosine_with_warmup
 from toolkit.training.memory import choose_strategy, estimate_memory, resolve_strategy
-from toolkit.training.metrics import MetricsLogger, peak_memory_gib, print_rank_zero, rank_stats, step_metrics
+from toolkit.training.metrics import MetricsLogger, peak_memory_gib, rank_stats, step_metrics
 from toolkit.training.parallel import (
     STRATEGIES,
     ParallelDims,
@@ -35,11 +35,10 @@ from toolkit.training.parallel import (
     shard_optimizer_state,
     unwrap,
 )
-from toolkit.training.precision import PrecisionPolicy, param_dtype, precision_policy
+from toolkit.training.precision import PrecisionPolicy, precision_policy
 from toolkit.training.step import StepResult, forward_backward, global_batches, make_grad_scaler, optimizer_step
 
 __all__ = [
-    "IGNORE_INDEX",
     "STRATEGIES",
     "DistributedEnv",
     "HFCheckpointer",
@@ -75,12 +74,10 @@ __all__ = [
     "on_rank_zero",
     "optimizer_step",
     "parallel_dims",
-    "param_dtype",
     "peak_memory_gib",
     "precision_policy",
     "prepare_output_dir",
     "resolve_strategy",
-    "print_rank_zero",
     "rank_stats",
     "set_seed",
     "shard_optimizer_state",

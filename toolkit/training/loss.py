@@ -10,12 +10,10 @@ so each micro-batch contributes ``sum / N_global`` and the accumulated gradient 
 import torch
 import torch.nn.functional as F
 
+from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.training.distributed import all_reduce_sum
 
-IGNORE_INDEX = -100
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> torch.Tensor:
     """Sum of token cross-entropies, in float32, over the non-ignored positions.
 
     Args:
@@ -27,7 +25,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, ignore_inde
     )
 
 
-def global_token_count(label_batches: list[torch.Tensor], *, ignore_index: int = IGNORE_INDEX) -> int:
+def global_token_count(label_batches: list[torch.Tensor], *, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> int:
     """Non-ignored tokens in this rank's micro-batches, summed over all ranks (one small all-reduce)."""
     local = sum(int((labels != ignore_index).sum()) for labels in label_batches)
     return int(all_reduce_sum(torch.tensor([local], dtype=torch.float64, device=label_batches[0].device)).item())

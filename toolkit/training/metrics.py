@@ -67,12 +67,6 @@ class MetricsLogger:
             self._file.close()
 
 
-def print_rank_zero(message: str, *, rank: int) -> None:
-    """Print ``message`` from rank zero only."""
-    if rank == 0:
-        print(message, flush=True)
-
-
 def step_metrics(
     *,
     step: int,

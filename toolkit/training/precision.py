@@ -70,7 +70,3 @@ def precision_policy(dtype: str, *, device: torch.device) -> PrecisionPolicy:
         )
     return PrecisionPolicy(dtype, param, compute)
 
-
-def param_dtype(dtype: str, *, device: torch.device) -> torch.dtype:
-    """The dtype parameters are stored in for ``dtype``."""
-    return precision_policy(dtype, device=device).param_dtype
