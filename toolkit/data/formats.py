@@ -168,13 +168,13 @@ def template_fields(template: str) -> list[str]:
     except ValueError as e:
         raise UserError(f"prompt_template {template!r} is not a valid format string: {e}") from None
     fields = []
-    for _, field, _, _ in parsed:
-        if field is None:
+    for _, name, _, _ in parsed:
+        if name is None:
             continue
-        if not field.isidentifier():
-            raise UserError(f"prompt_template fields must be column names like {{input}}; got {{{field}}}")
-        if field not in fields:
-            fields.append(field)
+        if not name.isidentifier():
+            raise UserError(f"prompt_template fields must be column names like {{input}}; got {{{name}}}")
+        if name not in fields:
+            fields.append(name)
     return fields
 
 
