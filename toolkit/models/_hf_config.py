@@ -1,9 +1,10 @@
-"""Reading architecture fields from a Hugging Face ``config.json``, across the spellings transformers has used."""
+"""Architecture fields of a Hugging Face ``config.json``: read across the spellings transformers has used, and
+the fields every decoder family writes."""
 
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.modules import Llama3RopeScaling
+from toolkit.modules import Llama3RopeScaling, TransformerDecoder
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -61,3 +62,22 @@ def sliding_windows(config: dict[str, Any], *, default_layer_types: list[str] | 
         return [None] * num_layers
     layer_types = config.get("layer_types") or default_layer_types or ["sliding_attention"] * num_layers
     return [int(window) if t == "sliding_attention" else None for t in layer_types]
+
+
+def decoder_fields(model: TransformerDecoder) -> dict[str, Any]:
+    """The ``config.json`` fields every family's ``hf_config`` shares, read off ``model``'s modules."""
+    attn = model.layers[0].self_attn
+    vocab_size, embed_dim = model.embed_tokens.weight.shape
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": embed_dim,
+        "intermediate_size": model.layers[0].mlp.gate_proj.weight.shape[0],
+        "num_hidden_layers": len(model.layers),
+        "num_attention_heads": attn.num_heads,
+        "num_key_value_heads": attn.num_kv_heads,
+        "max_position_embeddings": model.max_seq_len,
+        "rms_norm_eps": model.norm.eps,
+        "rope_theta": attn.pos_embeddings.base,
+        "tie_word_embeddings": model.tie_word_embeddings,
+        "torch_dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+    }

@@ -3,6 +3,7 @@ layer included), and the output is always tied, so the key mapping is Llama's pr
 
 from typing import Any
 
+from toolkit.models import _hf_config
 from toolkit.models.llama3._convert_weights import hf_key_to_tune, tune_key_to_hf
 from toolkit.modules.gemma2 import SoftcappedTransformerDecoder
 
@@ -12,21 +13,12 @@ __all__ = ["hf_config", "hf_key_to_tune", "tune_key_to_hf"]
 def hf_config(model: SoftcappedTransformerDecoder) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face ``Gemma2ForCausalLM`` with the architecture of ``model``."""
     attn = model.layers[0].self_attn
-    vocab_size, embed_dim = model.embed_tokens.weight.shape
     windows = [layer.self_attn.sliding_window for layer in model.layers]
     return {
         "architectures": ["Gemma2ForCausalLM"],
         "model_type": "gemma2",
-        "vocab_size": vocab_size,
-        "hidden_size": embed_dim,
-        "intermediate_size": model.layers[0].mlp.gate_proj.weight.shape[0],
-        "num_hidden_layers": len(model.layers),
-        "num_attention_heads": attn.num_heads,
-        "num_key_value_heads": attn.num_kv_heads,
+        **_hf_config.decoder_fields(model),
         "head_dim": attn.head_dim,
-        "max_position_embeddings": model.max_seq_len,
-        "rms_norm_eps": model.norm.eps,
-        "rope_theta": attn.pos_embeddings.base,
         # The builder stores the scale; the config wants the (integer) scalar whose inverse square root it is.
         "query_pre_attn_scalar": round(attn.softmax_scale**-2),
         "attn_logit_softcapping": attn.logit_softcap,
@@ -34,6 +26,4 @@ def hf_config(model: SoftcappedTransformerDecoder) -> dict[str, Any]:
         "sliding_window": next((w for w in windows if w is not None), None),
         "layer_types": ["sliding_attention" if w is not None else "full_attention" for w in windows],
         "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": True,
-        "torch_dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
     }

@@ -9,6 +9,7 @@ import re
 
 import torch
 
+from toolkit.models import _hf_config
 from toolkit.modules import Llama3RopeScaling, TransformerDecoder
 
 _META_TO_TUNE = {
@@ -104,26 +105,15 @@ def hf_config(model: TransformerDecoder) -> dict:
     """The ``config.json`` of a Hugging Face ``LlamaForCausalLM`` with the architecture of ``model``."""
     attn = model.layers[0].self_attn
     rope = attn.pos_embeddings
-    vocab_size, embed_dim = model.embed_tokens.weight.shape
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": embed_dim,
-        "intermediate_size": model.layers[0].mlp.gate_proj.weight.shape[0],
-        "num_hidden_layers": len(model.layers),
-        "num_attention_heads": attn.num_heads,
-        "num_key_value_heads": attn.num_kv_heads,
+        **_hf_config.decoder_fields(model),
         "head_dim": attn.head_dim,
-        "max_position_embeddings": model.max_seq_len,
-        "rms_norm_eps": model.norm.eps,
-        "rope_theta": rope.base,
         "rope_scaling": None,
-        "tie_word_embeddings": model.tie_word_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
     }
     scaling: Llama3RopeScaling | None = rope.scaling
     if scaling is not None:
