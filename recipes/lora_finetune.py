@@ -30,6 +30,8 @@ from toolkit.modules.peft import set_trainable_params
 from toolkit.training.peft import save_peft_adapter
 from toolkit.training import (
     MetricsLogger,
+    StepCheckpointer,
+    TrainingState,
     apply_activation_checkpointing,
     apply_data_parallel,
     barrier,
@@ -40,16 +42,17 @@ from toolkit.training import (
     gradient_accumulation_steps,
     init_distributed,
     init_weights,
+    inject_fault,
     make_grad_scaler,
     materialize,
     on_rank_zero,
     optimizer_step,
     parallel_dims,
     precision_policy,
-    prepare_output_dir,
     resolve_strategy,
     set_seed,
     shard_optimizer_state,
+    start_run,
     step_metrics,
     unwrap,
 )
@@ -97,7 +100,8 @@ def train(cfg: DictConfig) -> None:
         batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size, world_size=env.world_size
     )
     output_dir = Path(cfg.output_dir)
-    on_rank_zero(prepare_output_dir, output_dir, overwrite=cfg.overwrite)
+    # The newest complete step checkpoint with `resume_from: auto` (always after a restart by torchrun), or None.
+    resume = on_rank_zero(start_run, output_dir, overwrite=cfg.overwrite, resume_from=cfg.resume_from)
 
     # --- Model: built on the meta device (no memory), materialized, initialized or loaded, then parallelized ------
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights
@@ -154,9 +158,21 @@ def train(cfg: DictConfig) -> None:
     optimizer = shard_optimizer_state(optimizer, dims=dims)
     lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
 
-    log = MetricsLogger(output_dir, enabled=env.is_rank_zero, total_steps=total_steps, progress_bar=cfg.progress_bar)
+    # --- Step checkpoints hold only what trains (adapters, their optimizer state) and the resume state ------------
+    state = TrainingState(model, optimizer, lr_scheduler, sampler, grad_scaler)
+    checkpoints = StepCheckpointer(
+        output_dir, every_n_steps=cfg.save_every_n_steps, keep_last_n=cfg.keep_last_n, async_save=cfg.async_save,
+        trainable_only=True,
+    )
+    step = checkpoints.load(resume, state, config=cfg) if resume is not None else 0
+
+    log = MetricsLogger(
+        output_dir, enabled=env.is_rank_zero, total_steps=total_steps, initial_step=step, progress_bar=cfg.progress_bar
+    )
     if env.is_rank_zero:
         OmegaConf.save(cfg, output_dir / "config.yaml")
+    if resume is not None:
+        log.print(f"resumed at step {step} from {resume}")
     n_params = sum(p.numel() for p in unwrap(model).parameters())
     n_trainable = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
     log.print(
@@ -167,12 +183,11 @@ def train(cfg: DictConfig) -> None:
     if reason:
         log.print(f"data_parallel: auto -> {reason}")
     eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None
-    if eval_tasks:
+    if eval_tasks and resume is None:
         evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")
 
     # --- Training loop ------------------------------------------------------------------------------------------
     model.train()
-    step = 0
     for epoch, micro_batches in global_batches(loader, sampler, accum_steps=accum_steps):
         if step == total_steps:
             break
@@ -192,6 +207,10 @@ def train(cfg: DictConfig) -> None:
             elapsed_s=time.perf_counter() - start, device=env.device,
             gather_rank_stats=step % cfg.log_every_n_steps == 0 or step == total_steps,
         ))
+        if checkpoints.due(step, total_steps):
+            checkpoints.save(step, state, config=cfg, strategy=dims.strategy)
+        inject_fault("after_step", step=step, rank=env.rank)  # a testing hook: see toolkit.training.debug
+    checkpoints.wait()
 
     # --- Evaluate and save ----------------------------------------------------------------------------------------
     if eval_tasks:

@@ -8,7 +8,7 @@ from toolkit.training.checkpointing import (
     load_model_family,
     prepare_output_dir,
 )
-from toolkit.training.debug import breakpoint_on_rank
+from toolkit.training.debug import breakpoint_on_rank, inject_fault
 from toolkit.training.distributed import (
     DistributedEnv,
     all_reduce_sum,
@@ -36,6 +36,13 @@ from toolkit.training.parallel import (
     unwrap,
 )
 from toolkit.training.precision import PrecisionPolicy, precision_policy
+from toolkit.training.step_checkpoint import (
+    StepCheckpointer,
+    TrainingState,
+    find_resume_checkpoint,
+    latest_checkpoint,
+    start_run,
+)
 from toolkit.training.step import StepResult, forward_backward, global_batches, make_grad_scaler, optimizer_step
 
 __all__ = [
@@ -45,7 +52,9 @@ __all__ = [
     "MetricsLogger",
     "ParallelDims",
     "PrecisionPolicy",
+    "StepCheckpointer",
     "StepResult",
+    "TrainingState",
     "all_reduce_sum",
     "apply_activation_checkpointing",
     "apply_data_parallel",
@@ -59,6 +68,7 @@ __all__ = [
     "cross_entropy_sum",
     "destroy_distributed",
     "estimate_memory",
+    "find_resume_checkpoint",
     "forward_backward",
     "gather_full_state_dict",
     "global_batches",
@@ -68,6 +78,8 @@ __all__ = [
     "gradient_sync",
     "init_distributed",
     "init_weights",
+    "inject_fault",
+    "latest_checkpoint",
     "load_model_family",
     "make_grad_scaler",
     "materialize",
@@ -81,6 +93,7 @@ __all__ = [
     "rank_stats",
     "set_seed",
     "shard_optimizer_state",
+    "start_run",
     "step_metrics",
     "unwrap",
 ]

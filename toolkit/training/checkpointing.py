@@ -1,31 +1,43 @@
 """Hugging Face checkpoints in and out, and the run's output folder.
 
 Loading streams tensor by tensor from memory-mapped safetensors into the model's own storage, so the host never
-holds a second copy of the model. Saving writes into a temporary folder renamed into place when complete, so a
-crash mid-save never leaves a half-written ``final/``.
+holds a second copy of the model. Saving streams tensor by tensor too, and in a distributed run every rank writes
+its share of the files, a sharded model never gathered on one rank. Both write into a temporary folder renamed into
+place when complete, so a crash mid-save never leaves a half-written ``final/``.
 """
 
+import contextlib
 import importlib
 import json
-import os
+import math
 import pkgutil
 import shutil
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 import toolkit.models
 from toolkit.errors import UserError
+from toolkit.training.distributed import barrier, shared_filesystem
+from toolkit.training.parallel import unwrap
 
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "generation_config.json",
 )
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
+_SHARDS_DIR = ".shards"  # an export's intermediate per-rank shards, removed when it completes
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
 def load_model_family(name: str) -> ModuleType:
@@ -129,43 +141,116 @@ class HFCheckpointer:
         output_dir: str | Path,
         *,
         state_dict: dict[str, torch.Tensor] | None = None,
-        max_shard_bytes: int = 5 * 2**30,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     ) -> Path:
-        """Write ``model`` as ``output_dir`` in Hugging Face layout.
+        """Write ``model`` as ``output_dir`` in Hugging Face layout, from this process alone.
 
-        ``state_dict`` gives the full (gathered) weights of a sharded model; by default ``model.state_dict()``.
+        ``state_dict`` gives full (unsharded) weights to write instead of ``model.state_dict()``. In a
+        distributed run, :meth:`export` writes from every rank at once without gathering the model.
 
         Writes ``config.json``, safetensors shards of at most ``max_shard_bytes`` (with an index when there are
         several), and copies the tokenizer files of the source checkpoint. The folder appears only when complete.
         """
-        output_dir = Path(output_dir)
-        tmp_dir = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        tmp_dir.mkdir(parents=True)
         if state_dict is None:
             state_dict = model.state_dict()
-        state = {self.family.tune_key_to_hf(k): v.detach().contiguous() for k, v in state_dict.items()}
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        shard_bytes = 0
-        for key, tensor in state.items():
-            size = tensor.numel() * tensor.element_size()
-            if shards[-1] and shard_bytes + size > max_shard_bytes:
-                shards.append({})
-                shard_bytes = 0
-            shards[-1][key] = tensor
-            shard_bytes += size
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp_dir / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, start=1):
-                name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp_dir / name), metadata={"format": "pt"})
-                weight_map.update({key: name for key in shard})
-            total = sum(t.numel() * t.element_size() for t in state.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp_dir / _SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
-        (tmp_dir / "config.json").write_text(json.dumps(self.family.hf_config(model), indent=2))
+        state = {self.family.tune_key_to_hf(k): v for k, v in state_dict.items()}
+        specs = {key: _TensorSpec.of(tensor) for key, tensor in state.items()}
+        return self._write_folder(output_dir, model, specs, lambda tmp_dir: _memory_reader(state), max_shard_bytes)
+
+    def export(self, model: nn.Module, output_dir: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+        """Write ``model`` (plain, DDP or FSDP-sharded) as ``output_dir`` in Hugging Face layout, from every rank.
+
+        A collective: every rank calls it. The output files are shared out among the ranks, each writing its own
+        in parallel, one tensor at a time. A sharded model is never gathered: every rank first writes its shards
+        (``torch.distributed.checkpoint``, in parallel), then each file's owner reads back just the tensors of its
+        files. Host memory stays at about one tensor per rank above the training state.
+
+        This needs ``output_dir`` on a filesystem every node sees. On nodes with local disks only, rank zero
+        gathers the model into host memory and writes it alone (the other nodes' folders stay empty).
+        """
+        shared = shared_filesystem(Path(output_dir).parent)
+        # Nodes with local disks (the folder is not shared): rank zero gathers the model and writes every file.
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=not shared, cpu_offload=not shared))
+        state = {self.family.tune_key_to_hf(k): v for k, v in full.items()}
+        specs = {key: _TensorSpec.of(tensor) for key, tensor in state.items()}
+        sharded = any(isinstance(tensor, DTensor) for tensor in state.values())
+
+        def source(tmp_dir: Path) -> TensorReader:
+            if not sharded:
+                return _memory_reader(state)  # every rank holds every tensor
+            dcp.save(state, checkpoint_id=str(tmp_dir / _SHARDS_DIR))
+            return dcp_tensor_reader(tmp_dir / _SHARDS_DIR, specs)
+
+        return self._write_folder(output_dir, model, specs, source, max_shard_bytes, collective=True, all_ranks=shared)
+
+    def save_from_dcp(
+        self,
+        model: nn.Module,
+        checkpoint_dir: str | Path,
+        output_dir: str | Path,
+        *,
+        prefix: str = "model.",
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    ) -> Path:
+        """Convert the model in a ``torch.distributed.checkpoint`` folder (a step checkpoint; keys ``prefix`` + our
+        names) to Hugging Face layout, in this process alone, reading it in about 1 GiB pieces whatever sharding it
+        was saved with. ``model`` (on the meta device is enough) gives ``config.json``; dtypes are the checkpoint's.
+        """
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        saved = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
+        specs, names = {}, {}
+        for key in model.state_dict():
+            entry = saved.get(prefix + key)
+            if not isinstance(entry, TensorStorageMetadata):
+                raise UserError(f"{checkpoint_dir}: no tensor {prefix + key!r}; is it a checkpoint of this model?")
+            hf_key = self.family.tune_key_to_hf(key)
+            specs[hf_key] = _TensorSpec(tuple(entry.size), entry.properties.dtype)
+            names[hf_key] = prefix + key
+        read = dcp_tensor_reader(Path(checkpoint_dir), specs, names=names)
+        return self._write_folder(output_dir, model, specs, lambda tmp_dir: read, max_shard_bytes)
+
+    def _write_folder(
+        self,
+        output_dir: str | Path,
+        model: nn.Module,
+        specs: dict[str, "_TensorSpec"],
+        source: Callable[[Path], "TensorReader"],
+        max_shard_bytes: int,
+        *,
+        collective: bool = False,
+        all_ranks: bool = True,
+    ) -> Path:
+        files = _plan_files(specs, max_shard_bytes)
+        rank = dist.get_rank() if collective and dist.is_initialized() else 0
+        world_size = dist.get_world_size() if collective and all_ranks and dist.is_initialized() else 1
+        with self._output_folder(output_dir, model, collective=collective) as tmp_dir:
+            read = source(tmp_dir)
+            for i, (name, keys) in enumerate(files.items()):
+                if i % world_size == rank:
+                    _write_safetensors(tmp_dir / name, keys, specs, read(keys))
+            if rank == 0:
+                _write_index(tmp_dir, files, specs)
+            if collective:
+                barrier()
+        return Path(output_dir)
+
+    @contextlib.contextmanager
+    def _output_folder(self, output_dir: str | Path, model: nn.Module, *, collective: bool = False) -> Iterator[Path]:
+        """A temporary folder to fill, renamed to ``output_dir`` (with config and tokenizer files) when complete."""
+        output_dir = Path(output_dir)
+        tmp_dir = output_dir.with_name(f".{output_dir.name}.partial")
+        lead = not collective or not dist.is_initialized() or dist.get_rank() == 0
+        if lead:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            tmp_dir.mkdir(parents=True)
+        if collective:
+            barrier()
+        yield tmp_dir
+        if not lead:
+            return
+        shutil.rmtree(tmp_dir / _SHARDS_DIR, ignore_errors=True)
+        (tmp_dir / "config.json").write_text(json.dumps(self.family.hf_config(unwrap(model)), indent=2))
         if self.checkpoint_dir is not None:
             for name in _TOKENIZER_FILES:
                 if (self.checkpoint_dir / name).is_file():
@@ -173,16 +258,116 @@ class HFCheckpointer:
         if output_dir.exists():
             shutil.rmtree(output_dir)
         tmp_dir.rename(output_dir)
-        return output_dir
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "_TensorSpec":
+        return cls(tuple(tensor.shape), tensor.dtype)  # a DTensor's shape is the full one
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _plan_files(specs: dict[str, _TensorSpec], max_shard_bytes: int) -> dict[str, list[str]]:
+    """File name -> its keys, in order: consecutive tensors filling files of at most ``max_shard_bytes``."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key, spec in specs.items():
+        if groups[-1] and size + spec.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += spec.nbytes
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": keys for i, keys in enumerate(groups, start=1)}
+
+
+def _write_index(folder: Path, files: dict[str, list[str]], specs: dict[str, _TensorSpec]) -> None:
+    if len(files) == 1:
+        return
+    index = {
+        "metadata": {"total_size": sum(spec.nbytes for spec in specs.values())},
+        "weight_map": {key: name for name, keys in files.items() for key in keys},
+    }
+    (folder / _SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def _write_safetensors(
+    path: Path, keys: list[str], specs: dict[str, _TensorSpec], tensors: Iterator[tuple[str, torch.Tensor]]
+) -> None:
+    """Write a safetensors file streaming ``tensors`` (in ``keys`` order) one at a time.
+
+    The format is an 8-byte little-endian header length, a JSON header of each tensor's dtype, shape and byte
+    range, then the raw little-endian bytes; writing it directly means no tensor but the current one is held.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key in keys:
+        spec = specs[key]
+        header[key] = {
+            "dtype": _SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for (key, tensor), expected in zip(tensors, keys, strict=True):
+            assert key == expected and _TensorSpec.of(tensor) == specs[key], f"{key}: not the planned tensor"
+            f.write(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+# Yields ``(key, full tensor)`` for the keys asked, in their order.
+TensorReader = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
+
+
+def _memory_reader(state: dict[str, torch.Tensor]) -> TensorReader:
+    return lambda keys: ((key, state[key]) for key in keys)
+
+
+def dcp_tensor_reader(
+    checkpoint_dir: Path, specs: dict[str, _TensorSpec], *, names: dict[str, str] | None = None, batch_bytes: int = 2**30
+) -> TensorReader:
+    """Reads full tensors out of a ``torch.distributed.checkpoint`` folder, about ``batch_bytes`` at a time,
+    whatever the sharding it was written with (``names`` maps a key to its name there, by default the key). Runs
+    in this process alone."""
+    names = names or {}
+
+    def read(keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        batch: list[str] = []
+        for i, key in enumerate(keys):
+            batch.append(key)
+            if i + 1 < len(keys) and sum(specs[k].nbytes for k in batch) + specs[keys[i + 1]].nbytes <= batch_bytes:
+                continue
+            wanted = {names.get(k, k): torch.empty(specs[k].shape, dtype=specs[k].dtype) for k in batch}
+            dcp.load(wanted, checkpoint_id=str(checkpoint_dir), no_dist=True)
+            yield from ((k, wanted.pop(names.get(k, k))) for k in batch)
+            batch = []
+
+    return read
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full, unsharded weights of a (possibly FSDP-sharded) model on rank zero's CPU; empty on other ranks.
 
-    A collective under FSDP: every rank must call it.
+    A collective under FSDP: every rank must call it. For small state (adapters); export a whole model with
+    :meth:`HFCheckpointer.export`, which never gathers it.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 

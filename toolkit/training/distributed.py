@@ -1,8 +1,10 @@
 """Process groups and devices: the one place that reads torchrun's environment."""
 
 import os
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -72,6 +74,7 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 600.0) -> Distr
                 backend=backend,
                 timeout=timedelta(seconds=timeout_s),
                 device_id=torch_device if use_cuda else None,
+                **_restart_store(rank=rank, world_size=world_size, timeout_s=timeout_s),
             )
     return DistributedEnv(
         rank=rank,
@@ -81,6 +84,28 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 600.0) -> Distr
         device=torch_device,
         backend=backend,
     )
+
+
+def _restart_store(*, rank: int, world_size: int, timeout_s: float) -> dict:
+    """After torchrun restarted the workers (``--max_restarts``), a store whose keys are this attempt's alone.
+
+    torchrun hands every attempt the same store, and the process group's bootstrap keys (each rank's address)
+    carry no attempt number: a restarted rank would read the address of the dead one and fail to connect. Returns
+    ``init_process_group``'s store arguments; none without a restart (it reads torchrun's environment as usual).
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        return {}
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_hosts and rank == 0,
+        timeout=timedelta(seconds=timeout_s),
+        multi_tenant=not agent_hosts,
+    )
+    return {"store": dist.PrefixStore(f"tunekit/attempt_{attempt}", store), "rank": rank, "world_size": world_size}
 
 
 def destroy_distributed() -> None:
@@ -103,10 +128,12 @@ def barrier() -> None:
 
 
 def on_rank_zero(fn, *args, **kwargs):
-    """Run ``fn`` on rank zero only; if it raises a UserError, raise the same error on every rank.
+    """Run ``fn`` on rank zero only and return its result on every rank; if it raises a UserError, raise the same
+    error on every rank.
 
-    For work that touches shared files (checking or clearing the output folder): without this, rank zero
-    would fail alone while the others wait at the next collective until the timeout.
+    For work that touches shared files (checking or clearing the output folder, finding the checkpoint to resume
+    from): without this, rank zero would fail alone while the others wait at the next collective until the
+    timeout, or the ranks could see the folder at different moments and decide differently.
     """
     error = None
     result = None
@@ -116,9 +143,31 @@ def on_rank_zero(fn, *args, **kwargs):
         except UserError as e:
             error = str(e)
     if dist.is_initialized():
-        box = [error]
+        box = [error, result]
         dist.broadcast_object_list(box, src=0)
-        error = box[0]
+        error, result = box
     if error is not None:
         raise UserError(error)
     return result
+
+
+def shared_filesystem(folder: str | Path) -> bool:
+    """Whether every rank sees the same ``folder`` (its nodes share the filesystem); True without a group.
+
+    A collective. Rank zero writes a token file into ``folder``, which every rank then looks for.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    folder = Path(folder)
+    token = [f".shared-{uuid.uuid4().hex}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    path = folder / token[0]
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    dist.barrier()
+    seen = torch.tensor(int(path.exists()))
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+    if dist.get_rank() == 0:
+        path.unlink()
+    return bool(seen.item())

@@ -23,7 +23,8 @@ class MetricsLogger:
         output_dir: the run's output folder.
         enabled: True on rank zero.
         total_steps: optimizer steps in the run (the bar's length).
-        initial_step: steps already done (when resuming).
+        initial_step: steps already done (when resuming): lines of later steps, logged by the attempt that died
+            after the checkpoint, are dropped so that every step appears once.
         progress_bar: show the bar (off in tests or when stderr is not wanted).
     """
 
@@ -35,6 +36,8 @@ class MetricsLogger:
             return
         path = Path(output_dir) / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            _truncate_after_step(path, initial_step)
         self._file = path.open("a", encoding="utf-8")
         if progress_bar:
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True, file=sys.stderr)
@@ -65,6 +68,20 @@ class MetricsLogger:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+
+
+def _truncate_after_step(path: Path, step: int) -> None:
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if _line_step(line) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _line_step(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except (json.JSONDecodeError, AttributeError):
+        return float("inf")  # a line cut short by the crash
 
 
 def step_metrics(

@@ -1,0 +1,73 @@
+"""Exporting to Hugging Face from every rank: the files equal the model's weights and load in `transformers`."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from toolkit.training import HFCheckpointer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _export_worker import tiny_model  # noqa: E402
+
+
+def read_all(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+    return tensors
+
+
+def expected_hf_state() -> dict[str, torch.Tensor]:
+    return {("lm_head.weight" if k == "output.weight" else "model." + k): v for k, v in tiny_model().state_dict().items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_two_process_export_equals_the_model_and_loads_in_transformers(strategy, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    worker = Path(__file__).parent / "_export_worker.py"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(worker), strategy, str(out)],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2, "small shards: several files, written by both ranks"
+    assert not any(p.name.startswith(".") for p in out.iterdir()), "no intermediate shards left behind"
+    expected = expected_hf_state()
+    written = read_all(out)
+    assert written.keys() == expected.keys() == index["weight_map"].keys()
+    for key in expected:
+        assert torch.equal(written[key], expected[key]), key
+
+    reference = tiny_model().eval()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        # fp32, the same math in another order: 1e-4 absolute on logits of magnitude ~1.
+        torch.testing.assert_close(loaded(tokens).logits, reference(tokens), atol=1e-4, rtol=0)
+
+
+def test_single_process_export_streams_the_same_files_as_save(tmp_path):
+    model = tiny_model()
+    checkpointer = HFCheckpointer(None, model_family="llama3")
+    exported = checkpointer.export(model, tmp_path / "export", max_shard_bytes=20_000)
+    saved = checkpointer.save(model, tmp_path / "save", max_shard_bytes=20_000)
+    for name in sorted(p.name for p in saved.iterdir()):
+        assert (exported / name).read_bytes() == (saved / name).read_bytes(), name

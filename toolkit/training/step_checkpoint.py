@@ -1,0 +1,473 @@
+"""Step checkpoints: everything a run needs to continue exactly, written by every rank in parallel.
+
+``<output_dir>/checkpoints/step_<N>/`` holds:
+
+=========================  ============================================================================
+``.metadata``, ``*.distcp``  ``torch.distributed.checkpoint`` (DCP): the model (or only its trainable part) and
+                           the optimizer state, each rank writing its own shard; keys are parameter names, so
+                           any world size and any data-parallel strategy can load them (DCP reshards).
+``trainer_state.json``     step, data position, LR schedule, loss scale, and what wrote it.
+``rng/rank_<r>.pt``        each rank's RNG states (Python, NumPy, torch CPU, CUDA).
+``config.yaml``            the config of the run that wrote it.
+``COMPLETE``               written last, atomically: a folder without it is ignored by resume and pruned.
+=========================  ============================================================================
+
+Nothing here gathers the model on one rank, and nothing is written twice: a replicated (DDP) model is saved once,
+its tensors spread over the ranks by DCP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim import Optimizer
+
+from toolkit.data import GlobalBatchSampler
+from toolkit.errors import UserError
+from toolkit.training.debug import inject_fault
+from toolkit.training.distributed import barrier, shared_filesystem
+
+log = logging.getLogger(__name__)
+# One process without a process group loads and saves alone, as intended: DCP's warning says only that.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+CHECKPOINTS_DIR = "checkpoints"
+COMPLETE_MARKER = "COMPLETE"
+TRAINER_STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+# Config sections a checkpoint's tensors depend on: resuming with any of them changed is refused. A checkpoint of
+# the trainable part only also depends on the frozen base it was trained on.
+_MUST_MATCH = ("model",)
+_MUST_MATCH_TRAINABLE_ONLY = ("model", "checkpointer", "seed")
+
+
+@dataclass
+class TrainingState:
+    """The objects a step checkpoint saves and restores (``grad_scaler`` only for fp16)."""
+
+    model: nn.Module
+    optimizer: Optimizer
+    lr_scheduler: Any
+    sampler: GlobalBatchSampler
+    grad_scaler: torch.amp.GradScaler | None = None
+
+
+def checkpoint_step(path: Path) -> int:
+    """``N`` of a ``step_<N>`` folder."""
+    match = _STEP_DIR.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a step_<N> folder")
+    return int(match.group(1))
+
+
+def is_complete(path: Path) -> bool:
+    """Whether every rank finished writing ``path`` (its marker exists)."""
+    return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def list_checkpoints(output_dir: str | Path, *, complete_only: bool = True) -> list[Path]:
+    """The run's ``step_<N>`` folders, oldest first; by default only complete ones."""
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    if complete_only:
+        found = [p for p in found if is_complete(p)]
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete step checkpoint in ``output_dir``, or None."""
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job's workers (``--max_restarts``); 0 outside torchrun."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def find_resume_checkpoint(resume_from: str | None, output_dir: str | Path) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh start.
+
+    ``resume_from`` is ``None`` (start fresh), ``auto`` (the newest complete checkpoint in ``output_dir``, or a fresh
+    start when there is none) or a ``step_<N>`` folder. Workers restarted by torchrun (``--max_restarts``) resume
+    ``auto`` whatever the config says: that is how a run recovers from a dead rank.
+
+    Raises:
+        UserError: ``resume_from`` names a folder that is missing or not a complete checkpoint.
+    """
+    if resume_from is None and restart_count() > 0:
+        resume_from = "auto"
+    if resume_from is None:
+        return None
+    if resume_from == "auto":
+        return latest_checkpoint(output_dir)
+    path = Path(resume_from).expanduser()
+    if not path.is_dir():
+        raise UserError(f"resume_from: {path} is not a folder (use auto, or a {CHECKPOINTS_DIR}/step_<N> folder)")
+    if not is_complete(path):
+        newest = latest_checkpoint(path.parent.parent) if _STEP_DIR.match(path.name) else None
+        hint = f"; the newest complete one is {newest}" if newest else ""
+        raise UserError(
+            f"resume_from: {path} is not a complete checkpoint (no {COMPLETE_MARKER} marker: its writing was "
+            f"interrupted, or it is not a step checkpoint){hint}"
+        )
+    return path
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class StepCheckpointer:
+    """Writes, prunes and loads a run's step checkpoints.
+
+    Args:
+        output_dir: the run's output folder; checkpoints go in ``<output_dir>/checkpoints/step_<N>/``.
+        every_n_steps: save after every N optimizer steps and after the last; ``None`` never saves.
+        keep_last_n: complete checkpoints to keep (older ones are deleted once a newer one is complete);
+            ``None`` keeps all.
+        async_save: write in the background while training goes on (the tensors are first copied to host
+            memory); the next save, or :meth:`wait`, waits for it.
+        trainable_only: save only the parameters that train (adapters); the frozen rest comes from the base
+            checkpoint on resume.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        every_n_steps: int | None,
+        keep_last_n: int | None = None,
+        async_save: bool = False,
+        trainable_only: bool = False,
+    ) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise UserError(f"save_every_n_steps must be a positive number of steps or null, got {every_n_steps}")
+        if keep_last_n is not None and keep_last_n < 1:
+            raise UserError(f"keep_last_n must be at least 1 (or null to keep all), got {keep_last_n}")
+        self.root = Path(output_dir) / CHECKPOINTS_DIR
+        self.every_n_steps = every_n_steps
+        self.keep_last_n = keep_last_n
+        self.async_save = async_save
+        self.trainable_only = trainable_only
+        if every_n_steps is not None and not shared_filesystem(self.root):
+            raise UserError(
+                f"save_every_n_steps: every rank writes its part of a step checkpoint into {self.root}, but that "
+                "folder is not on a filesystem all nodes share; put output_dir on shared storage, or set "
+                "save_every_n_steps=null"
+            )
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self._pending: Future | None = None
+        # Background writes run collectives of their own: on a separate group they cannot interleave with training's.
+        self._async_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether to save after ``step``."""
+        return self.every_n_steps is not None and (step % self.every_n_steps == 0 or step == total_steps)
+
+    # --- what goes in -----------------------------------------------------------------------------------------------
+
+    def _options(self, **kwargs) -> StateDictOptions:
+        return StateDictOptions(ignore_frozen_params=self.trainable_only, **kwargs)
+
+    @staticmethod
+    def _local_optimizer(optimizer: Optimizer) -> Optimizer:
+        # ZeRO-1 keeps the state of this rank's parameters in an inner optimizer; saved by parameter name, it
+        # reshards to any world size like the rest.
+        return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+    def _tensor_state(self, state: TrainingState) -> dict[str, Any]:
+        optimizer = self._local_optimizer(state.optimizer)
+        return {
+            "model": get_model_state_dict(state.model, options=self._options()),
+            "optimizer": get_optimizer_state_dict(
+                state.model, optimizer, options=self._options(flatten_optimizer_state_dict=True)
+            ),
+        }
+
+    def _trainer_state(self, step: int, state: TrainingState, strategy: str | None) -> dict[str, Any]:
+        return {
+            "step": step,
+            "sampler": state.sampler.state_dict(),
+            "lr_scheduler": state.lr_scheduler.state_dict(),
+            "grad_scaler": state.grad_scaler.state_dict() if state.grad_scaler is not None else None,
+            "world_size": self.world_size,
+            "data_parallel": strategy,
+            "model_state": "trainable" if self.trainable_only else "full",
+        }
+
+    # --- saving -----------------------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: TrainingState, *, config: DictConfig, strategy: str | None = None) -> Path:
+        """Write ``step_<step>`` (a collective: every rank calls it). Returns its path.
+
+        The marker is written once every rank's files are on disk; with ``async_save`` that happens in the
+        background, and this returns as soon as the tensors are copied to host memory.
+        """
+        self.wait()
+        path = self.root / f"step_{step}"
+        if self.rank == 0:
+            if path.exists():  # left by an attempt that died while writing it
+                shutil.rmtree(path)
+            (path / "rng").mkdir(parents=True)
+            _write_atomically(path / TRAINER_STATE, json.dumps(self._trainer_state(step, state, strategy), indent=2))
+            OmegaConf.save(config, path / "config.yaml")
+        barrier()
+        torch.save(_rng_state(), path / "rng" / f"rank_{self.rank}.pt")
+        tensors = self._tensor_state(state)
+        if self.async_save:
+            self._pending = dcp.async_save(tensors, checkpoint_id=str(path), process_group=self._async_group)
+            if self.rank == 0:
+                self._pending.add_done_callback(lambda future: self._finish(path, future))
+        else:
+            dcp.save(tensors, checkpoint_id=str(path))
+            # DCP's save returns on every rank only after all of them wrote their files and rank 0 the metadata.
+            if self.rank == 0:
+                self._finish(path)
+        return path
+
+    def _finish(self, path: Path, future: Future | None = None) -> None:
+        if future is not None and future.exception() is not None:
+            log.error("checkpoint %s was not completed: %s", path, future.exception())
+            return
+        inject_fault("save", step=checkpoint_step(path), rank=self.rank)
+        _write_atomically(path / COMPLETE_MARKER, json.dumps({"step": checkpoint_step(path)}) + "\n")
+        self._prune(newest=path)
+
+    def _prune(self, *, newest: Path) -> None:
+        newest_step = checkpoint_step(newest)
+        for path in list_checkpoints(self.root.parent, complete_only=False):
+            step = checkpoint_step(path)
+            if step < newest_step and not is_complete(path):
+                shutil.rmtree(path, ignore_errors=True)  # an older write that never finished
+        if self.keep_last_n is not None:
+            for path in list_checkpoints(self.root.parent)[: -self.keep_last_n]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until a background save has finished (a no-op otherwise)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+            barrier()  # rank 0's marker callback has run once every rank got here
+
+    # --- loading ----------------------------------------------------------------------------------------------------
+
+    def load(self, path: str | Path, state: TrainingState, *, config: DictConfig) -> int:
+        """Restore ``state`` from the checkpoint ``path``; returns its step. A collective: every rank calls it.
+
+        Everything is checked before anything is restored: the marker, the config, the files' sizes, and every key
+        and shape against this model and optimizer.
+
+        Raises:
+            UserError: an incomplete, truncated or corrupt checkpoint, one of another model, or one whose config
+                is incompatible; the message names the file and the key.
+        """
+        path = Path(path)
+        if not is_complete(path):
+            raise UserError(f"{path}: not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+        trainer = _read_trainer_state(path)
+        _check_config(path, config, _MUST_MATCH_TRAINABLE_ONLY if self.trainable_only else _MUST_MATCH)
+        if trainer["model_state"] != ("trainable" if self.trainable_only else "full"):
+            raise UserError(
+                f"{path / TRAINER_STATE}: holds the {trainer['model_state']} model, but this recipe saves the "
+                f"{'trainable' if self.trainable_only else 'full'} one; resume with the recipe that wrote it"
+            )
+        tensors = self._tensor_state(state)
+        _check_tensors(path, tensors)
+        try:
+            dcp.load(tensors, checkpoint_id=str(path))
+        except Exception as e:  # DCP wraps each rank's failure; its text names the item and the file
+            raise UserError(f"{path}: cannot read the checkpoint ({_first_line(e)}); a file may be corrupt") from None
+        set_model_state_dict(state.model, tensors["model"], options=self._options(strict=not self.trainable_only))
+        set_optimizer_state_dict(
+            state.model,
+            self._local_optimizer(state.optimizer),
+            tensors["optimizer"],
+            options=self._options(flatten_optimizer_state_dict=True),
+        )
+        state.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
+        # The optimizer's own copy of the learning rate (ZeRO-1's outer one is not in its state) is the schedule's.
+        for group, lr in zip(state.optimizer.param_groups, state.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+        state.sampler.load_state_dict(trainer["sampler"])
+        if state.grad_scaler is not None and trainer["grad_scaler"]:
+            state.grad_scaler.load_state_dict(trainer["grad_scaler"])
+        rng_file = path / "rng" / f"rank_{self.rank % trainer['world_size']}.pt"
+        try:
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        except Exception as e:
+            raise UserError(f"{rng_file}: cannot read the RNG state ({_first_line(e)})") from None
+        return int(trainer["step"])
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _read_trainer_state(path: Path) -> dict[str, Any]:
+    file = path / TRAINER_STATE
+    try:
+        trainer = json.loads(file.read_text())
+        for key in ("step", "sampler", "lr_scheduler", "world_size", "model_state"):
+            trainer[key]
+    except FileNotFoundError:
+        raise UserError(f"{file}: missing; {path} is not a step checkpoint") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"{file}: unreadable or incomplete ({e}); the checkpoint is corrupt") from None
+    return trainer
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: node}
+
+
+def _check_config(path: Path, config: DictConfig, sections: tuple[str, ...]) -> None:
+    file = path / "config.yaml"
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+    except FileNotFoundError:
+        raise UserError(f"{file}: missing; {path} is not a step checkpoint") from None
+    except Exception as e:
+        raise UserError(f"{file}: unreadable ({_first_line(e)})") from None
+    current = OmegaConf.to_container(config, resolve=True)
+    for section in sections:
+        old, new = _flatten(saved.get(section), section), _flatten(current.get(section), section)
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                raise UserError(
+                    f"{file}: the checkpoint was trained with {key}={old.get(key)!r}, this run has "
+                    f"{key}={new.get(key)!r}; resume with the same {section} or start a new run"
+                )
+
+
+def _check_tensors(path: Path, tensors: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata_file = path / ".metadata"
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except FileNotFoundError:
+        raise UserError(f"{metadata_file}: missing; the checkpoint is incomplete") from None
+    except Exception as e:
+        raise UserError(f"{metadata_file}: unreadable ({_first_line(e)}); the checkpoint is corrupt") from None
+    # A truncated file is caught here, by size, rather than as an unpickling error halfway through the load.
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        actual = file.stat().st_size if file.is_file() else None
+        if actual is None:
+            raise UserError(f"{file}: missing; the checkpoint is incomplete")
+        if actual < size:
+            raise UserError(f"{file}: truncated ({actual} bytes, the checkpoint's index needs {size})")
+    saved = metadata.state_dict_metadata
+    for key, value in _flatten(tensors).items():
+        if key not in saved:
+            raise UserError(
+                f"{metadata_file}: no {key!r} in the checkpoint; is it a checkpoint of this model and optimizer?"
+            )
+        if isinstance(value, torch.Tensor):
+            entry = saved[key]
+            if not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != tuple(value.shape):
+                found = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else "not a tensor"
+                raise UserError(
+                    f"{metadata_file}: {key!r} has shape {found} in the checkpoint but {tuple(value.shape)} here; "
+                    "is it a checkpoint of this model?"
+                )
+
+
+_OWNER_FILE = ".job"
+
+
+def _job_key() -> str:
+    # The same across torchrun's restarts of one job, different for another job: its rendezvous id, or the
+    # launcher's process (torchrun's default id "none" is shared by every job).
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return run_id if run_id != "none" else f"agent-{os.getppid()}"
+
+
+def start_run(output_dir: str | Path, *, overwrite: bool, resume_from: str | None) -> Path | None:
+    """Prepare ``output_dir`` for this run and return the checkpoint to resume from (None: a fresh start).
+
+    Run it on rank zero (``on_rank_zero``). Resuming leaves the folder as it is (the metrics log is cut back to
+    the checkpoint's step once it has loaded). A fresh start checks the folder like ``prepare_output_dir``; a
+    worker restarted by torchrun before the first checkpoint was written starts afresh over its own job's files.
+    """
+    from toolkit.training.checkpointing import prepare_output_dir
+
+    output_dir = Path(output_dir)
+    resume = find_resume_checkpoint(resume_from, output_dir)
+    if resume is not None:
+        return resume
+    owner = output_dir / _OWNER_FILE
+    ours = restart_count() > 0 and owner.is_file() and owner.read_text() == _job_key()
+    prepare_output_dir(output_dir, overwrite=overwrite or ours)
+    owner.write_text(_job_key())
+    return None
