@@ -193,8 +193,9 @@ class HFCheckpointer:
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     ) -> Path:
         """Convert the model in a ``torch.distributed.checkpoint`` folder (a step checkpoint; keys ``prefix`` + our
-        names) to Hugging Face layout, in this process alone, reading it in about 1 GiB pieces whatever sharding it
-        was saved with. ``model`` (on the meta device is enough) gives ``config.json``; dtypes are the checkpoint's.
+        names) to Hugging Face layout, in this process alone, reading it in pieces of about 256 MiB whatever
+        sharding it was saved with. ``model`` (on the meta device is enough) gives ``config.json``; dtypes are the
+        checkpoint's.
         """
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -341,7 +342,7 @@ def _memory_reader(state: dict[str, torch.Tensor]) -> TensorReader:
 
 
 def dcp_tensor_reader(
-    checkpoint_dir: Path, specs: dict[str, _TensorSpec], *, names: dict[str, str] | None = None, batch_bytes: int = 2**30
+    checkpoint_dir: Path, specs: dict[str, _TensorSpec], *, names: dict[str, str] | None = None, batch_bytes: int = 2**28
 ) -> TensorReader:
     """Reads full tensors out of a ``torch.distributed.checkpoint`` folder, about ``batch_bytes`` at a time,
     whatever the sharding it was written with (``names`` maps a key to its name there, by default the key). Runs

@@ -1,0 +1,51 @@
+"""``tune export``: convert a step checkpoint to Hugging Face (and PEFT) files, offline."""
+
+import argparse
+import re
+
+from toolkit.errors import UserError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a byte count -> bytes (binary multiples)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise UserError(f"--max_shard_size: expected a size such as 5GB or 500MB, got {text!r}")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return int(number * 1024 ** " KMGT".index(unit or " "))
+
+
+def export(args: argparse.Namespace) -> int:
+    """Run ``tune export`` (see :func:`toolkit.training.step_export.export_step_checkpoint`)."""
+    # Imported here so that `tune --help` and the other commands do not pay for importing torch.
+    from toolkit.training.step_export import export_step_checkpoint
+
+    written = export_step_checkpoint(
+        args.checkpoint, args.output, merged=args.merged, overwrite=args.overwrite,
+        max_shard_bytes=parse_size(args.max_shard_size),
+    )
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``tune export`` on the ``tune`` subcommand parsers."""
+    parser = commands.add_parser(
+        "export",
+        help="convert a step checkpoint to Hugging Face / PEFT files",
+        description=(
+            "Write the model of a step checkpoint (output_dir/checkpoints/step_<N>) as a Hugging Face folder, "
+            "whatever the number of processes that saved it, e.g. "
+            "tune export out/checkpoints/step_500 --output ./hf. An adapter-only checkpoint (LoRA, DoRA, QLoRA) "
+            "becomes OUTPUT/adapter in PEFT's format, and with --merged also OUTPUT/merged. One process, streaming."
+        ),
+    )
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoints/step_<N> folder")
+    parser.add_argument("--output", required=True, metavar="DIR", help="folder to write")
+    parser.add_argument("--merged", action="store_true", help="adapters: also write the merged model")
+    parser.add_argument("--max_shard_size", default="5GB", metavar="SIZE", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    parser.set_defaults(handler=export)
