@@ -161,6 +161,21 @@ def test_tune_export_converts_a_step_checkpoint_offline(reference, tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
 
 
+def test_a_step_checkpoint_is_a_base_checkpoint_for_a_new_run(reference):
+    # checkpointer.checkpoint_dir=<step folder> starts a new run from those weights (tests the loading itself).
+    from toolkit.models.llama3 import llama3_demo
+    from toolkit.training import HFCheckpointer, materialize
+
+    with torch.device("meta"):
+        model = llama3_demo(max_seq_len=64)
+    materialize(model, device=torch.device("cpu"))
+    HFCheckpointer(str(reference / "checkpoints" / "step_8"), model_family="llama3").load(model)
+    final = weights(reference)
+    for key, value in model.state_dict().items():
+        hf_key = "lm_head.weight" if key == "output.weight" else "model." + key
+        assert torch.equal(value, final[hf_key]), key
+
+
 def test_keep_last_n_prunes_old_checkpoints(tmp_path):
     result = run(tmp_path, "keep_last_n=2", "async_save=true")
     assert result.returncode == 0, result.stderr

@@ -21,6 +21,7 @@ from toolkit.training.init import init_weights, materialize, set_seed
 from toolkit.training.loss import cross_entropy_sum, global_token_count, gradient_scale
 from toolkit.training.lr_schedulers import cosine_with_warmup
 from toolkit.training.memory import choose_strategy, estimate_memory, resolve_strategy
+from toolkit.training.meta_checkpoint import MetaCheckpointer
 from toolkit.training.metrics import MetricsLogger, peak_memory_gib, rank_stats, step_metrics
 from toolkit.training.parallel import (
     STRATEGIES,
@@ -49,6 +50,7 @@ __all__ = [
     "STRATEGIES",
     "DistributedEnv",
     "HFCheckpointer",
+    "MetaCheckpointer",
     "MetricsLogger",
     "ParallelDims",
     "PrecisionPolicy",

@@ -89,6 +89,10 @@ class HFCheckpointer:
     def load(self, model: nn.Module, *, ignore_missing: Callable[[str], bool] | None = None) -> None:
         """Copy the checkpoint's weights into ``model`` (already materialized), checking every key and shape.
 
+        ``checkpoint_dir`` may also be one of our step checkpoints (``checkpoints/step_<N>``, saved on any number of
+        processes): a new run then starts from its weights (only its model; its optimizer and position are for
+        ``resume_from``).
+
         Args:
             model: the model to fill.
             ignore_missing: model state-dict keys for which it returns True may be absent from the checkpoint
@@ -101,7 +105,9 @@ class HFCheckpointer:
         assert self.checkpoint_dir is not None, "load() needs a checkpoint_dir"
         targets = model.state_dict()
         loaded: set[str] = set()
-        for file in _weight_files(self.checkpoint_dir):
+        if (self.checkpoint_dir / ".metadata").is_file():
+            self._load_step_checkpoint(targets, loaded)
+        for file in _weight_files(self.checkpoint_dir) if not loaded else ():
             try:
                 with safe_open(str(file), framework="pt", device="cpu") as reader:
                     for hf_key in reader.keys():
@@ -114,6 +120,33 @@ class HFCheckpointer:
                 f"{self.checkpoint_dir}: checkpoint lacks {len(missing)} weight(s) the model needs, e.g. "
                 f"{self.family.tune_key_to_hf(missing[0])!r}; is it a checkpoint of this model?"
             )
+
+    def _load_step_checkpoint(self, targets: dict[str, torch.Tensor], loaded: set[str]) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata_file = self.checkpoint_dir / ".metadata"
+        try:
+            saved = dcp.FileSystemReader(str(self.checkpoint_dir)).read_metadata().state_dict_metadata
+        except Exception as e:
+            raise UserError(f"{metadata_file}: unreadable ({e}); the checkpoint is corrupt") from None
+        wanted = {}
+        for name, entry in saved.items():
+            if not name.startswith("model.") or not isinstance(entry, TensorStorageMetadata):
+                continue
+            key = name[len("model."):]
+            if key not in targets:
+                raise UserError(f"{metadata_file}: key {name!r} has no counterpart in the model; is it a checkpoint of this model?")
+            if tuple(entry.size) != tuple(targets[key].shape):
+                raise UserError(
+                    f"{metadata_file}: {name!r} has shape {tuple(entry.size)} but the model expects "
+                    f"{tuple(targets[key].shape)}"
+                )
+            wanted[name] = targets[key]
+        try:
+            dcp.load(wanted, checkpoint_id=str(self.checkpoint_dir), no_dist=True)
+        except Exception as e:
+            raise UserError(f"{self.checkpoint_dir}: cannot read the checkpoint ({e}); a file may be corrupt") from None
+        loaded.update(name[len("model."):] for name in wanted)
 
     def _load_tensor(self, file: Path, reader, hf_key: str, targets: dict[str, torch.Tensor], loaded: set[str]) -> None:
         if hf_key.endswith("rotary_emb.inv_freq"):
