@@ -79,3 +79,25 @@ def test_adapter_loads_in_peft_and_matches_the_merged_export(single, base_checkp
     with torch.no_grad():
         # Same weights applied as W x + s B A x versus (W + s B A) x: fp32 rounding only.
         torch.testing.assert_close(with_adapter(tokens).logits, merged.eval()(tokens).logits, atol=1e-4, rtol=0)
+
+
+QLORA = ["model.quantize_base=true", "save_merged=false"]
+
+
+@pytest.fixture(scope="module")
+def qlora_single(base_checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("qlora_single")
+    tune("run", "lora_finetune_single_device", "--config", "demo", f"output_dir={out}",
+         f"checkpointer.checkpoint_dir={base_checkpoint}", *FAST, *QLORA)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_qlora_trains_alike_on_one_process_and_two(strategy, qlora_single, base_checkpoint, tmp_path):
+    # zero3 shards the NF4 base itself (each rank keeps half of every quantized weight); DDP keeps a whole copy
+    # per rank and must not broadcast it (a broadcast re-quantizes NF4 and shifts the base: losses 1e-5 apart).
+    tune("run", "--nproc_per_node", "2", "lora_finetune_distributed", "--config", "demo", f"output_dir={tmp_path}",
+         f"checkpointer.checkpoint_dir={base_checkpoint}", f"data_parallel={strategy}", *FAST, *QLORA)
+    reference = losses(qlora_single)
+    assert reference[-1] < reference[0], "QLoRA trains"
+    torch.testing.assert_close(losses(tmp_path), reference, rtol=1e-5, atol=0)

@@ -124,8 +124,12 @@ def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParal
     """Wrap ``model`` in DistributedDataParallel (its parameters already on ``device``).
 
     Only parameters with ``requires_grad`` are registered for all-reduce, so with a frozen base (LoRA) only
-    the adapters' gradients cross the network.
+    the adapters' gradients cross the network. Frozen parameters are not broadcast from rank 0 at the start
+    either: every rank built or loaded the same base, broadcasting a 70B base would take minutes, and broadcasting
+    an NF4 (QLoRA) weight goes through its dequantized values and re-quantizes it, changing the base slightly.
     """
+    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
     return DistributedDataParallel(
         model,
         device_ids=[device] if device.type == "cuda" else None,

@@ -28,6 +28,10 @@ NF4_BLOCK_SIZE = 64
 MAX_SCALER_BLOCK_SIZE = 256
 """Block scales per double-quantization group (QLoRA's choice); smaller for weights with fewer blocks."""
 
+SHARDABLE_GROUPS = 8
+"""Double-quantization groups per weight are kept a multiple of this when possible, so that FSDP2 can shard the
+NF4 weight over 2, 4 or 8 ranks."""
+
 _torchao: ModuleType | None = None
 
 
@@ -58,8 +62,9 @@ def is_nf4(tensor: torch.Tensor | None) -> bool:
 def to_nf4(weight: torch.Tensor) -> torch.Tensor:
     """Quantize ``weight`` (2-D, any float dtype, any device including meta) to an ``NF4Tensor``.
 
-    The double-quantization group is the largest divisor of the block count up to 256, so small layers (a
-    64 x 128 projection has 128 blocks) quantize too; real model layers get QLoRA's 256.
+    The double-quantization group is the largest divisor of the block count up to 256 that leaves a multiple of
+    8 groups (FSDP2 shards each part by rows), so small layers (a 64 x 128 projection has 128 blocks) quantize and
+    shard too; real model layers get QLoRA's 256.
 
     Raises:
         ValueError: the weight's element count is not a multiple of the 64-value block.
@@ -70,7 +75,11 @@ def to_nf4(weight: torch.Tensor) -> torch.Tensor:
             f"NF4 needs a weight whose element count is a multiple of {NF4_BLOCK_SIZE}; got shape {tuple(weight.shape)}"
         )
     n_blocks = numel // NF4_BLOCK_SIZE
-    scaler_block_size = max(d for d in range(1, min(MAX_SCALER_BLOCK_SIZE, n_blocks) + 1) if n_blocks % d == 0)
+    divisors = [d for d in range(1, min(MAX_SCALER_BLOCK_SIZE, n_blocks) + 1) if n_blocks % d == 0]
+    # FSDP2 splits each of the NF4 tensor's parts into equal row chunks, one per rank: keep the number of groups a
+    # multiple of SHARDABLE_GROUPS where the weight allows it (real layers already have thousands of groups).
+    shardable = [d for d in divisors if (n_blocks // d) % SHARDABLE_GROUPS == 0]
+    scaler_block_size = max(shardable or divisors)
     if weight.device.type == "meta":
         return _meta_nf4(weight, n_blocks=n_blocks, scaler_block_size=scaler_block_size)
     return _torchao_quantization().to_nf4(weight.detach(), NF4_BLOCK_SIZE, scaler_block_size)
