@@ -3,6 +3,7 @@
     python benchmarks/scaling.py                                   # demo model, ddp zero1 zero2 zero3, ~3 min
     python benchmarks/scaling.py --steps 100 --micro_batch_size 32 --strategies ddp zero3
     python benchmarks/scaling.py --model toolkit.models.llama3.llama3_demo --override max_seq_len=128
+    python benchmarks/scaling.py --recipe lora_finetune --strategies ddp  # LoRA: adapters' bytes vs full fine-tuning
 
 Weak scaling: every process gets the same ``micro_batch_size``, so 2 processes do twice the work of 1 per optimizer
 step (no accumulation). Each process runs one thread (``OMP_NUM_THREADS=1``): on a 2-core machine, 1 process x 1
@@ -73,6 +74,7 @@ def recipe_args(args: argparse.Namespace, *, nproc: int) -> list[str]:
         # The per-rank statistics gather is a collective the 1-process run does not pay; keep it out of the timed
         # steps (it runs at the last step only).
         f"log_every_n_steps={args.steps}",
+        "save_every_n_steps=null",  # no step checkpoints: only training is timed
     ]
     if args.model:
         overrides.append(f"model._component_={args.model}")
@@ -80,9 +82,9 @@ def recipe_args(args: argparse.Namespace, *, nproc: int) -> list[str]:
 
 
 def launch(out: Path, args: argparse.Namespace, *, nproc: int, strategy: str) -> subprocess.Popen:
-    """Start ``tune run --nproc_per_node nproc full_finetune_distributed`` (one thread per process)."""
+    """Start ``tune run --nproc_per_node nproc <recipe>_distributed`` (one thread per process)."""
     cmd = [
-        sys.executable, "-m", "toolkit.cli.main", "run", "--nproc_per_node", str(nproc), "full_finetune_distributed",
+        sys.executable, "-m", "toolkit.cli.main", "run", "--nproc_per_node", str(nproc), f"{args.recipe}_distributed",
         "--config", args.config, f"output_dir={out}", "overwrite=true", f"data_parallel={strategy}",
         *recipe_args(args, nproc=nproc),
     ]
@@ -161,9 +163,11 @@ def collective_payload(name: str, args: tuple, kwargs: dict) -> tuple[str, int] 
     return None
 
 
-def _probe_worker(rank: int, world_size: int, port: int, config: str, overrides: list[str], strategy: str,
-                  micro_batch_size: int, steps: int, result_file: str, profile: bool) -> None:
-    """One rank of the byte-counting job: the recipe's model and data-parallel setup, random tokens."""
+def _probe_worker(rank: int, world_size: int, port: int, recipe: str, config: str, overrides: list[str],
+                  strategy: str, micro_batch_size: int, steps: int, result_file: str, profile: bool,
+                  train_all: bool) -> None:
+    """One rank of the byte-counting job: the recipe's model and data-parallel setup, random tokens. For LoRA,
+    only the adapters train, as in the recipe, unless ``train_all`` (the full fine-tuning of the same model)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from toolkit.cli._catalog import config_for_recipe
@@ -200,7 +204,7 @@ def _probe_worker(rank: int, world_size: int, port: int, config: str, overrides:
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
-    cfg = load_config(config_for_recipe(config, "full_finetune"))
+    cfg = load_config(config_for_recipe(config, recipe))
     apply_overrides(cfg, overrides)
     env = init_distributed(device="cpu")
     dims = parallel_dims(strategy=strategy, world_size=world_size, local_world_size=world_size, device_type="cpu")
@@ -209,9 +213,16 @@ def _probe_worker(rank: int, world_size: int, port: int, config: str, overrides:
         model = instantiate(cfg.model)
     materialize(model, device=env.device)
     init_weights(model)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if recipe == "lora_finetune" and not train_all:
+        from toolkit.modules.peft import get_adapter_params, init_adapters, set_trainable_params
+
+        init_adapters(model)
+        set_trainable_params(model, get_adapter_params(model))
+    # Bytes of what trains: the gradients DDP reduces have this size.
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     model = apply_data_parallel(model, dims=dims, device=env.device)
-    optimizer = shard_optimizer_state(instantiate(cfg.optimizer, list(model.parameters())), dims=dims)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = shard_optimizer_state(instantiate(cfg.optimizer, trainable), dims=dims)
     generator = torch.Generator().manual_seed(rank)
     # Token ids below 256 fit any vocabulary; what is communicated does not depend on the values.
     tokens = torch.randint(0, 256, (micro_batch_size, int(cfg.max_seq_len)), generator=generator)
@@ -269,17 +280,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_communication(args: argparse.Namespace, strategy: str, root: Path, world_size: int = 2) -> dict[str, Any]:
+def measure_communication(
+    args: argparse.Namespace, strategy: str, root: Path, world_size: int = 2, *, train_all: bool = False
+) -> dict[str, Any]:
     """Bytes each rank sends per optimizer step under ``strategy`` (by kind of collective), from a 2-rank job."""
-    result_file = root / f"comm_{strategy}.json"
+    result_file = root / f"comm_{strategy}{'_all' if train_all else ''}.json"
     overrides = [f"model._component_={args.model}"] if args.model else []
     overrides += list(args.override)
     for attempt in range(2):
         try:
             mp.spawn(
                 _probe_worker,
-                args=(world_size, free_port(), args.config, overrides, strategy, args.micro_batch_size,
-                      args.comm_steps, str(result_file), strategy in args.profile),
+                args=(world_size, free_port(), args.recipe, args.config, overrides, strategy, args.micro_batch_size,
+                      args.comm_steps, str(result_file), strategy in args.profile, train_all),
                 nprocs=world_size,
             )
             break
@@ -305,7 +318,8 @@ def main() -> None:
     parser.add_argument("--micro_batch_size", type=int, default=16, help="sequences per process per step")
     parser.add_argument("--repeats", type=int, default=1, help="run each measurement this often, keep the fastest")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
-    parser.add_argument("--config", default="demo", help="a full_finetune config name or file")
+    parser.add_argument("--recipe", default="full_finetune", choices=("full_finetune", "lora_finetune"))
+    parser.add_argument("--config", default="demo", help="a config name of that recipe, or a file")
     parser.add_argument("--model", default=None, help="a model builder's _component_ path (default: the config's)")
     parser.add_argument("--override", nargs="*", default=[], help="more key=value config overrides for every run")
     parser.add_argument("--comm_steps", type=int, default=2, help="steps counted by the 2-rank byte measurement")
@@ -345,7 +359,7 @@ def main() -> None:
         f"\nweak scaling on {os.cpu_count()} CPU core(s), 1 thread per process: micro_batch_size "
         f"{args.micro_batch_size} per process, median step time over steps {args.warmup + 1}-{args.steps}"
         f"{f' (fastest of {args.repeats} runs)' if args.repeats > 1 else ''}; "
-        f"model {param_bytes / 4 / 1e6:.2f}M fp32 parameters (P = {param_bytes / 1e6:.2f} MB); 1-minute load "
+        f"{param_bytes / 4 / 1e6:.3f}M trainable fp32 parameters (P = {param_bytes / 1e6:.2f} MB); 1-minute load "
         f"average {load_before:.1f} before, {load_after:.1f} after (above ~0.5 the 2-process runs wait for cores)\n"
     )
     header = ("strategy", "step time 1p (ms)", "step time 2p (ms)", "efficiency", "MB sent/step/rank, measured",
@@ -375,6 +389,14 @@ def main() -> None:
         f"2 independent 1-process runs at once (no communication): efficiency {t1 / t_pair:.2f}, the ceiling that "
         "sharing this machine's cores, caches and memory bandwidth leaves"
     )
+    if args.recipe == "lora_finetune" and ddp:
+        # The same model with every parameter training: what full fine-tuning would all-reduce.
+        full = measure_communication(args, "ddp", Path(tempfile.mkdtemp(prefix="tune_scaling_full_")), train_all=True)
+        lora_bytes, full_bytes = sum(ddp[3]["bytes_per_step"].values()), sum(full["bytes_per_step"].values())
+        print(
+            f"LoRA under ddp sends {lora_bytes / 1e6:.3f} MB/step/rank; full fine-tuning of the same model (every "
+            f"parameter training) {full_bytes / 1e6:.2f} MB: LoRA sends {lora_bytes / full_bytes:.2%} of it"
+        )
 
 
 if __name__ == "__main__":

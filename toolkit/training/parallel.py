@@ -120,6 +120,14 @@ def apply_activation_checkpointing(model: nn.Module, *, every_k_layers: int = 1)
             layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
 
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns); torch >= 2.9 is supported.
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
 def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParallel:
     """Wrap ``model`` in DistributedDataParallel (its parameters already on ``device``).
 
@@ -136,6 +144,9 @@ def apply_ddp(model: nn.Module, *, device: torch.device) -> DistributedDataParal
         # Every trainable parameter gets a gradient each step in our models; saying so skips the graph
         # traversal that find_unused_parameters would need.
         find_unused_parameters=False,
+        # Our buffers (rotary tables) are computed the same on every rank: broadcasting them before each forward
+        # would cost a collective per micro-step for nothing.
+        **_NO_BUFFER_SYNC,
         # Reuse gradient buckets as .grad storage: less memory and one copy fewer per step.
         gradient_as_bucket_view=True,
     )
