@@ -1,10 +1,48 @@
-"""The pre-norm decoder layout that Llama, Mistral and Qwen share; each family passes its own blocks."""
+"""The pieces the families' builders share: how a projection is made (so that a LoRA builder reuses the plain
+architecture, changing only its projections), the attention projections, the gated MLP, and the pre-norm decoder
+layout that Llama, Mistral and Qwen share. Each family passes its own blocks."""
 
 from collections.abc import Callable
 
 from torch import nn
 
-from toolkit.modules import RMSNorm, TransformerDecoder, TransformerDecoderLayer
+from toolkit.modules import FeedForward, RMSNorm, TransformerDecoder, TransformerDecoderLayer
+
+LinearFactory = Callable[..., nn.Module]
+"""``linear(name, in_dim, out_dim, *, bias=False)`` builds one projection; ``name`` is its attribute name
+(``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, or ``output``).
+Builders take one as ``linear=``: :func:`plain_linear` for the plain model, ``toolkit.models._lora.lora_linear``
+for adapters."""
+
+
+def plain_linear(name: str, in_dim: int, out_dim: int, *, bias: bool = False) -> nn.Linear:
+    """A plain ``nn.Linear`` whatever the projection's name: the default of every builder's ``linear``."""
+    return nn.Linear(in_dim, out_dim, bias=bias)
+
+
+def attention_projections(
+    linear: LinearFactory, *, embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool = False
+) -> dict[str, nn.Module]:
+    """``q_proj``, ``k_proj``, ``v_proj`` (biased with ``qkv_bias``, as in Qwen2) and ``o_proj`` (never biased), as
+    keyword arguments of :class:`~toolkit.modules.GroupedQueryAttention`."""
+    return {
+        "q_proj": linear("q_proj", embed_dim, num_heads * head_dim, bias=qkv_bias),
+        "k_proj": linear("k_proj", embed_dim, num_kv_heads * head_dim, bias=qkv_bias),
+        "v_proj": linear("v_proj", embed_dim, num_kv_heads * head_dim, bias=qkv_bias),
+        "o_proj": linear("o_proj", num_heads * head_dim, embed_dim),
+    }
+
+
+def gated_mlp(
+    *, embed_dim: int, intermediate_dim: int, linear: LinearFactory = plain_linear, activation: nn.Module | None = None
+) -> FeedForward:
+    """A gated feed-forward without biases: SwiGLU by default, or the gate ``activation`` given (Gemma: GELU)."""
+    return FeedForward(
+        gate_proj=linear("gate_proj", embed_dim, intermediate_dim),
+        down_proj=linear("down_proj", intermediate_dim, embed_dim),
+        up_proj=linear("up_proj", embed_dim, intermediate_dim),
+        activation=activation,
+    )
 
 
 def prenorm_decoder(

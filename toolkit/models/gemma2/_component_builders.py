@@ -7,17 +7,15 @@ and final logits soft-capped with ``tanh``, and layers alternating local (slidin
 
 from torch import nn
 
+from toolkit.models._decoder import LinearFactory, attention_projections, gated_mlp, plain_linear
 from toolkit.modules import FeedForward, GroupedQueryAttention, RotaryPositionalEmbeddings
 from toolkit.modules.gemma2 import Gemma2DecoderLayer, GemmaRMSNorm, ScaledEmbedding, SoftcappedTransformerDecoder
 
 
-def gemma2_mlp(*, embed_dim: int, intermediate_dim: int) -> FeedForward:
+def gemma2_mlp(*, embed_dim: int, intermediate_dim: int, linear: LinearFactory = plain_linear) -> FeedForward:
     """GeGLU feed-forward (tanh-approximated GELU gate) without biases."""
-    return FeedForward(
-        gate_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
-        down_proj=nn.Linear(intermediate_dim, embed_dim, bias=False),
-        up_proj=nn.Linear(embed_dim, intermediate_dim, bias=False),
-        activation=nn.GELU(approximate="tanh"),
+    return gated_mlp(
+        embed_dim=embed_dim, intermediate_dim=intermediate_dim, linear=linear, activation=nn.GELU(approximate="tanh")
     )
 
 
@@ -37,6 +35,7 @@ def gemma2(
     sliding_window: int | None = 4096,
     attn_logit_softcap: float | None = 50.0,
     final_logit_softcap: float = 30.0,
+    linear: LinearFactory = plain_linear,
 ) -> SoftcappedTransformerDecoder:
     """Build a Gemma 2 decoder.
 
@@ -55,6 +54,7 @@ def gemma2(
         sliding_window: window of the local layers, or ``None`` to make every layer global.
         attn_logit_softcap: cap on attention scores, or ``None``.
         final_logit_softcap: cap on output logits.
+        linear: makes each projection (plain ``nn.Linear`` by default; the LoRA builders pass adapter layers).
     """
     rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
     layers = []
@@ -63,10 +63,9 @@ def gemma2(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=False),
-            k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
-            v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
-            o_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
+            **attention_projections(
+                linear, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+            ),
             pos_embeddings=rope,
             softmax_scale=query_pre_attn_scalar**-0.5,
             sliding_window=sliding_window if i % 2 == 0 else None,
@@ -75,7 +74,7 @@ def gemma2(
         layers.append(
             Gemma2DecoderLayer(
                 self_attn=attn,
-                mlp=gemma2_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
+                mlp=gemma2_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim, linear=linear),
                 input_layernorm=GemmaRMSNorm(embed_dim, eps=norm_eps),
                 post_attention_layernorm=GemmaRMSNorm(embed_dim, eps=norm_eps),
                 pre_feedforward_layernorm=GemmaRMSNorm(embed_dim, eps=norm_eps),

@@ -6,6 +6,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.models import _hf_config
+from toolkit.models._decoder import LinearFactory, plain_linear
 from toolkit.models.gemma2._component_builders import gemma2
 from toolkit.modules.gemma2 import SoftcappedTransformerDecoder
 
@@ -14,27 +15,27 @@ HF_MODEL_TYPES: tuple[str, ...] = ("gemma2",)
 _gemma2 = partial(gemma2, vocab_size=256_000)
 
 
-def gemma2_2b(*, max_seq_len: int = 8192) -> SoftcappedTransformerDecoder:
+def gemma2_2b(*, max_seq_len: int = 8192, linear: LinearFactory = plain_linear) -> SoftcappedTransformerDecoder:
     """Gemma 2 2B."""
     return _gemma2(
         num_layers=26, num_heads=8, num_kv_heads=4, head_dim=256, embed_dim=2304, intermediate_dim=9216,
-        max_seq_len=max_seq_len, query_pre_attn_scalar=256,
+        max_seq_len=max_seq_len, query_pre_attn_scalar=256, linear=linear,
     )
 
 
-def gemma2_9b(*, max_seq_len: int = 8192) -> SoftcappedTransformerDecoder:
+def gemma2_9b(*, max_seq_len: int = 8192, linear: LinearFactory = plain_linear) -> SoftcappedTransformerDecoder:
     """Gemma 2 9B."""
     return _gemma2(
         num_layers=42, num_heads=16, num_kv_heads=8, head_dim=256, embed_dim=3584, intermediate_dim=14_336,
-        max_seq_len=max_seq_len, query_pre_attn_scalar=256,
+        max_seq_len=max_seq_len, query_pre_attn_scalar=256, linear=linear,
     )
 
 
-def gemma2_27b(*, max_seq_len: int = 8192) -> SoftcappedTransformerDecoder:
+def gemma2_27b(*, max_seq_len: int = 8192, linear: LinearFactory = plain_linear) -> SoftcappedTransformerDecoder:
     """Gemma 2 27B (queries scaled by ``embed_dim / num_heads = 144`` rather than head_dim)."""
     return _gemma2(
         num_layers=46, num_heads=32, num_kv_heads=16, head_dim=128, embed_dim=4608, intermediate_dim=36_864,
-        max_seq_len=max_seq_len, query_pre_attn_scalar=144,
+        max_seq_len=max_seq_len, query_pre_attn_scalar=144, linear=linear,
     )
 
 

@@ -4,6 +4,7 @@ It is the decoder Llama 3 kept: the differences are numbers (rotary base 10,000,
 4,096 positions), so the builder is Llama 3's with Llama 2's defaults.
 """
 
+from toolkit.models._decoder import LinearFactory, plain_linear
 from toolkit.models.llama3 import llama3
 from toolkit.modules import TransformerDecoder
 
@@ -19,6 +20,7 @@ def llama2(
     max_seq_len: int = 4096,
     norm_eps: float = 1e-5,
     rope_base: float = 10_000.0,
+    linear: LinearFactory = plain_linear,
 ) -> TransformerDecoder:
     """Build a Llama 2 decoder.
 
@@ -32,6 +34,7 @@ def llama2(
         max_seq_len: the rotary cache length.
         norm_eps: RMSNorm epsilon.
         rope_base: rotary theta.
+        linear: makes each projection (plain ``nn.Linear`` by default; the LoRA builders pass adapter layers).
     """
     return llama3(
         vocab_size=vocab_size,
@@ -43,4 +46,5 @@ def llama2(
         max_seq_len=max_seq_len,
         norm_eps=norm_eps,
         rope_base=rope_base,
+        linear=linear,
     )

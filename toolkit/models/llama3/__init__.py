@@ -16,11 +16,13 @@ from toolkit.models.llama3._lora_builders import (
     lora_llama3_1_70b,
     lora_llama3_2_1b,
     lora_llama3_2_3b,
+    lora_llama3_3_70b,
     lora_llama3_demo,
     qlora_llama3_1_8b,
     qlora_llama3_1_70b,
     qlora_llama3_2_1b,
     qlora_llama3_2_3b,
+    qlora_llama3_3_70b,
     qlora_llama3_demo,
 )
 from toolkit.models.llama3._model_builders import (
@@ -57,10 +59,12 @@ __all__ = [
     "lora_llama3_1_8b",
     "lora_llama3_2_1b",
     "lora_llama3_2_3b",
+    "lora_llama3_3_70b",
     "lora_llama3_demo",
     "qlora_llama3_1_70b",
     "qlora_llama3_1_8b",
     "qlora_llama3_2_1b",
     "qlora_llama3_2_3b",
+    "qlora_llama3_3_70b",
     "qlora_llama3_demo",
 ]

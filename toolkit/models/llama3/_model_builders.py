@@ -5,6 +5,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.models import _hf_config
+from toolkit.models._decoder import LinearFactory, plain_linear
 from toolkit.models.llama3._component_builders import llama3
 from toolkit.modules import Llama3RopeScaling, TransformerDecoder
 
@@ -12,57 +13,51 @@ from toolkit.modules import Llama3RopeScaling, TransformerDecoder
 # say "llama" too: they are this architecture without rotary scaling.
 HF_MODEL_TYPES: tuple[str, ...] = ("llama",)
 
-# The architecture numbers of each size, in one place: the plain builders below and the LoRA/QLoRA builders
-# (_lora_builders.py) both build from them.
-LLAMA3_DEMO: dict[str, Any] = dict(
-    num_layers=4, num_heads=4, num_kv_heads=2, embed_dim=128, intermediate_dim=384, rope_base=10_000.0
-)
-LLAMA3_2_1B: dict[str, Any] = dict(
-    vocab_size=128_256, num_layers=16, num_heads=32, num_kv_heads=8, embed_dim=2048, intermediate_dim=8192,
-    rope_scaling=Llama3RopeScaling(factor=32.0), tie_word_embeddings=True,
-)
-LLAMA3_2_3B: dict[str, Any] = dict(
-    vocab_size=128_256, num_layers=28, num_heads=24, num_kv_heads=8, embed_dim=3072, intermediate_dim=8192,
-    rope_scaling=Llama3RopeScaling(factor=32.0), tie_word_embeddings=True,
-)
-LLAMA3_1_8B: dict[str, Any] = dict(
-    vocab_size=128_256, num_layers=32, num_heads=32, num_kv_heads=8, embed_dim=4096, intermediate_dim=14_336,
-    rope_scaling=Llama3RopeScaling(factor=8.0),
-)
-LLAMA3_1_70B: dict[str, Any] = dict(
-    vocab_size=128_256, num_layers=80, num_heads=64, num_kv_heads=8, embed_dim=8192, intermediate_dim=28_672,
-    rope_scaling=Llama3RopeScaling(factor=8.0),
-)
-
-
-def llama3_demo(*, vocab_size: int = 384, max_seq_len: int = 256) -> TransformerDecoder:
+def llama3_demo(
+    *, vocab_size: int = 384, max_seq_len: int = 256, linear: LinearFactory = plain_linear
+) -> TransformerDecoder:
     """A ~1M-parameter Llama 3 for the CPU demo and tests (byte-level vocabulary)."""
-    return llama3(**LLAMA3_DEMO, vocab_size=vocab_size, max_seq_len=max_seq_len)
+    return llama3(
+        vocab_size=vocab_size, num_layers=4, num_heads=4, num_kv_heads=2, embed_dim=128, intermediate_dim=384,
+        max_seq_len=max_seq_len, rope_base=10_000.0, linear=linear,
+    )
 
 
-def llama3_2_1b(*, max_seq_len: int = 131_072) -> TransformerDecoder:
+def llama3_2_1b(*, max_seq_len: int = 131_072, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Llama 3.2 1B."""
-    return llama3(**LLAMA3_2_1B, max_seq_len=max_seq_len)
+    return llama3(
+        vocab_size=128_256, num_layers=16, num_heads=32, num_kv_heads=8, embed_dim=2048, intermediate_dim=8192,
+        max_seq_len=max_seq_len, rope_scaling=Llama3RopeScaling(factor=32.0), tie_word_embeddings=True, linear=linear,
+    )
 
 
-def llama3_2_3b(*, max_seq_len: int = 131_072) -> TransformerDecoder:
+def llama3_2_3b(*, max_seq_len: int = 131_072, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Llama 3.2 3B."""
-    return llama3(**LLAMA3_2_3B, max_seq_len=max_seq_len)
+    return llama3(
+        vocab_size=128_256, num_layers=28, num_heads=24, num_kv_heads=8, embed_dim=3072, intermediate_dim=8192,
+        max_seq_len=max_seq_len, rope_scaling=Llama3RopeScaling(factor=32.0), tie_word_embeddings=True, linear=linear,
+    )
 
 
-def llama3_1_8b(*, max_seq_len: int = 131_072) -> TransformerDecoder:
+def llama3_1_8b(*, max_seq_len: int = 131_072, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Llama 3.1 8B."""
-    return llama3(**LLAMA3_1_8B, max_seq_len=max_seq_len)
+    return llama3(
+        vocab_size=128_256, num_layers=32, num_heads=32, num_kv_heads=8, embed_dim=4096, intermediate_dim=14_336,
+        max_seq_len=max_seq_len, rope_scaling=Llama3RopeScaling(factor=8.0), linear=linear,
+    )
 
 
-def llama3_1_70b(*, max_seq_len: int = 131_072) -> TransformerDecoder:
+def llama3_1_70b(*, max_seq_len: int = 131_072, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Llama 3.1 70B."""
-    return llama3(**LLAMA3_1_70B, max_seq_len=max_seq_len)
+    return llama3(
+        vocab_size=128_256, num_layers=80, num_heads=64, num_kv_heads=8, embed_dim=8192, intermediate_dim=28_672,
+        max_seq_len=max_seq_len, rope_scaling=Llama3RopeScaling(factor=8.0), linear=linear,
+    )
 
 
-def llama3_3_70b(*, max_seq_len: int = 131_072) -> TransformerDecoder:
+def llama3_3_70b(*, max_seq_len: int = 131_072, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Llama 3.3 70B (the Llama 3.1 70B architecture, retrained)."""
-    return llama3_1_70b(max_seq_len=max_seq_len)
+    return llama3_1_70b(max_seq_len=max_seq_len, linear=linear)
 
 
 def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) -> TransformerDecoder:

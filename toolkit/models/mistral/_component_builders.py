@@ -2,10 +2,8 @@
 https://arxiv.org/abs/2310.06825): Llama's decoder with grouped-query attention, an explicit head_dim, and
 optional sliding-window attention on every layer (v0.1 only; v0.2 and v0.3 attend to the full context)."""
 
-from torch import nn
-
+from toolkit.models._decoder import LinearFactory, attention_projections, plain_linear, prenorm_decoder
 from toolkit.models.llama3 import llama3_mlp
-from toolkit.models._decoder import prenorm_decoder
 from toolkit.modules import GroupedQueryAttention, RotaryPositionalEmbeddings, TransformerDecoder
 
 
@@ -23,6 +21,7 @@ def mistral(
     rope_base: float = 1_000_000.0,
     sliding_window: int | None = None,
     tie_word_embeddings: bool = False,
+    linear: LinearFactory = plain_linear,
 ) -> TransformerDecoder:
     """Build a Mistral decoder.
 
@@ -39,6 +38,7 @@ def mistral(
         rope_base: rotary theta.
         sliding_window: attention window of every layer, or ``None`` for full attention.
         tie_word_embeddings: reuse the embedding as output projection.
+        linear: makes each projection (plain ``nn.Linear`` by default; the LoRA builders pass adapter layers).
     """
     rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
 
@@ -47,10 +47,9 @@ def mistral(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=False),
-            k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
-            v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
-            o_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
+            **attention_projections(
+                linear, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+            ),
             pos_embeddings=rope,
             sliding_window=sliding_window,
         )
@@ -62,6 +61,6 @@ def mistral(
         max_seq_len=max_seq_len,
         norm_eps=norm_eps,
         attention=attention,
-        mlp=lambda: llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
-        output=None if tie_word_embeddings else lambda: nn.Linear(embed_dim, vocab_size, bias=False),
+        mlp=lambda: llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim, linear=linear),
+        output=None if tie_word_embeddings else lambda: linear("output", embed_dim, vocab_size),
     )

@@ -5,13 +5,14 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.models import _hf_config
+from toolkit.models._decoder import LinearFactory, plain_linear
 from toolkit.models.mistral._component_builders import mistral
 from toolkit.modules import TransformerDecoder
 
 HF_MODEL_TYPES: tuple[str, ...] = ("mistral",)
 
 
-def mistral_7b(*, max_seq_len: int = 32_768) -> TransformerDecoder:
+def mistral_7b(*, max_seq_len: int = 32_768, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Mistral 7B v0.3 (the 32,768-token vocabulary; no sliding window)."""
     return mistral(
         vocab_size=32_768,
@@ -22,6 +23,7 @@ def mistral_7b(*, max_seq_len: int = 32_768) -> TransformerDecoder:
         embed_dim=4096,
         intermediate_dim=14_336,
         max_seq_len=max_seq_len,
+        linear=linear,
     )
 
 

@@ -1,7 +1,24 @@
-"""Qwen2.5 (and Qwen2): builders, sizes and checkpoint conversion."""
+"""Qwen2.5 (and Qwen2): builders, plain and with adapters (LoRA, DoRA, QLoRA), sizes and checkpoint conversion."""
 
 from toolkit.models.qwen2_5._component_builders import qwen2_5
 from toolkit.models.qwen2_5._convert_weights import hf_config, hf_key_to_tune, tune_key_to_hf
+from toolkit.models.qwen2_5._lora_builders import (
+    lora_qwen2_5,
+    lora_qwen2_5_0_5b,
+    lora_qwen2_5_1_5b,
+    lora_qwen2_5_3b,
+    lora_qwen2_5_7b,
+    lora_qwen2_5_14b,
+    lora_qwen2_5_32b,
+    lora_qwen2_5_72b,
+    qlora_qwen2_5_0_5b,
+    qlora_qwen2_5_1_5b,
+    qlora_qwen2_5_3b,
+    qlora_qwen2_5_7b,
+    qlora_qwen2_5_14b,
+    qlora_qwen2_5_32b,
+    qlora_qwen2_5_72b,
+)
 from toolkit.models.qwen2_5._model_builders import (
     HF_MODEL_TYPES,
     from_hf_config,
@@ -19,6 +36,21 @@ __all__ = [
     "from_hf_config",
     "hf_config",
     "hf_key_to_tune",
+    "lora_qwen2_5",
+    "lora_qwen2_5_0_5b",
+    "lora_qwen2_5_14b",
+    "lora_qwen2_5_1_5b",
+    "lora_qwen2_5_32b",
+    "lora_qwen2_5_3b",
+    "lora_qwen2_5_72b",
+    "lora_qwen2_5_7b",
+    "qlora_qwen2_5_0_5b",
+    "qlora_qwen2_5_14b",
+    "qlora_qwen2_5_1_5b",
+    "qlora_qwen2_5_32b",
+    "qlora_qwen2_5_3b",
+    "qlora_qwen2_5_72b",
+    "qlora_qwen2_5_7b",
     "qwen2_5",
     "qwen2_5_0_5b",
     "qwen2_5_14b",

@@ -1,10 +1,8 @@
 """The Qwen2 / Qwen2.5 architecture composed from ``toolkit.modules``: Llama's decoder with biases on the
 query, key and value projections (Qwen Team, 2024, https://arxiv.org/abs/2412.15115)."""
 
-from torch import nn
-
+from toolkit.models._decoder import LinearFactory, attention_projections, plain_linear, prenorm_decoder
 from toolkit.models.llama3 import llama3_mlp
-from toolkit.models._decoder import prenorm_decoder
 from toolkit.modules import GroupedQueryAttention, RotaryPositionalEmbeddings, TransformerDecoder
 
 
@@ -20,6 +18,7 @@ def qwen2_5(
     norm_eps: float = 1e-6,
     rope_base: float = 1_000_000.0,
     tie_word_embeddings: bool = False,
+    linear: LinearFactory = plain_linear,
 ) -> TransformerDecoder:
     """Build a Qwen2.5 decoder.
 
@@ -34,6 +33,7 @@ def qwen2_5(
         norm_eps: RMSNorm epsilon.
         rope_base: rotary theta.
         tie_word_embeddings: reuse the embedding as output projection (0.5B, 1.5B, 3B).
+        linear: makes each projection (plain ``nn.Linear`` by default; the LoRA builders pass adapter layers).
     """
     head_dim = embed_dim // num_heads
     rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
@@ -43,10 +43,10 @@ def qwen2_5(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=True),
-            k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=True),
-            v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=True),
-            o_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
+            **attention_projections(
+                linear, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                qkv_bias=True,
+            ),
             pos_embeddings=rope,
         )
 
@@ -57,6 +57,6 @@ def qwen2_5(
         max_seq_len=max_seq_len,
         norm_eps=norm_eps,
         attention=attention,
-        mlp=lambda: llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
-        output=None if tie_word_embeddings else lambda: nn.Linear(embed_dim, vocab_size, bias=False),
+        mlp=lambda: llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim, linear=linear),
+        output=None if tie_word_embeddings else lambda: linear("output", embed_dim, vocab_size),
     )

@@ -6,6 +6,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.models import _hf_config
+from toolkit.models._decoder import LinearFactory, plain_linear
 from toolkit.models.qwen2_5._component_builders import qwen2_5
 from toolkit.modules import TransformerDecoder
 
@@ -17,58 +18,59 @@ _small = partial(qwen2_5, vocab_size=151_936, tie_word_embeddings=True)
 _large = partial(qwen2_5, vocab_size=152_064)
 
 
-def qwen2_5_0_5b(*, max_seq_len: int = 32_768) -> TransformerDecoder:
+def qwen2_5_0_5b(*, max_seq_len: int = 32_768, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen2.5 0.5B."""
     return _small(
         num_layers=24, num_heads=14, num_kv_heads=2, embed_dim=896, intermediate_dim=4864, max_seq_len=max_seq_len,
+        linear=linear,
     )
 
 
-def qwen2_5_1_5b(*, max_seq_len: int = 32_768) -> TransformerDecoder:
+def qwen2_5_1_5b(*, max_seq_len: int = 32_768, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen2.5 1.5B."""
     return _small(
         num_layers=28, num_heads=12, num_kv_heads=2, embed_dim=1536, intermediate_dim=8960,
-        max_seq_len=max_seq_len,
+        max_seq_len=max_seq_len, linear=linear,
     )
 
 
-def qwen2_5_3b(*, max_seq_len: int = 32_768) -> TransformerDecoder:
+def qwen2_5_3b(*, max_seq_len: int = 32_768, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen2.5 3B."""
     return _small(
         num_layers=36, num_heads=16, num_kv_heads=2, embed_dim=2048, intermediate_dim=11_008,
-        max_seq_len=max_seq_len,
+        max_seq_len=max_seq_len, linear=linear,
     )
 
 
-def qwen2_5_7b(*, max_seq_len: int = 32_768) -> TransformerDecoder:
+def qwen2_5_7b(*, max_seq_len: int = 32_768, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen2.5 7B."""
     return _large(
         num_layers=28, num_heads=28, num_kv_heads=4, embed_dim=3584, intermediate_dim=18_944,
-        max_seq_len=max_seq_len,
+        max_seq_len=max_seq_len, linear=linear,
     )
 
 
-def qwen2_5_14b(*, max_seq_len: int = 32_768) -> TransformerDecoder:
+def qwen2_5_14b(*, max_seq_len: int = 32_768, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen2.5 14B."""
     return _large(
         num_layers=48, num_heads=40, num_kv_heads=8, embed_dim=5120, intermediate_dim=13_824,
-        max_seq_len=max_seq_len,
+        max_seq_len=max_seq_len, linear=linear,
     )
 
 
-def qwen2_5_32b(*, max_seq_len: int = 32_768) -> TransformerDecoder:
+def qwen2_5_32b(*, max_seq_len: int = 32_768, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen2.5 32B."""
     return _large(
         num_layers=64, num_heads=40, num_kv_heads=8, embed_dim=5120, intermediate_dim=27_648,
-        max_seq_len=max_seq_len,
+        max_seq_len=max_seq_len, linear=linear,
     )
 
 
-def qwen2_5_72b(*, max_seq_len: int = 32_768) -> TransformerDecoder:
+def qwen2_5_72b(*, max_seq_len: int = 32_768, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen2.5 72B."""
     return _large(
         num_layers=80, num_heads=64, num_kv_heads=8, embed_dim=8192, intermediate_dim=29_568,
-        max_seq_len=max_seq_len,
+        max_seq_len=max_seq_len, linear=linear,
     )
 
 

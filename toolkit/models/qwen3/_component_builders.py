@@ -2,10 +2,8 @@
 and key head before the rotary embedding, and a head_dim set independently of the width (Qwen Team, 2025,
 https://arxiv.org/abs/2505.09388)."""
 
-from torch import nn
-
+from toolkit.models._decoder import LinearFactory, attention_projections, plain_linear, prenorm_decoder
 from toolkit.models.llama3 import llama3_mlp
-from toolkit.models._decoder import prenorm_decoder
 from toolkit.modules import GroupedQueryAttention, RMSNorm, RotaryPositionalEmbeddings, TransformerDecoder
 
 
@@ -22,6 +20,7 @@ def qwen3(
     norm_eps: float = 1e-6,
     rope_base: float = 1_000_000.0,
     tie_word_embeddings: bool = False,
+    linear: LinearFactory = plain_linear,
 ) -> TransformerDecoder:
     """Build a Qwen3 dense decoder.
 
@@ -37,6 +36,7 @@ def qwen3(
         norm_eps: epsilon of every RMSNorm, the per-head q/k norms included.
         rope_base: rotary theta.
         tie_word_embeddings: reuse the embedding as output projection (0.6B, 1.7B, 4B).
+        linear: makes each projection (plain ``nn.Linear`` by default; the LoRA builders pass adapter layers).
     """
     rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
 
@@ -45,10 +45,9 @@ def qwen3(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=False),
-            k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
-            v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False),
-            o_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
+            **attention_projections(
+                linear, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+            ),
             pos_embeddings=rope,
             q_norm=RMSNorm(head_dim, eps=norm_eps),
             k_norm=RMSNorm(head_dim, eps=norm_eps),
@@ -61,6 +60,6 @@ def qwen3(
         max_seq_len=max_seq_len,
         norm_eps=norm_eps,
         attention=attention,
-        mlp=lambda: llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim),
-        output=None if tie_word_embeddings else lambda: nn.Linear(embed_dim, vocab_size, bias=False),
+        mlp=lambda: llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim, linear=linear),
+        output=None if tie_word_embeddings else lambda: linear("output", embed_dim, vocab_size),
     )

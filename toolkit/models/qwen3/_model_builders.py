@@ -6,6 +6,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.models import _hf_config
+from toolkit.models._decoder import LinearFactory, plain_linear
 from toolkit.models.qwen3._component_builders import qwen3
 from toolkit.modules import TransformerDecoder
 
@@ -15,43 +16,49 @@ HF_MODEL_TYPES: tuple[str, ...] = ("qwen3",)
 _qwen3 = partial(qwen3, vocab_size=151_936, head_dim=128, num_kv_heads=8)
 
 
-def qwen3_0_6b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+def qwen3_0_6b(*, max_seq_len: int = 40_960, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen3 0.6B."""
     return _qwen3(
         num_layers=28, num_heads=16, embed_dim=1024, intermediate_dim=3072, max_seq_len=max_seq_len,
-        tie_word_embeddings=True,
+        tie_word_embeddings=True, linear=linear,
     )
 
 
-def qwen3_1_7b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+def qwen3_1_7b(*, max_seq_len: int = 40_960, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen3 1.7B."""
     return _qwen3(
         num_layers=28, num_heads=16, embed_dim=2048, intermediate_dim=6144, max_seq_len=max_seq_len,
-        tie_word_embeddings=True,
+        tie_word_embeddings=True, linear=linear,
     )
 
 
-def qwen3_4b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+def qwen3_4b(*, max_seq_len: int = 40_960, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen3 4B."""
     return _qwen3(
         num_layers=36, num_heads=32, embed_dim=2560, intermediate_dim=9728, max_seq_len=max_seq_len,
-        tie_word_embeddings=True,
+        tie_word_embeddings=True, linear=linear,
     )
 
 
-def qwen3_8b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+def qwen3_8b(*, max_seq_len: int = 40_960, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen3 8B."""
-    return _qwen3(num_layers=36, num_heads=32, embed_dim=4096, intermediate_dim=12_288, max_seq_len=max_seq_len)
+    return _qwen3(
+        num_layers=36, num_heads=32, embed_dim=4096, intermediate_dim=12_288, max_seq_len=max_seq_len, linear=linear,
+    )
 
 
-def qwen3_14b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+def qwen3_14b(*, max_seq_len: int = 40_960, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen3 14B."""
-    return _qwen3(num_layers=40, num_heads=40, embed_dim=5120, intermediate_dim=17_408, max_seq_len=max_seq_len)
+    return _qwen3(
+        num_layers=40, num_heads=40, embed_dim=5120, intermediate_dim=17_408, max_seq_len=max_seq_len, linear=linear,
+    )
 
 
-def qwen3_32b(*, max_seq_len: int = 40_960) -> TransformerDecoder:
+def qwen3_32b(*, max_seq_len: int = 40_960, linear: LinearFactory = plain_linear) -> TransformerDecoder:
     """Qwen3 32B."""
-    return _qwen3(num_layers=64, num_heads=64, embed_dim=5120, intermediate_dim=25_600, max_seq_len=max_seq_len)
+    return _qwen3(
+        num_layers=64, num_heads=64, embed_dim=5120, intermediate_dim=25_600, max_seq_len=max_seq_len, linear=linear,
+    )
 
 
 def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) -> TransformerDecoder:
