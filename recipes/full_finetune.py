@@ -35,7 +35,6 @@ from toolkit.training import (
     destroy_distributed,
     forward_backward,
     global_batches,
-    gradient_accumulation_steps,
     init_distributed,
     init_weights,
     inject_fault,
@@ -44,8 +43,8 @@ from toolkit.training import (
     on_rank_zero,
     optimizer_step,
     parallel_dims,
+    plan_parallelism,
     precision_policy,
-    resolve_strategy,
     set_seed,
     shard_optimizer_state,
     start_run,
@@ -67,9 +66,6 @@ def train(cfg: DictConfig) -> None:
     # --- Processes, devices and precision --------------------------------------------------------------------------
     env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     precision = precision_policy(cfg.dtype, device=env.device)
-    accum_steps = gradient_accumulation_steps(
-        batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size, world_size=env.world_size
-    )
     output_dir = Path(cfg.output_dir)
     # The newest complete step checkpoint with `resume_from: auto` (always after a restart by torchrun), or None.
     resume = on_rank_zero(start_run, output_dir, overwrite=cfg.overwrite, resume_from=cfg.resume_from)
@@ -78,20 +74,21 @@ def train(cfg: DictConfig) -> None:
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    # `auto` picks the least-communicating strategy whose memory estimate fits the device.
-    strategy, cpu_offload, reason = resolve_strategy(
-        cfg.data_parallel, model=model, cpu_offload=cfg.cpu_offload, device=env.device,
-        device_memory_gb=cfg.get("device_memory_gb"), world_size=env.world_size,
-        local_world_size=env.local_world_size, micro_batch_size=cfg.micro_batch_size, max_seq_len=cfg.max_seq_len,
+    # `auto` (data_parallel, micro_batch_size) is resolved from a memory estimate: the least-communicating strategy
+    # that fits the device, then the largest micro batch that fits; the global batch never changes.
+    plan = plan_parallelism(
+        model=model, strategy=cfg.data_parallel, cpu_offload=cfg.cpu_offload, batch_size=cfg.batch_size,
+        micro_batch_size=cfg.micro_batch_size, device=env.device, device_memory_gb=cfg.get("device_memory_gb"),
+        world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
-        gradient_accumulation_steps=accum_steps,
     )
+    accum_steps = plan.accumulation_steps
     dims = parallel_dims(
-        strategy=strategy,
+        strategy=plan.strategy,
         world_size=env.world_size,
         local_world_size=env.local_world_size,
         shard_size=cfg.hsdp_shard_size,
-        cpu_offload=cpu_offload,
+        cpu_offload=plan.cpu_offload,
         device_type=env.device.type,
     )
     materialize(model, device=env.device, dtype=precision.param_dtype)
@@ -112,7 +109,7 @@ def train(cfg: DictConfig) -> None:
     )
     loader = DataLoader(
         dataset,
-        batch_size=cfg.micro_batch_size,
+        batch_size=plan.micro_batch_size,
         sampler=sampler,
         collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id),
     )
@@ -142,11 +139,11 @@ def train(cfg: DictConfig) -> None:
     n_params = sum(p.numel() for p in unwrap(model).parameters())
     log.print(
         f"{n_params / 1e6:.2f}M parameters; {env.world_size} process(es) on {env.device.type}, {dims.strategy}, "
-        f"{precision.name}; global batch {cfg.batch_size} = {env.world_size} x {cfg.micro_batch_size} x "
+        f"{precision.name}; global batch {cfg.batch_size} = {env.world_size} x {plan.micro_batch_size} x "
         f"{accum_steps} accumulation step(s); {total_steps} steps"
     )
-    if reason:
-        log.print(f"data_parallel: auto -> {reason}")
+    for reason in plan.reasons:
+        log.print(reason)
     eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None
     if eval_tasks and resume is None:
         evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")

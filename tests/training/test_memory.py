@@ -413,3 +413,63 @@ def test_nf4_base_weights_count_at_their_quantized_size() -> None:
     saved = estimate_memory(lora, **kwargs).params - estimate_memory(qlora, **kwargs).params
     # fp32 (4 bytes) becomes 4 bits plus an 8-bit scaler per 64-element block (and a few constants per tensor).
     assert saved == pytest.approx(sum(p.numel() for p in nf4) * (4 - 0.5 - 1 / 64), rel=0.01)
+
+
+# --- plan_parallelism: `auto` strategy and micro batch --------------------------------------------------------------
+
+
+def _plan(**overrides):
+    from toolkit.training.memory import plan_parallelism
+
+    with torch.device("meta"):
+        model = llama3_1_8b(max_seq_len=4096)
+    args = dict(
+        model=model, strategy="zero3", cpu_offload=False, batch_size=64, micro_batch_size="auto",
+        device=torch.device("cpu"), device_memory_gb=80, world_size=8, local_world_size=8, max_seq_len=4096,
+        dtype="bf16-mixed", activation_checkpointing=True,
+    )
+    return model, plan_parallelism(**{**args, **overrides})
+
+
+def test_given_values_pass_through_checked():
+    _, plan = _plan(micro_batch_size=2, strategy="ddp", device_memory_gb=None)
+    assert (plan.strategy, plan.micro_batch_size, plan.accumulation_steps, plan.reasons) == ("ddp", 2, 4, ())
+    with pytest.raises(UserError, match="not divisible"):
+        _plan(micro_batch_size=3, strategy="ddp")
+
+
+def test_auto_micro_batch_is_the_largest_divisor_that_fits():
+    from toolkit.training.memory import estimate_memory
+
+    model, plan = _plan()
+    per_rank = 64 // 8
+    assert per_rank % plan.micro_batch_size == 0 and plan.accumulation_steps == per_rank // plan.micro_batch_size
+    usable = 0.9 * 80 * 2**30
+
+    def total(micro: int) -> int:
+        return estimate_memory(model, strategy="zero3", world_size=8, micro_batch_size=micro, max_seq_len=4096,
+                               dtype="bf16-mixed", activation_checkpointing=True,
+                               gradient_accumulation_steps=per_rank // micro).total
+
+    assert total(plan.micro_batch_size) <= usable
+    larger = [d for d in range(plan.micro_batch_size + 1, per_rank + 1) if per_rank % d == 0]
+    assert all(total(d) > usable for d in larger), "a larger micro batch would also have fitted"
+    assert 1 < plan.micro_batch_size < per_rank  # the shape is chosen so that the choice is not trivial
+    assert "micro_batch_size: auto -> " in plan.reasons[0]
+
+
+def test_more_memory_never_gives_a_smaller_micro_batch():
+    sizes = [_plan(device_memory_gb=gb)[1].micro_batch_size for gb in (70, 80, 141, 1000)]
+    assert sizes == sorted(sizes) and sizes[-1] == 8
+
+
+def test_auto_strategy_then_auto_micro_batch():
+    _, plan = _plan(strategy="auto")
+    assert plan.strategy in {"ddp", "zero1", "zero2", "zero3"} and len(plan.reasons) == 2
+
+
+def test_nothing_fits_and_unknown_memory_are_user_errors():
+    with pytest.raises(UserError, match="not even 1 sequence"):
+        _plan(device_memory_gb=1)
+    with pytest.raises(UserError, match="device_memory_gb"):
+        _plan(device_memory_gb=None)

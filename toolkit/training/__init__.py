@@ -20,7 +20,7 @@ from toolkit.training.distributed import (
 from toolkit.training.init import init_weights, materialize, set_seed
 from toolkit.training.loss import cross_entropy_sum, global_token_count, gradient_scale
 from toolkit.training.lr_schedulers import cosine_with_warmup
-from toolkit.training.memory import choose_strategy, estimate_memory, resolve_strategy
+from toolkit.training.memory import ParallelPlan, choose_strategy, estimate_memory, plan_parallelism
 from toolkit.training.meta_checkpoint import MetaCheckpointer
 from toolkit.training.metrics import MetricsLogger, peak_memory_gib, rank_stats, step_metrics
 from toolkit.training.parallel import (
@@ -53,6 +53,7 @@ __all__ = [
     "MetaCheckpointer",
     "MetricsLogger",
     "ParallelDims",
+    "ParallelPlan",
     "PrecisionPolicy",
     "StepCheckpointer",
     "StepResult",
@@ -88,10 +89,10 @@ __all__ = [
     "on_rank_zero",
     "optimizer_step",
     "parallel_dims",
+    "plan_parallelism",
     "peak_memory_gib",
     "precision_policy",
     "prepare_output_dir",
-    "resolve_strategy",
     "rank_stats",
     "set_seed",
     "shard_optimizer_state",

@@ -32,6 +32,7 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.modules.gemma2 import GemmaRMSNorm
+from toolkit.training.accumulation import gradient_accumulation_steps
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 _SHARDED = ("zero2", "zero3", "hsdp")
@@ -581,58 +582,119 @@ def device_memory_bytes(device: torch.device | str | int) -> int | None:
 
 
 
-def resolve_strategy(
-    strategy: str,
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How a run spreads over its devices, with ``auto`` values resolved.
+
+    Attributes:
+        strategy: the ``data_parallel`` strategy.
+        cpu_offload: whether sharded parameters and optimizer state live in host memory.
+        micro_batch_size: sequences per device per forward/backward.
+        accumulation_steps: micro-steps per optimizer step (``batch_size = world x micro x steps``).
+        reasons: one line per ``auto`` decision, naming the numbers it was made from.
+    """
+
+    strategy: str
+    cpu_offload: bool
+    micro_batch_size: int
+    accumulation_steps: int
+    reasons: tuple[str, ...] = ()
+
+
+def plan_parallelism(
     *,
     model: nn.Module,
+    strategy: str,
     cpu_offload: bool,
+    batch_size: int,
+    micro_batch_size: int | str,
     device: torch.device,
     device_memory_gb: float | None,
     world_size: int,
     local_world_size: int,
-    micro_batch_size: int,
     max_seq_len: int,
     dtype: str,
     activation_checkpointing: bool,
-    gradient_accumulation_steps: int,
-) -> tuple[str, bool, str | None]:
-    """Resolve ``data_parallel: auto`` to a strategy (and offload) from the memory estimate; pass others through.
+    headroom: float = 0.9,
+) -> ParallelPlan:
+    """Resolve ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory estimate.
+
+    ``data_parallel: auto`` picks the least-communicating strategy whose estimate fits ``headroom`` of the device
+    at the configured micro batch (at 1 when that is ``auto`` too). ``micro_batch_size: auto`` then picks the
+    largest micro batch that divides this rank's share of ``batch_size`` (so the global batch, and the training,
+    stay the same) and whose estimate fits. Given values pass through, checked.
 
     Args:
-        strategy: the configured strategy.
         model: the model, on the meta device (only shapes are read).
-        cpu_offload: the configured offload (kept unless ``auto`` decides).
+        strategy, cpu_offload, batch_size, micro_batch_size, max_seq_len, dtype, activation_checkpointing: as in
+            the config.
         device: this rank's device; its memory is used on CUDA.
         device_memory_gb: the memory to plan for where the device does not say (CPU), in GiB.
         world_size, local_world_size: the job's shape.
-        micro_batch_size, max_seq_len, dtype, activation_checkpointing, gradient_accumulation_steps: as in the
-            config.
-
-    Returns:
-        ``(strategy, cpu_offload, reason)``; ``reason`` is None unless ``auto`` chose.
+        headroom: the fraction of device memory a plan may fill.
 
     Raises:
-        UserError: ``auto`` without a known device memory, or nothing fits.
+        UserError: ``auto`` without a known device memory, nothing fits, or sizes that do not divide.
     """
-    if strategy != "auto":
-        return strategy, cpu_offload, None
+    auto_batch = micro_batch_size == "auto"
+    if not auto_batch and not isinstance(micro_batch_size, int):
+        raise UserError(f"micro_batch_size: must be a positive integer or auto, got {micro_batch_size!r}")
+    if strategy != "auto" and not auto_batch:
+        steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro_batch_size, world_size=world_size)
+        return ParallelPlan(strategy, cpu_offload, micro_batch_size, steps)
     memory = device_memory_bytes(device)
     if memory is None:
         if device_memory_gb is None:
+            what = "data_parallel: auto" if strategy == "auto" else "micro_batch_size: auto"
             raise UserError(
-                "data_parallel: auto needs the memory of each device; on CPU set device_memory_gb=<GiB> "
-                "(or choose a strategy: ddp, zero1, zero2, zero3, hsdp)"
+                f"{what} needs the memory of each device; on CPU set device_memory_gb=<GiB> "
+                "(or give the value: data_parallel ddp, zero1, zero2, zero3 or hsdp; micro_batch_size a number)"
             )
         memory = int(device_memory_gb * 2**30)
-    chosen, estimate, reason = choose_strategy(
-        model,
-        device_memory_bytes=memory,
-        world_size=world_size,
-        num_nodes=max(1, world_size // max(1, local_world_size)),
-        micro_batch_size=micro_batch_size,
-        max_seq_len=max_seq_len,
-        dtype=dtype,
-        activation_checkpointing=activation_checkpointing,
-        gradient_accumulation_steps=gradient_accumulation_steps,
+    num_nodes = max(1, world_size // max(1, local_world_size))
+    common = dict(world_size=world_size, max_seq_len=max_seq_len, dtype=dtype,
+                  activation_checkpointing=activation_checkpointing)
+    micro = 1 if auto_batch else micro_batch_size
+    steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=world_size)
+    reasons = []
+    if strategy == "auto":
+        strategy, estimate, reason = choose_strategy(
+            model, device_memory_bytes=memory, num_nodes=num_nodes, micro_batch_size=micro,
+            gradient_accumulation_steps=steps, headroom=headroom, **common,
+        )
+        cpu_offload = estimate.cpu_offload
+        reasons.append(f"data_parallel: auto -> {reason}")
+    if auto_batch:
+        micro, steps, reason = _largest_micro_batch(
+            model, strategy=strategy, cpu_offload=cpu_offload, batch_size=batch_size, num_nodes=num_nodes,
+            usable=int(headroom * memory), **common,
+        )
+        reasons.append(f"micro_batch_size: auto -> {reason}")
+    return ParallelPlan(strategy, cpu_offload, micro, steps, tuple(reasons))
+
+
+def _largest_micro_batch(
+    model: nn.Module, *, strategy: str, cpu_offload: bool, batch_size: int, world_size: int, num_nodes: int,
+    usable: int, **common,
+) -> tuple[int, int, str]:
+    if batch_size < 1 or batch_size % world_size:
+        raise UserError(
+            f"batch_size: {batch_size} must be a positive multiple of the number of processes ({world_size})"
+        )
+    per_rank = batch_size // world_size
+    for micro in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
+        estimate = estimate_memory(
+            model, strategy=strategy, num_nodes=num_nodes, cpu_offload=cpu_offload, micro_batch_size=micro,
+            gradient_accumulation_steps=per_rank // micro, world_size=world_size, **common,
+        )
+        if estimate.total <= usable:
+            return micro, per_rank // micro, (
+                f"{micro} sequences per device ({per_rank // micro} accumulation step(s)): {estimate.label} needs "
+                f"{format_bytes(estimate.total)} of {format_bytes(usable)} usable"
+            )
+    fixes = ([] if common["activation_checkpointing"] else ["activation_checkpointing=true"]) + [
+        "a shorter max_seq_len", "a sharded data_parallel strategy", "LoRA/QLoRA"]
+    raise UserError(
+        f"micro_batch_size: auto: not even 1 sequence of {common['max_seq_len']} tokens fits {format_bytes(usable)} "
+        f"per device under {strategy} (needs {format_bytes(estimate.total)}); try {', '.join(fixes)}"
     )
-    return chosen, estimate.cpu_offload, reason
