@@ -1,23 +1,34 @@
-"""Rank-zero metrics: one JSON object per optimizer step in ``metrics.jsonl``, and a progress bar."""
+"""Rank-zero metrics: one JSON object per optimizer step in ``metrics.jsonl``, a progress bar, and optional metric
+loggers (stdout, TensorBoard, W&B, MLflow: see :mod:`toolkit.training.metric_loggers`)."""
 
 import json
 import resource
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from toolkit.training.metric_loggers import (
+    MetricLogger,
+    MetricLoggerSpec,
+    build_metric_loggers,
+    parse_metric_logger_spec,
+)
 from toolkit.training.step import StepResult
 
 
 class MetricsLogger:
-    """Writes ``<output_dir>/metrics.jsonl`` and drives a tqdm bar; does nothing on ranks other than zero.
+    """Writes ``<output_dir>/metrics.jsonl``, drives a tqdm bar and feeds the metric loggers; does nothing on ranks
+    other than zero.
 
     ``metrics.jsonl`` fields ``step``, ``loss``, ``lr``, ``num_tokens`` and ``tokens_per_second`` are a contract
-    that plotting and comparison tools rely on: add fields freely, never rename these.
+    that plotting and comparison tools rely on: add fields freely, never rename these. The file is always written,
+    whatever the loggers.
 
     Args:
         output_dir: the run's output folder.
@@ -26,14 +37,33 @@ class MetricsLogger:
         initial_step: steps already done (when resuming): lines of later steps, logged by the attempt that died
             after the checkpoint, are dropped so that every step appears once.
         progress_bar: show the bar (off in tests or when stderr is not wanted).
+        loggers: more destinations for every record: a config's ``metric_loggers`` entries (``"tensorboard"``,
+            ``{"type": "wandb", "mode": "offline"}``, ...), built on rank zero only, or loggers already built.
+            Entries are checked on every rank, so a typo stops all ranks with the same message.
     """
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, total_steps: int, initial_step: int = 0, progress_bar: bool = True) -> None:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        initial_step: int = 0,
+        progress_bar: bool = True,
+        loggers: Sequence[MetricLogger | MetricLoggerSpec] | None = (),
+    ) -> None:
         self.enabled = enabled
         self._file = None
         self._bar = None
+        self._loggers: list[MetricLogger] = []
+        loggers = list(loggers or ())
+        for spec in loggers:
+            if isinstance(spec, (str, Mapping)):
+                parse_metric_logger_spec(spec)
         if not enabled:
             return
+        # Before metrics.jsonl is touched: a missing package stops the run with the output folder as it was.
+        self._loggers = build_metric_loggers(loggers, output_dir=output_dir, initial_step=initial_step)
         path = Path(output_dir) / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
@@ -43,16 +73,29 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True, file=sys.stderr)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """Append one step's metrics and advance the bar."""
+        """Append a record to ``metrics.jsonl`` and pass it to the loggers; a training step's record (one with
+        ``loss``) also advances the bar. Other records, such as ``{"step": 100, "val_loss": ...}`` from a
+        validation pass, need only ``step``."""
         if not self.enabled:
             return
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()
-        if self._bar is not None:
+        for logger in self._loggers:
+            logger.log(metrics, step=int(metrics["step"]))
+        if self._bar is not None and "loss" in metrics:
             self._bar.update(1)
             self._bar.set_postfix(
                 loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_second']:.0f}", refresh=False
             )
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Give the loggers the run's config (a ``DictConfig`` is resolved to plain values first)."""
+        if not self.enabled or not self._loggers:
+            return
+        if isinstance(config, DictConfig):
+            config = OmegaConf.to_container(config, resolve=True)
+        for logger in self._loggers:
+            logger.log_config(config)
 
     def print(self, message: str) -> None:
         """Print a line on rank zero without breaking the progress bar."""
@@ -64,10 +107,14 @@ class MetricsLogger:
             print(message, flush=True)
 
     def close(self) -> None:
+        """Close the bar, ``metrics.jsonl`` and the loggers (W&B and MLflow mark their runs finished)."""
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+        loggers, self._loggers = self._loggers, []
+        for logger in loggers:
+            logger.close()
 
 
 def _truncate_after_step(path: Path, step: int) -> None:
