@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from toolkit.cli import _download, export, merge
+from toolkit.cli import _download, export, merge, plot
 from toolkit.cli._catalog import find_config, find_recipe_or_config, list_configs, list_recipes
 from toolkit.cli._run import run_command
 from toolkit.config import apply_overrides, load_config, validate
@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _download.add_parser(commands)
     merge.add_parser(commands)
+    plot.add_parser(commands)
     export.add_parser(commands)
 
     # Listed for `tune --help`; `tune run` itself is handled before argparse (its flags are torchrun's).
