@@ -30,8 +30,6 @@ from toolkit.training import (
     MetricsLogger,
     StepCheckpointer,
     TrainingState,
-    apply_activation_checkpointing,
-    apply_data_parallel,
     destroy_distributed,
     forward_backward,
     global_batches,
@@ -39,10 +37,10 @@ from toolkit.training import (
     init_weights,
     inject_fault,
     make_grad_scaler,
-    materialize,
     on_rank_zero,
     optimizer_step,
     parallel_dims,
+    parallelize,
     plan_parallelism,
     precision_policy,
     set_seed,
@@ -70,7 +68,7 @@ def train(cfg: DictConfig) -> None:
     # The newest complete step checkpoint with `resume_from: auto` (always after a restart by torchrun), or None.
     resume = on_rank_zero(start_run, output_dir, overwrite=cfg.overwrite, resume_from=cfg.resume_from)
 
-    # --- Model: built on the meta device (no memory), materialized, initialized or loaded, then parallelized ------
+    # --- Model: built on the meta device (no memory), then sharded or wrapped, materialized, initialized or loaded --
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights
     with torch.device("meta"):
         model = instantiate(cfg.model)
@@ -91,13 +89,17 @@ def train(cfg: DictConfig) -> None:
         cpu_offload=plan.cpu_offload,
         device_type=env.device.type,
     )
-    materialize(model, device=env.device, dtype=precision.param_dtype)
     checkpointer = instantiate(cfg.checkpointer)
-    if resume is None:  # (when resuming, every weight comes from the step checkpoint, loaded below)
-        checkpointer.load(model) if checkpointer.checkpoint_dir is not None else init_weights(model)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    model = apply_data_parallel(model, dims=dims, device=env.device, mp_policy=precision.fsdp_policy())
+
+    def fill(model: torch.nn.Module) -> None:
+        if resume is None:  # (when resuming, every weight comes from the step checkpoint, loaded below)
+            checkpointer.load(model) if checkpointer.checkpoint_dir is not None else init_weights(model)
+
+    # Sharded strategies shard before allocating: each rank only ever holds (and loads) its shard of the model.
+    model = parallelize(
+        model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
+        mp_policy=precision.fsdp_policy(), activation_checkpointing=cfg.activation_checkpointing,
+    )
     autocast = precision.autocast(env.device, sharded=dims.is_sharded)
     grad_scaler = make_grad_scaler(enabled=precision.needs_grad_scaler, device=env.device, sharded=dims.is_sharded)
 

@@ -32,8 +32,6 @@ from toolkit.training import (
     MetricsLogger,
     StepCheckpointer,
     TrainingState,
-    apply_activation_checkpointing,
-    apply_data_parallel,
     barrier,
     destroy_distributed,
     forward_backward,
@@ -43,10 +41,10 @@ from toolkit.training import (
     init_weights,
     inject_fault,
     make_grad_scaler,
-    materialize,
     on_rank_zero,
     optimizer_step,
     parallel_dims,
+    parallelize,
     plan_parallelism,
     precision_policy,
     set_seed,
@@ -99,7 +97,7 @@ def train(cfg: DictConfig) -> None:
     # The newest complete step checkpoint with `resume_from: auto` (always after a restart by torchrun), or None.
     resume = on_rank_zero(start_run, output_dir, overwrite=cfg.overwrite, resume_from=cfg.resume_from)
 
-    # --- Model: built on the meta device (no memory), materialized, initialized or loaded, then parallelized ------
+    # --- Model: built on the meta device (no memory), then sharded or wrapped, materialized, initialized or loaded --
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights
     with torch.device("meta"):
         model = instantiate(cfg.model)
@@ -120,17 +118,21 @@ def train(cfg: DictConfig) -> None:
         cpu_offload=plan.cpu_offload,
         device_type=env.device.type,
     )
-    materialize(model, device=env.device, dtype=precision.param_dtype)
+    set_trainable_params(model, get_adapter_params(model))  # before wrapping: only adapters are reduced
     checkpointer = instantiate(cfg.checkpointer)
-    if checkpointer.checkpoint_dir is not None:
-        checkpointer.load(model, ignore_missing=is_adapter_key)  # a base checkpoint holds no adapters
-    else:
-        init_weights(model)
-    init_adapters(model)  # B = 0 (and DoRA magnitudes = base norms): the model starts as exactly the base
-    set_trainable_params(model, get_adapter_params(model))
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    model = apply_data_parallel(model, dims=dims, device=env.device, mp_policy=precision.fsdp_policy())
+
+    def fill(model: torch.nn.Module) -> None:
+        if checkpointer.checkpoint_dir is not None:
+            checkpointer.load(model, ignore_missing=is_adapter_key)  # a base checkpoint holds no adapters
+        else:
+            init_weights(model)
+        init_adapters(model)  # B = 0 (and DoRA magnitudes = base norms): the model starts as exactly the base
+
+    # Sharded strategies shard before allocating: each rank only ever holds (and loads) its shard of the base.
+    model = parallelize(
+        model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
+        mp_policy=precision.fsdp_policy(), activation_checkpointing=cfg.activation_checkpointing,
+    )
     autocast = precision.autocast(env.device, sharded=dims.is_sharded)
     grad_scaler = make_grad_scaler(enabled=precision.needs_grad_scaler, device=env.device, sharded=dims.is_sharded)
 

@@ -33,6 +33,7 @@ from toolkit.training.parallel import (
     clip_grad_norm,
     gradient_sync,
     parallel_dims,
+    parallelize,
     shard_optimizer_state,
     unwrap,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "on_rank_zero",
     "optimizer_step",
     "parallel_dims",
+    "parallelize",
     "plan_parallelism",
     "peak_memory_gib",
     "precision_policy",

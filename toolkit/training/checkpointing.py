@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 import toolkit.models
 from toolkit.errors import UserError
+from toolkit.modules._dtensor import local_part
 from toolkit.training.distributed import barrier, shared_filesystem
 from toolkit.training.parallel import unwrap
 
@@ -143,7 +144,9 @@ class HFCheckpointer:
                 )
             wanted[name] = targets[key]
         try:
-            dcp.load(wanted, checkpoint_id=str(self.checkpoint_dir), no_dist=True)
+            # Sharded targets load collectively, each rank reading its part; whole ones alone.
+            sharded = any(isinstance(t, DTensor) for t in wanted.values())
+            dcp.load(wanted, checkpoint_id=str(self.checkpoint_dir), no_dist=not sharded)
         except Exception as e:
             raise UserError(f"{self.checkpoint_dir}: cannot read the checkpoint ({e}); a file may be corrupt") from None
         loaded.update(name[len("model."):] for name in wanted)
@@ -159,13 +162,15 @@ class HFCheckpointer:
             return  # a tied model: some exporters still write the (shared) lm_head; the embedding is the weight
         if key not in targets:
             raise UserError(f"{file}: key {hf_key!r} has no counterpart in the model; is it a checkpoint of this model?")
-        tensor = reader.get_tensor(hf_key)
         target = targets[key]
-        if tensor.shape != target.shape:
-            raise UserError(
-                f"{file}: {hf_key!r} has shape {tuple(tensor.shape)} but the model expects {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
+        source = reader.get_slice(hf_key)
+        shape = tuple(source.get_shape())
+        if shape != tuple(target.shape):
+            raise UserError(f"{file}: {hf_key!r} has shape {shape} but the model expects {tuple(target.shape)}")
+        if isinstance(target, DTensor):  # a sharded model: read only this rank's rows
+            target.to_local().copy_(local_part(source, target))
+        else:
+            target.copy_(source[:] if shape else reader.get_tensor(hf_key))
         loaded.add(key)
 
     def save(

@@ -5,6 +5,7 @@ import random
 import torch
 from torch import nn
 
+from toolkit.modules._dtensor import init_full_
 from toolkit.modules.peft.nf4 import is_nf4
 
 
@@ -34,8 +35,8 @@ def init_weights(model: nn.Module, *, std: float = 0.02) -> None:
             weight = own["weight"]
             if is_nf4(weight):  # a QLoRA base: NF4 has no in-place normal_, but copy_ quantizes what it is given
                 weight.copy_(torch.empty(weight.shape, dtype=torch.float32, device=weight.device).normal_(0.0, std))
-            else:
-                nn.init.normal_(weight, mean=0.0, std=std)
+            else:  # a sharded weight gets the values the whole one would
+                init_full_(weight, lambda w: nn.init.normal_(w, mean=0.0, std=std))
             if own.get("bias") is not None:
                 nn.init.zeros_(own["bias"])
         elif own and hasattr(module, "reset_parameters"):

@@ -25,6 +25,7 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.modules import GroupedQueryAttention
+from toolkit.modules._dtensor import copy_full_
 from toolkit.training.checkpointing import HFCheckpointer
 
 # Meta module name (the part before ``.weight``) -> the dim fairscale splits it along; absent: replicated.
@@ -192,7 +193,7 @@ class MetaCheckpointer(HFCheckpointer):
                 shards.append((file, state[meta_key]))
             full = _gather(meta_key, shards, full_shape)
             (_, value), = self.family.meta_to_tune({meta_key: full}, **heads).items()
-            targets[key].copy_(value)
+            copy_full_(targets[key], value)  # a sharded target keeps only its part
             loaded.add(key)
             del full, value  # one full weight at a time
 

@@ -13,7 +13,7 @@ The model knows nothing of this: transforms take the model and explicit keyword 
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,6 +28,8 @@ from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 
 from toolkit.errors import UserError
+from toolkit.modules.peft.nf4 import is_nf4
+from toolkit.training.init import materialize
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 SHARDED_STRATEGIES = ("zero2", "zero3", "hsdp")
@@ -248,3 +250,36 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
     if isinstance(norm, DTensor):  # sharded gradients: the norm is a DTensor, reduced when made full
         norm = norm.full_tensor()
     return float(norm)
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    dims: ParallelDims,
+    device: torch.device,
+    dtype: torch.dtype,
+    fill: Callable[[nn.Module], None],
+    mp_policy: MixedPrecisionPolicy | None = None,
+    activation_checkpointing: bool = False,
+) -> nn.Module:
+    """Turn a meta-device ``model`` into the trainable, data-parallel model, in the order that needs least memory.
+
+    ``fill(model)`` puts the weights in (loads a checkpoint or initializes); it receives the model materialized on
+    ``device`` in ``dtype``. Sharded strategies (ZeRO-2/3, HSDP) shard while the model is still on the meta
+    device, so each rank only ever allocates its shard, and ``fill`` writes each rank's part (checkpoint loaders
+    read only those rows; initializers draw the whole tensor and keep the part, giving every rank count the same
+    values). DDP and ZeRO-1 keep whole copies, so they wrap the model once it is filled; so do CPU offload and
+    NF4 (QLoRA) bases, whose weights FSDP2 takes whole.
+    """
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    shard_first = dims.world_size > 1 and dims.is_sharded and not dims.cpu_offload and not any(
+        is_nf4(p) for p in model.parameters()
+    )
+    if shard_first:
+        model = apply_data_parallel(model.to(dtype), dims=dims, device=device, mp_policy=mp_policy)
+    materialize(model, device=device, dtype=None if shard_first else dtype)
+    fill(model)
+    if not shard_first:
+        model = apply_data_parallel(model, dims=dims, device=device, mp_policy=mp_policy)
+    return model

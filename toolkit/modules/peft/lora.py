@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.modules._dtensor import init_full_
 from toolkit.modules.peft.nf4 import _apply_keeping_nf4, dequantize, to_nf4
 
 
@@ -71,7 +72,7 @@ class LoRALinear(nn.Module):
     def reset_lora_parameters(self) -> None:
         """``A`` as a linear layer's default (Kaiming-uniform), ``B`` zero, so the adapter's output starts at zero
         (Hu et al., 2021, section 4.1). Call after materializing from the meta device."""
-        nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
+        init_full_(self.lora_a.weight, lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)))  # sharded too
         nn.init.zeros_(self.lora_b.weight)
 
     def adapter_params(self) -> list[str]:

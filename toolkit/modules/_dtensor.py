@@ -1,0 +1,38 @@
+"""Filling sharded (DTensor) parameters with exactly the values their whole tensor would get."""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+def local_part(full: torch.Tensor | Any, sharded: DTensor) -> torch.Tensor:
+    """This rank's part of ``full`` (anything sliceable with the global shape: a tensor, a safetensors slice) as
+    ``sharded`` places it."""
+    shape, offset = compute_local_shape_and_global_offset(sharded.shape, sharded.device_mesh, sharded.placements)
+    return full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+
+
+def copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:
+    """``target.copy_(full)`` where ``target`` may be sharded: then only this rank's part is copied."""
+    if isinstance(target, DTensor):
+        target.to_local().copy_(local_part(full, target))
+    else:
+        target.copy_(full)
+
+
+def init_full_(param: torch.Tensor, init: Callable[[torch.Tensor], Any]) -> None:
+    """Apply the in-place initializer ``init`` (``nn.init.normal_``...) to ``param``.
+
+    A sharded parameter gets exactly the values an unsharded one would: the whole tensor is drawn on the same
+    device with the same random calls (so every rank consumes the generator alike), and each rank keeps its part.
+    """
+    if not isinstance(param, DTensor):
+        init(param)
+        return
+    local = param.to_local()
+    full = torch.empty(param.shape, dtype=local.dtype, device=local.device)
+    init(full)
+    local.copy_(local_part(full, param))
