@@ -1,0 +1,143 @@
+"""Evaluate a checkpoint: perplexity on a dataset and exact-match accuracy on generation tasks.
+
+    tune run eval --config demo                                              # outputs/full_finetune_demo/final
+    tune run eval --config demo checkpointer.checkpoint_dir=null             # a random model (from `seed`)
+    tune run eval_distributed --nproc_per_node 2 --config demo data_parallel=zero3
+    tune run eval --config demo adapter_dir=outputs/lora_finetune_demo/final/adapter model=...  # see the config
+
+The base weights come from ``checkpointer.checkpoint_dir`` (a Hugging Face folder, or one of our step checkpoints;
+``null``: random initialization from ``seed``, a baseline). With ``adapter_dir``, a PEFT LoRA/DoRA adapter folder
+is loaded on top; ``model`` must then be the LoRA builder with the adapter's targets, rank and alpha.
+
+``dataset`` (if set) is scored by the mean token cross-entropy over all its target tokens (perplexity = its
+exponential), exactly the same number on any number of processes. ``eval_tasks`` (if set, ``{"prompt",
+"answer"}`` samples) is scored by greedy generation and exact match. A table is printed and the numbers are written
+to ``<output_dir>/eval.json``.
+"""
+
+import json
+import os
+from functools import partial
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader
+
+from toolkit.config import instantiate, recipe_main
+from toolkit.data import padded_collate
+from toolkit.errors import UserError
+from toolkit.generation import exact_match_accuracy
+from toolkit.modules.peft import adapter_modules, init_adapters, is_adapter_key
+from toolkit.training import (
+    apply_data_parallel,
+    destroy_distributed,
+    init_distributed,
+    init_weights,
+    materialize,
+    parallel_dims,
+    precision_policy,
+    set_seed,
+)
+from toolkit.training.peft import load_peft_adapter
+from toolkit.training.validation import ValidationSampler, validation_loss
+
+
+def write_report(results: dict, output_dir: Path) -> Path:
+    """Write ``eval.json`` whole or not at all (a rename), and print the table."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / "eval.json"
+    tmp = path.with_name(f".eval.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(path)
+    rows = [("checkpoint", results["checkpoint_dir"] or f"random initialization (seed {results['seed']})")]
+    if results["adapter_dir"]:
+        rows.append(("adapter", results["adapter_dir"]))
+    if "val_loss" in results:
+        rows += [
+            ("val_loss", f"{results['val_loss']:.4f}"),
+            ("val_perplexity", f"{results['val_perplexity']:.3f}"),
+            ("val_tokens", str(results["val_tokens"])),
+        ]
+    if "accuracy" in results:
+        rows.append(("accuracy", f"{results['accuracy']:.1%} ({results['correct']}/{results['total']})"))
+    width = max(len(name) for name, _ in rows)
+    print("\n".join(f"{name:<{width}}  {value}" for name, value in rows), flush=True)
+    return path
+
+
+def evaluate(cfg: DictConfig) -> None:
+    # --- Processes, devices and precision --------------------------------------------------------------------------
+    env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
+    precision = precision_policy(cfg.dtype, device=env.device)
+    dims = parallel_dims(
+        strategy=cfg.data_parallel, world_size=env.world_size, local_world_size=env.local_world_size,
+        shard_size=cfg.hsdp_shard_size, device_type=env.device.type,
+    )
+
+    # --- Model: built on the meta device, then loaded (or initialized from the seed), then its adapter -------------
+    set_seed(cfg.seed)  # the same seed as training gives the same random base (LoRA on a random base)
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    if cfg.adapter_dir is not None and not adapter_modules(model):
+        raise UserError(
+            f"adapter_dir: {cfg.adapter_dir} needs a model with adapters; set model._component_ to the LoRA "
+            "builder (e.g. toolkit.models.llama3.lora_llama3_demo) with the adapter's targets, rank and alpha"
+        )
+    materialize(model, device=env.device, dtype=precision.param_dtype)
+    checkpointer = instantiate(cfg.checkpointer)
+    if checkpointer.checkpoint_dir is not None:
+        checkpointer.load(model, ignore_missing=is_adapter_key)  # a base checkpoint holds no adapters
+    else:
+        init_weights(model)
+    init_adapters(model)  # B = 0: without an adapter folder, a LoRA model computes exactly its base
+    if cfg.adapter_dir is not None:
+        load_peft_adapter(model, cfg.adapter_dir, model_family=checkpointer.family_name)
+    # Nothing trains, so a replicated strategy needs no wrapper (DDP would allocate gradient buckets for nothing);
+    # sharding splits a model too big for one device.
+    if dims.is_sharded:
+        model = apply_data_parallel(model, dims=dims, device=env.device, mp_policy=precision.fsdp_policy())
+    autocast = precision.autocast(env.device, sharded=dims.is_sharded)
+    tokenizer = instantiate(cfg.tokenizer)
+    results = {
+        "checkpoint_dir": str(checkpointer.checkpoint_dir) if checkpointer.checkpoint_dir is not None else None,
+        "adapter_dir": str(cfg.adapter_dir) if cfg.adapter_dir is not None else None,
+        "seed": cfg.seed,
+    }
+
+    # --- Perplexity: every rank scores its slice of the dataset; sums are reduced exactly ----------------------------
+    if cfg.get("dataset"):
+        dataset = instantiate(cfg.dataset, tokenizer)
+        loader = DataLoader(
+            dataset,
+            batch_size=cfg.micro_batch_size,
+            sampler=ValidationSampler(len(dataset), rank=env.rank, world_size=env.world_size),
+            collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id),
+        )
+        results.update(validation_loss(model, loader, device=env.device, autocast=autocast))
+
+    # --- Generation tasks: greedy decoding, exact match ----------------------------------------------------------
+    if cfg.get("eval_tasks"):
+        tasks = instantiate(cfg.eval_tasks)
+        if not tasks:
+            raise UserError("eval_tasks: no samples to evaluate")
+        correct, total = exact_match_accuracy(
+            model, tokenizer, tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank, world_size=env.world_size
+        )
+        results.update(accuracy=correct / total, correct=correct, total=total)
+
+    if env.is_rank_zero:
+        path = write_report(results, Path(cfg.output_dir))
+        print(f"wrote {path}", flush=True)
+
+
+@recipe_main
+def main(cfg: DictConfig) -> None:
+    try:
+        evaluate(cfg)
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

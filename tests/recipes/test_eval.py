@@ -1,0 +1,116 @@
+"""The eval recipe end to end: a fine-tuned demo model beats a random one, 2 processes report what 1 does, and a
+LoRA adapter loads on its base."""
+
+import json
+import math
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.config import apply_overrides, load_config, validate
+from toolkit.errors import UserError
+from toolkit.paths import configs_dir, recipes_dir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_lora_finetune import tune  # noqa: E402  (`tune ...` in a new process; fails the test on an error)
+
+# The demo restricted to one task family (upper-casing), which the demo model learns within 150 steps (all four
+# families together take well over 300 steps on a CPU), and 100 held-out samples for both measures. An answer is
+# 4 letters and the stop token: 6 new tokens are enough, and spare the random model 10 useless ones per sample.
+TASK = ["dataset.tasks=[upper]"]
+EVAL = [
+    *TASK, "eval_tasks.tasks=[upper]", "dataset.num_samples=100", "eval_tasks.num_samples=100", "eval_max_new_tokens=6",
+]
+LORA_MODEL = (
+    "model={_component_: toolkit.models.llama3.lora_llama3_demo, max_seq_len: 64, lora_rank: 16, lora_alpha: 32, "
+    "lora_attn_modules: [q_proj, k_proj, v_proj, o_proj], apply_lora_to_mlp: true, apply_lora_to_output: true}"
+)
+
+
+def evaluate(out: Path, *overrides: str, recipe: str = "eval") -> dict:
+    """``tune run <recipe> --config demo``, in a new process."""
+    result = tune("run", recipe, "--config", "demo", f"output_dir={out}", *EVAL, *overrides)
+    report = json.loads((out / "eval.json").read_text())
+    assert f"{report['val_loss']:.4f}" in result.stdout, "the table shows the numbers of eval.json"
+    return report
+
+
+def evaluate_here(out: Path, *overrides: str) -> dict:
+    """The eval recipe's ``main`` on the demo config, in this process (no interpreter start: faster)."""
+    cfg = load_config(configs_dir() / "eval" / "demo.yaml")
+    apply_overrides(cfg, [f"output_dir={out}", *EVAL, *overrides])
+    validate(cfg)
+    runpy.run_path(str(recipes_dir() / "eval.py"))["main"](cfg)
+    return json.loads((out / "eval.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("full")
+    tune(
+        "run", "full_finetune_single_device", "--config", "demo", f"output_dir={out}", "max_steps=150",
+        "dataset.num_samples=4800", "micro_batch_size=32", "progress_bar=false", "save_every_n_steps=null",
+        "~eval_tasks", *TASK,
+    )
+    return out / "final"
+
+
+@pytest.fixture(scope="module")
+def fine_tuned_report(fine_tuned, tmp_path_factory) -> dict:
+    return evaluate(tmp_path_factory.mktemp("eval_full"), f"checkpointer.checkpoint_dir={fine_tuned}")
+
+
+def test_fine_tuned_checkpoint_beats_a_random_model(fine_tuned, fine_tuned_report, tmp_path):
+    base = evaluate_here(tmp_path, "checkpointer.checkpoint_dir=null")
+    tuned = fine_tuned_report
+    assert base["checkpoint_dir"] is None and tuned["checkpoint_dir"] == str(fine_tuned)
+    for report in (base, tuned):
+        assert report["val_tokens"] > 0 and report["total"] == 100
+        assert report["val_perplexity"] == pytest.approx(math.exp(report["val_loss"]))
+    assert tuned["accuracy"] > 0.5 > base["accuracy"]
+    assert tuned["val_loss"] < base["val_loss"]
+
+
+def test_two_processes_report_what_one_does(fine_tuned, fine_tuned_report, tmp_path):
+    # Sharded (FSDP2): every forward is a collective, and 100 samples split 50/50 into 4 micro-batches each.
+    sharded = evaluate(
+        tmp_path, f"checkpointer.checkpoint_dir={fine_tuned}", "data_parallel=zero3", "--nproc_per_node", "2",
+        recipe="eval_distributed",
+    )
+    assert sharded["val_tokens"] == fine_tuned_report["val_tokens"]
+    assert (sharded["correct"], sharded["total"]) == (fine_tuned_report["correct"], fine_tuned_report["total"])
+    # The same tokens in other batches (other padded lengths) round differently in float32; see
+    # tests/training/test_validation.py for why 1e-6 relative is the bound.
+    assert sharded["val_loss"] == pytest.approx(fine_tuned_report["val_loss"], rel=1e-6)
+
+
+def test_lora_adapter_on_its_random_base(tmp_path):
+    train = tmp_path / "lora"
+    tune(
+        "run", "lora_finetune_single_device", "--config", "demo", f"output_dir={train}", "max_steps=20",
+        "batch_size=16", "dataset.num_samples=320", "progress_bar=false", "save_every_n_steps=null", *TASK,
+    )
+    small = ["dataset.num_samples=32", "eval_tasks.num_samples=8"]
+    # The eval recipe rebuilds the training run's random base from the same seed; the LoRA model without an adapter
+    # folder computes exactly that base (B = 0).
+    lora = ["checkpointer.checkpoint_dir=null", LORA_MODEL, *small]
+    without = evaluate_here(tmp_path / "base", *lora)
+    adapted = evaluate_here(tmp_path / "adapted", *lora, f"adapter_dir={train / 'final' / 'adapter'}")
+    # The training run's own export of base and adapter merged, as a plain model: the same function.
+    merged = evaluate_here(tmp_path / "merged", f"checkpointer.checkpoint_dir={train / 'final' / 'merged'}", *small)
+    assert adapted["adapter_dir"] == str(train / "final" / "adapter")
+    assert 0 <= adapted["accuracy"] <= 1 and adapted["val_tokens"] == without["val_tokens"] == merged["val_tokens"]
+    assert adapted["val_loss"] < without["val_loss"], "20 LoRA steps lower the loss: the adapter was applied"
+    # W + s B A computed once (merged) versus x W + s (x A) B: float32 rounding in another order, ~1e-7 relative
+    # per logit; a different random base or a misplaced adapter would be off by far more.
+    assert merged["val_loss"] == pytest.approx(adapted["val_loss"], rel=1e-5)
+
+
+def test_adapter_needs_a_lora_model(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    with pytest.raises(UserError, match="needs a model with adapters.*lora_llama3_demo"):
+        evaluate_here(tmp_path, "checkpointer.checkpoint_dir=null", f"adapter_dir={adapter}")
+    assert not (tmp_path / "eval.json").exists()

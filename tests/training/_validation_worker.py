@@ -1,0 +1,59 @@
+"""Worker for test_validation.py, run under torchrun: the validation loss of a seeded tiny Llama, replicated (DDP)
+or sharded (FSDP2), each rank reading its slice of a small set. Rank zero writes the result as JSON."""
+
+import json
+import random
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from _export_worker import DIMS, tiny_model
+from toolkit.data import padded_collate, shifted_labels
+from toolkit.training import apply_data_parallel, parallel_dims
+from toolkit.training.validation import ValidationSampler, validation_loss
+
+# 9 samples: on 2 ranks of micro-batches of 2, rank 0 gets 4 samples (2 batches) and rank 1 gets 5 (3 batches),
+# so a sharded model must keep the ranks' forwards in step.
+NUM_SAMPLES = 9
+BATCH_SIZE = 2
+
+
+def samples() -> list[dict]:
+    """Sequences of 3 to 20 tokens whose first few (a "prompt") are not trained on; one has no target at all."""
+    rng = random.Random(0)
+    out = []
+    for i in range(NUM_SAMPLES):
+        tokens = [rng.randrange(DIMS["vocab_size"]) for _ in range(rng.randint(3, 20))]
+        prompt = len(tokens) if i == 4 else rng.randint(1, 3)
+        out.append({"tokens": tokens, "labels": shifted_labels(tokens, [j >= prompt for j in range(len(tokens))])})
+    return out
+
+
+def loader(rank: int, world_size: int) -> DataLoader:
+    data = samples()
+    return DataLoader(
+        data, batch_size=BATCH_SIZE, sampler=ValidationSampler(len(data), rank=rank, world_size=world_size),
+        collate_fn=partial(padded_collate, pad_id=0),
+    )
+
+
+if __name__ == "__main__":
+    strategy, out = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = tiny_model()
+    dims = parallel_dims(strategy=strategy, world_size=world_size, local_world_size=world_size, device_type="cpu")
+    model = apply_data_parallel(model, dims=dims, device=torch.device("cpu"))
+    model.train()
+    result = validation_loss(model, loader(rank, world_size), device=torch.device("cpu"))
+    result["restored_train_mode"] = model.training and all(m.training for m in model.modules())
+    result["batches_on_this_rank"] = len(loader(rank, world_size))
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        out.write_text(json.dumps(gathered))
+    dist.destroy_process_group()

@@ -1,0 +1,135 @@
+"""Validation loss over a whole held-out set, exact on any number of processes.
+
+The loss is the sum of token cross-entropies over every non-ignored label of the set divided by their count, both
+summed over all ranks in float64: never a mean of per-batch or per-rank means, which would weight the tokens of
+short batches more and change with the world size (see ``toolkit.training.loss``). Each rank reads a disjoint
+slice of the set (:class:`ValidationSampler`) that together cover every sample exactly once, so the number is the
+same on 1 or N processes up to float rounding.
+"""
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import Sampler
+
+from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
+from toolkit.errors import UserError
+from toolkit.training.distributed import all_reduce_sum
+from toolkit.training.loss import cross_entropy_sum
+from toolkit.training.parallel import unwrap
+
+
+class SizedBatches(Protocol):
+    """What :func:`validation_loss` reads: a ``DataLoader`` over a map-style dataset, or a list of batches."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]: ...
+
+
+class ValidationSampler(Sampler[int]):
+    """Rank ``r`` of ``W`` yields the contiguous block ``[r * N // W, (r + 1) * N // W)`` of ``range(N)``, in order.
+
+    Every sample is read exactly once over all ranks: nothing is dropped and nothing is repeated to even out the
+    ranks (as ``DistributedSampler`` does), since a repeated sample would count twice in the loss. Ranks thus
+    hold at most one sample more than another, and may get different numbers of batches; :func:`validation_loss`
+    keeps them in step.
+
+    Args:
+        num_samples: size of the validation set (``N``).
+        rank: this process's data-parallel rank.
+        world_size: number of data-parallel ranks (``W``).
+    """
+
+    def __init__(self, num_samples: int, *, rank: int = 0, world_size: int = 1) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        self.start = rank * num_samples // world_size
+        self.stop = (rank + 1) * num_samples // world_size
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.stop))
+
+
+def _max_over_ranks(value: int, *, device: torch.device) -> int:
+    if not dist.is_initialized():
+        return value
+    out = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return int(out.item())
+
+
+@torch.no_grad()
+def validation_loss(
+    model: nn.Module,
+    loader: SizedBatches,
+    *,
+    device: torch.device,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> dict[str, float | int]:
+    """Mean token cross-entropy of ``model`` over every batch of every rank's ``loader``.
+
+    A collective: every rank calls it with its own slice of the set (a ``DataLoader`` over a
+    :class:`ValidationSampler`). The model runs in eval mode and returns to its previous mode afterwards.
+
+    A model sharded by FSDP2 all-gathers each layer's weights in every forward, so every rank must run the same
+    number of forwards: a rank out of batches runs a one-token forward whose label is ignored until the rank
+    with the most batches is done. A DDP model runs unwrapped (its forward would sync buffers, a collective).
+
+    Args:
+        model: a plain, DDP-wrapped or FSDP2-sharded decoder.
+        loader: sized (``len``); batches of ``tokens``, shifted ``labels`` (ignored positions at
+            ``CROSS_ENTROPY_IGNORE_INDEX``), optional ``mask`` and ``input_pos``, as ``padded_collate`` makes.
+        device: where the model is.
+        autocast: forward-pass context (mixed precision without FSDP2).
+
+    Returns:
+        ``{"val_loss": sum / count, "val_perplexity": exp(val_loss), "val_tokens": count}`` over all ranks.
+
+    Raises:
+        UserError: the set has no non-ignored label on any rank.
+    """
+    plain = unwrap(model)
+    was_training = plain.training
+    plain.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, token count]
+    idle_batch = {
+        "tokens": torch.zeros((1, 1), dtype=torch.long, device=device),
+        "labels": torch.full((1, 1), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long, device=device),
+    }
+    try:
+        batches = iter(loader)
+        for _ in range(_max_over_ranks(len(loader), device=device)):
+            batch = next(batches, None)
+            batch = idle_batch if batch is None else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            with autocast or contextlib.nullcontext():
+                logits = plain(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"))
+            sums[0] += cross_entropy_sum(logits, batch["labels"]).double()
+            sums[1] += (batch["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum()
+    finally:
+        # FSDP2 keeps the root's (and ZeRO-2's layers') weights gathered after a forward until the backward that
+        # never comes here: free them now.
+        for module in plain.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        plain.train(was_training)
+    loss_sum, count = all_reduce_sum(sums).tolist()
+    if count == 0:
+        raise UserError("validation: the dataset has no target tokens (every label is ignored); nothing to score")
+    loss = loss_sum / count
+    try:
+        perplexity = math.exp(loss)
+    except OverflowError:
+        perplexity = math.inf
+    return {"val_loss": loss, "val_perplexity": perplexity, "val_tokens": int(count)}
