@@ -132,8 +132,10 @@ def train(cfg: DictConfig) -> None:
     step = checkpoints.load(resume, state, config=cfg) if resume is not None else 0
 
     log = MetricsLogger(
-        output_dir, enabled=env.is_rank_zero, total_steps=total_steps, initial_step=step, progress_bar=cfg.progress_bar
+        output_dir, enabled=env.is_rank_zero, total_steps=total_steps, initial_step=step, progress_bar=cfg.progress_bar,
+        loggers=cfg.get("metric_loggers") or [],  # TensorBoard, W&B, MLflow, stdout, besides metrics.jsonl
     )
+    log.log_config(cfg)
     if env.is_rank_zero:
         OmegaConf.save(cfg, output_dir / "config.yaml")
     if resume is not None:
