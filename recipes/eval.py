@@ -36,6 +36,7 @@ from toolkit.training import (
     init_weights,
     materialize,
     parallel_dims,
+    parallelize,
     precision_policy,
     set_seed,
 )
@@ -84,19 +85,30 @@ def evaluate(cfg: DictConfig) -> None:
             f"adapter_dir: {cfg.adapter_dir} needs a model with adapters; set model._component_ to the LoRA "
             "builder (e.g. toolkit.models.llama3.lora_llama3_demo) with the adapter's targets, rank and alpha"
         )
-    materialize(model, device=env.device, dtype=precision.param_dtype)
     checkpointer = instantiate(cfg.checkpointer)
-    if checkpointer.checkpoint_dir is not None:
-        checkpointer.load(model, ignore_missing=is_adapter_key)  # a base checkpoint holds no adapters
+
+    def fill(model: torch.nn.Module) -> None:
+        if checkpointer.checkpoint_dir is not None:
+            checkpointer.load(model, ignore_missing=is_adapter_key)  # a base checkpoint holds no adapters
+        else:
+            init_weights(model)
+        init_adapters(model)  # B = 0: without an adapter folder, a LoRA model computes exactly its base
+        if cfg.adapter_dir is not None:
+            load_peft_adapter(model, cfg.adapter_dir, model_family=checkpointer.family_name)
+
+    if dims.is_sharded and cfg.adapter_dir is None:
+        # Sharded before allocating: each rank only ever holds (and loads) its shard of the model.
+        model = parallelize(
+            model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
+            mp_policy=precision.fsdp_policy(),
+        )
     else:
-        init_weights(model)
-    init_adapters(model)  # B = 0: without an adapter folder, a LoRA model computes exactly its base
-    if cfg.adapter_dir is not None:
-        load_peft_adapter(model, cfg.adapter_dir, model_family=checkpointer.family_name)
-    # Nothing trains, so a replicated strategy needs no wrapper (DDP would allocate gradient buckets for nothing);
-    # sharding splits a model too big for one device.
-    if dims.is_sharded:
-        model = apply_data_parallel(model, dims=dims, device=env.device, mp_policy=precision.fsdp_policy())
+        # Nothing trains, so whole copies need no wrapper (DDP would allocate gradient buckets for nothing).
+        # load_peft_adapter copies whole tensors, so a model with an adapter is filled whole, then sharded.
+        materialize(model, device=env.device, dtype=precision.param_dtype)
+        fill(model)
+        if dims.is_sharded:
+            model = apply_data_parallel(model, dims=dims, device=env.device, mp_policy=precision.fsdp_policy())
     autocast = precision.autocast(env.device, sharded=dims.is_sharded)
     tokenizer = instantiate(cfg.tokenizer)
     results = {

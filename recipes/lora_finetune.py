@@ -31,9 +31,11 @@ from toolkit.training.peft import save_peft_adapter
 from toolkit.training import (
     MetricsLogger,
     StepCheckpointer,
+    StepProfiler,
     TrainingState,
     barrier,
     destroy_distributed,
+    flops_per_token,
     forward_backward,
     gather_full_state_dict,
     global_batches,
@@ -41,6 +43,7 @@ from toolkit.training import (
     init_weights,
     inject_fault,
     make_grad_scaler,
+    measure_peak_flops,
     on_rank_zero,
     optimizer_step,
     parallel_dims,
@@ -188,6 +191,10 @@ def train(cfg: DictConfig) -> None:
         evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")
 
     # --- Training loop ------------------------------------------------------------------------------------------
+    # A torch.profiler trace of a window of steps (`profiler.enabled`), and on GPU the model FLOPs utilization.
+    profiler = StepProfiler(output_dir, rank=env.rank, **(cfg.get("profiler") or {}))
+    flops = flops_per_token(unwrap(model), seq_len=cfg.max_seq_len)
+    peak_flops = measure_peak_flops(env.device, precision.compute_dtype)
     model.train()
     for epoch, micro_batches in global_batches(loader, sampler, accum_steps=accum_steps):
         if step == total_steps:
@@ -207,11 +214,14 @@ def train(cfg: DictConfig) -> None:
             step=step, epoch=epoch, result=result, lr=lr, grad_norm=grad_norm,
             elapsed_s=time.perf_counter() - start, device=env.device,
             gather_rank_stats=step % cfg.log_every_n_steps == 0 or step == total_steps,
+            flops_per_token=flops, peak_flops=peak_flops,
         ))
+        profiler.step()
         if checkpoints.due(step, total_steps):
             checkpoints.save(step, state, config=cfg, strategy=dims.strategy)
         inject_fault("after_step", step=step, rank=env.rank)  # a testing hook: see toolkit.training.debug
     checkpoints.wait()
+    profiler.close()
 
     # --- Evaluate and save ----------------------------------------------------------------------------------------
     if eval_tasks:

@@ -100,3 +100,12 @@ def test_config_typo_is_caught_before_launch(tmp_path):
     result = tune("run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path}", "model.max_seq_lne=32")
     assert result.returncode == 1
     assert "max_seq_lne" in result.stderr and "did you mean 'max_seq_len'" in result.stderr
+
+
+def test_profiler_window_writes_a_trace(tmp_path):
+    result = tune("run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path}", *FAST,
+                  "profiler.enabled=true", "profiler.wait_steps=1", "profiler.warmup_steps=1", "profiler.active_steps=2",
+                  "save_every_n_steps=null")
+    assert result.returncode == 0, result.stderr
+    folder = tmp_path / "profile" / "rank_0"
+    assert (folder / "trace.json").stat().st_size > 0 and "aten::" in (folder / "summary.txt").read_text()

@@ -38,6 +38,7 @@ from toolkit.training.parallel import (
     unwrap,
 )
 from toolkit.training.precision import PrecisionPolicy, precision_policy
+from toolkit.training.profiling import StepProfiler, flops_per_token, measure_peak_flops
 from toolkit.training.step_checkpoint import (
     StepCheckpointer,
     TrainingState,
@@ -57,6 +58,7 @@ __all__ = [
     "ParallelPlan",
     "PrecisionPolicy",
     "StepCheckpointer",
+    "StepProfiler",
     "StepResult",
     "TrainingState",
     "all_reduce_sum",
@@ -73,6 +75,7 @@ __all__ = [
     "destroy_distributed",
     "estimate_memory",
     "find_resume_checkpoint",
+    "flops_per_token",
     "forward_backward",
     "gather_full_state_dict",
     "global_batches",
@@ -87,6 +90,7 @@ __all__ = [
     "load_model_family",
     "make_grad_scaler",
     "materialize",
+    "measure_peak_flops",
     "on_rank_zero",
     "optimizer_step",
     "parallel_dims",

@@ -84,9 +84,11 @@ class MetricsLogger:
             logger.log(metrics, step=int(metrics["step"]))
         if self._bar is not None and "loss" in metrics:
             self._bar.update(1)
-            self._bar.set_postfix(
-                loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_second']:.0f}", refresh=False
-            )
+            postfix = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}",
+                       "tok_s": f"{metrics['tokens_per_second']:.0f}"}
+            if "mfu" in metrics:
+                postfix["mfu"] = f"{metrics['mfu']:.1%}"
+            self._bar.set_postfix(postfix, refresh=False)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Give the loggers the run's config (a ``DictConfig`` is resolved to plain values first)."""
@@ -141,11 +143,15 @@ def step_metrics(
     elapsed_s: float,
     device: torch.device,
     gather_rank_stats: bool,
+    flops_per_token: float | None = None,
+    peak_flops: float | None = None,
 ) -> dict[str, float]:
     """The ``metrics.jsonl`` record of one optimizer step.
 
     With ``gather_rank_stats`` (a collective: every rank must ask on the same steps) it adds each rank's step
-    time, throughput and peak memory as min/max over ranks and the slowest rank, so a straggler shows.
+    time, throughput and peak memory as min/max over ranks and the slowest rank, so a straggler shows. With
+    ``flops_per_token`` and the device's ``peak_flops`` (``toolkit.training.profiling``) it adds ``mfu``: this
+    rank's positions per second times the model FLOPs per position, over the device's peak.
     """
     metrics = {
         "step": step,
@@ -157,6 +163,8 @@ def step_metrics(
         "tokens_per_second": result.num_tokens / elapsed_s,
         "step_time_s": elapsed_s,
     }
+    if flops_per_token and peak_flops:
+        metrics["mfu"] = result.num_positions / elapsed_s * flops_per_token / peak_flops
     if gather_rank_stats:
         metrics.update(
             rank_stats(

@@ -1,0 +1,149 @@
+"""Where the time and memory go: a torch.profiler trace of a window of steps, and model FLOPs utilization."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from toolkit.errors import UserError
+
+
+class StepProfiler:
+    """Profiles optimizer steps ``wait_steps + 1 .. wait_steps + warmup_steps + active_steps`` on the chosen ranks.
+
+    After the window it writes ``<output_dir>/profile/rank_<r>/trace.json`` (open it in Perfetto or
+    ``chrome://tracing``; CPU and CUDA kernels, memory events) and, on CUDA, ``memory_snapshot.pickle`` (drag it onto
+    https://pytorch.org/memory_viz): every allocation of the window with its stack. Ranks not chosen, or
+    ``enabled: false``, cost nothing. Call :meth:`step` after every optimizer step and :meth:`close` at the end.
+
+    Args:
+        output_dir: the run's output folder.
+        rank: this process's rank.
+        enabled: profile at all.
+        wait_steps: steps to skip first (compilation, allocator warmup).
+        warmup_steps: steps profiled but discarded (the profiler's own start-up cost).
+        active_steps: steps recorded.
+        ranks: which ranks profile.
+        record_shapes, with_stack: more detail in the trace (larger, slower).
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        rank: int,
+        enabled: bool = False,
+        wait_steps: int = 5,
+        warmup_steps: int = 1,
+        active_steps: int = 3,
+        ranks: Sequence[int] = (0,),
+        record_shapes: bool = False,
+        with_stack: bool = False,
+    ) -> None:
+        if min(wait_steps, warmup_steps) < 0 or active_steps < 1:
+            raise UserError("profiler: wait_steps and warmup_steps must be >= 0 and active_steps >= 1")
+        self.folder = Path(output_dir) / "profile" / f"rank_{rank}"
+        self._profiler = None
+        self._memory = False
+        if not enabled or rank not in set(ranks):
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=wait_steps, warmup=warmup_steps, active=active_steps, repeat=1),
+            on_trace_ready=self._write,
+            profile_memory=True,
+            record_shapes=record_shapes,
+            with_stack=with_stack,
+        )
+        self._profiler.start()
+        if torch.cuda.is_available():
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            self._memory = True
+
+    @property
+    def enabled(self) -> bool:
+        return self._profiler is not None
+
+    def _write(self, profiler: torch.profiler.profile) -> None:
+        profiler.export_chrome_trace(str(self.folder / "trace.json"))
+        (self.folder / "summary.txt").write_text(
+            profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n"
+        )
+        if self._memory:
+            torch.cuda.memory._dump_snapshot(str(self.folder / "memory_snapshot.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._memory = False
+
+    def step(self) -> None:
+        """Mark the end of an optimizer step."""
+        if self._profiler is not None:
+            self._profiler.step()
+
+    def close(self) -> None:
+        """Stop profiling (writing what a window cut short recorded)."""
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            profiler.stop()
+        if self._memory:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._memory = False
+
+
+def _matmul_weights(model: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) weights that multiply activations: every 2-D weight but a (separate) input embedding."""
+    embedding = getattr(model, "embed_tokens", None)
+    tied = getattr(model, "output", "untied") is None
+    trainable = frozen = 0
+    for name, param in model.named_parameters():
+        if param.dim() != 2:
+            continue
+        if embedding is not None and param is embedding.weight and not tied:
+            continue  # a lookup, not a matmul (a tied embedding is also the output projection: counted)
+        numel = param.numel()
+        if param.requires_grad:
+            trainable += numel
+        else:
+            frozen += numel
+    return trainable, frozen
+
+
+def flops_per_token(model: nn.Module, *, seq_len: int) -> float:
+    """Training FLOPs per token position of ``model`` (unwrapped; any device, meta included).
+
+    A weight that trains costs 6 FLOPs per token (2 forward, 2 for the input gradient, 2 for its own gradient),
+    a frozen one 4 (no weight gradient): LoRA's 4N + 6N_adapters. Attention adds 12 x layers x (heads x head_dim)
+    x ``seq_len`` (scores and values, forward and backward; the causal half is not discounted, as in PaLM's
+    count). Activation recomputation is not counted: MFU is useful work.
+    """
+    trainable, frozen = _matmul_weights(model)
+    attention = 0
+    for layer in getattr(model, "layers", []):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None:
+            attention += 12 * attn.num_heads * attn.head_dim * seq_len
+    return 6.0 * trainable + 4.0 * frozen + attention
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, *, size: int = 8192) -> float | None:
+    """The device's dense matmul rate in FLOP/s, measured (about a second); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    iterations = 20
+    start = time.perf_counter()
+    for _ in range(iterations):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * size**3 * iterations / (time.perf_counter() - start)
