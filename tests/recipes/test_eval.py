@@ -106,6 +106,13 @@ def test_lora_adapter_on_its_random_base(tmp_path):
     # W + s B A computed once (merged) versus x W + s (x A) B: float32 rounding in another order, ~1e-7 relative
     # per logit; a different random base or a misplaced adapter would be off by far more.
     assert merged["val_loss"] == pytest.approx(adapted["val_loss"], rel=1e-5)
+    # The adapter on a sharded base (2 processes, FSDP2): the random base and the adapter land in every shard.
+    sharded = evaluate(
+        tmp_path / "sharded", *lora, f"adapter_dir={train / 'final' / 'adapter'}", "data_parallel=zero3",
+        "--nproc_per_node", "2", recipe="eval_distributed",
+    )
+    assert sharded["val_tokens"] == adapted["val_tokens"]
+    assert sharded["val_loss"] == pytest.approx(adapted["val_loss"], rel=1e-6)  # as in the test above
 
 
 def test_adapter_needs_a_lora_model(tmp_path):
