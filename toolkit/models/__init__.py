@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from toolkit.errors import UserError
+from toolkit.models._decoder import LinearFactory, plain_linear
+from toolkit.models._lora import lora_builder, qlora
 
 
 def hf_model_types() -> dict[str, str]:
@@ -30,6 +32,59 @@ def hf_model_types() -> dict[str, str]:
                 raise RuntimeError(f"model_type {model_type!r} is claimed by both {owners[model_type]} and {info.name}")
             owners[model_type] = info.name
     return owners
+
+
+def read_hf_config(path: str | Path) -> tuple[dict, str]:
+    """``config.json`` of a Hugging Face model folder, and the family that builds it (``llama3``, ``qwen2_5``...).
+
+    Raises:
+        UserError: no or unreadable ``config.json``, or a ``model_type`` no family handles; names the file.
+    """
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{config_file}: not found; a Hugging Face model folder (with config.json) is needed")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{config_file}: not valid JSON ({e})") from None
+    model_type = config.get("model_type")
+    owners = hf_model_types()
+    if model_type not in owners:
+        raise UserError(
+            f"{config_file}: model_type {model_type!r} is not supported; supported types: {', '.join(sorted(owners))}"
+        )
+    return config, owners[model_type]
+
+
+def build_from_hf(*, path: str | Path, max_seq_len: int | None = None, linear: LinearFactory = plain_linear) -> nn.Module:
+    """The architecture a Hugging Face folder's ``config.json`` describes (family and dimensions), weights unset.
+
+    Usable in configs, so one config fine-tunes any supported checkpoint (``model: {_component_:
+    toolkit.models.build_from_hf, path: ${checkpointer.checkpoint_dir}}``); the recipe builds it on the meta
+    device and its checkpointer loads the weights. :func:`lora_build_from_hf` is its LoRA version.
+
+    Args:
+        path: the model folder.
+        max_seq_len: rotary cache length; defaults to the file's ``max_position_embeddings``.
+        linear: makes each projection (the LoRA version passes adapter layers).
+
+    Raises:
+        UserError: see :func:`read_hf_config`, or a field the family needs is missing.
+    """
+    config, family_name = read_hf_config(path)
+    family = importlib.import_module(f"{__name__}.{family_name}")
+    config_file = Path(path).expanduser() / "config.json"
+    try:
+        return family.from_hf_config(config, max_seq_len=max_seq_len, linear=linear)
+    except KeyError as e:
+        raise UserError(f"{config_file}: missing field {e.args[0]!r} for model_type {config['model_type']!r}") from None
+    except UserError as e:
+        raise UserError(f"{config_file}: {e}") from None
+
+
+lora_build_from_hf = lora_builder(build_from_hf)
+lora_build_from_hf.__module__ = __name__
+qlora_build_from_hf = qlora(lora_build_from_hf)
 
 
 def from_pretrained(
@@ -49,7 +104,7 @@ def from_pretrained(
         path: folder with ``config.json`` and ``*.safetensors``.
         dtype: parameter dtype.
         device: where the weights go.
-        max_seq_len: rotary cache length; defaults to ``max_position_embeddings`` of the config.
+        max_seq_len: rotary cache length; defaults to the file's ``max_position_embeddings``.
 
     Raises:
         UserError: no or unreadable ``config.json``, a ``model_type`` no family handles, a missing field, or a
@@ -59,32 +114,13 @@ def from_pretrained(
     from toolkit.training.checkpointing import HFCheckpointer
     from toolkit.training.init import materialize
 
-    path = Path(path).expanduser()
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"{config_file}: not found; from_pretrained needs a Hugging Face model folder")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{config_file}: not valid JSON ({e})") from None
-    model_type = config.get("model_type")
-    owners = hf_model_types()
-    if model_type not in owners:
-        raise UserError(
-            f"{config_file}: model_type {model_type!r} is not supported; supported types: {', '.join(sorted(owners))}"
-        )
-    family_name = owners[model_type]
-    family = importlib.import_module(f"{__name__}.{family_name}")
-    try:
-        with torch.device("meta"):
-            model = family.from_hf_config(config, max_seq_len=max_seq_len)
-    except KeyError as e:
-        raise UserError(f"{config_file}: missing field {e.args[0]!r} for model_type {model_type!r}") from None
-    except UserError as e:
-        raise UserError(f"{config_file}: {e}") from None
+    with torch.device("meta"):
+        model = build_from_hf(path=path, max_seq_len=max_seq_len)
     materialize(model, device=torch.device(device), dtype=dtype)
-    HFCheckpointer(str(path), model_family=family_name).load(model)
+    HFCheckpointer(str(Path(path).expanduser()), model_family=read_hf_config(path)[1]).load(model)
     return model
 
 
-__all__ = ["from_pretrained", "hf_model_types"]
+__all__ = [
+    "build_from_hf", "from_pretrained", "hf_model_types", "lora_build_from_hf", "qlora_build_from_hf", "read_hf_config",
+]

@@ -76,15 +76,20 @@ class HFCheckpointer:
 
     Args:
         checkpoint_dir: folder of the base weights; ``None`` trains from a random initialization.
-        model_family: the ``toolkit.models`` package that converts the names, e.g. ``llama3``.
+        model_family: the ``toolkit.models`` package that converts the names, e.g. ``llama3``; ``auto`` reads it
+            from the checkpoint's ``config.json``.
     """
 
     def __init__(self, checkpoint_dir: str | None = None, *, model_family: str) -> None:
         self.checkpoint_dir = Path(checkpoint_dir).expanduser() if checkpoint_dir else None
-        self.family_name = model_family
-        self.family = load_model_family(model_family)
         if self.checkpoint_dir is not None and not self.checkpoint_dir.is_dir():
             raise UserError(f"checkpointer.checkpoint_dir: {self.checkpoint_dir} is not a folder")
+        if model_family == "auto":
+            if self.checkpoint_dir is None:
+                raise UserError("checkpointer.model_family: auto reads the checkpoint's config.json; set checkpoint_dir")
+            model_family = toolkit.models.read_hf_config(self.checkpoint_dir)[1]
+        self.family_name = model_family
+        self.family = load_model_family(model_family)
 
     @torch.no_grad()
     def load(self, model: nn.Module, *, ignore_missing: Callable[[str], bool] | None = None) -> None:

@@ -39,12 +39,15 @@ def gemma2_27b(*, max_seq_len: int = 8192, linear: LinearFactory = plain_linear)
     )
 
 
-def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) -> SoftcappedTransformerDecoder:
+def from_hf_config(
+    config: dict[str, Any], *, max_seq_len: int | None = None, linear: LinearFactory = plain_linear
+) -> SoftcappedTransformerDecoder:
     """A Gemma 2 with the dimensions of a Hugging Face ``Gemma2ForCausalLM`` ``config.json`` (as a dict).
 
     Args:
         config: the parsed ``config.json``.
         max_seq_len: rotary cache length; defaults to the file's ``max_position_embeddings``.
+        linear: makes each projection (the LoRA builders pass adapter layers).
 
     Raises:
         KeyError: a required field is missing.
@@ -64,6 +67,7 @@ def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) ->
     if config.get("final_logit_softcapping") is None:
         raise UserError("Gemma 2 checkpoints without final_logit_softcapping are not supported")
     return gemma2(
+        linear=linear,
         vocab_size=config["vocab_size"],
         num_layers=num_layers,
         num_heads=config["num_attention_heads"],

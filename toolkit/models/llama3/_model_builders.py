@@ -60,12 +60,15 @@ def llama3_3_70b(*, max_seq_len: int = 131_072, linear: LinearFactory = plain_li
     return llama3_1_70b(max_seq_len=max_seq_len, linear=linear)
 
 
-def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) -> TransformerDecoder:
+def from_hf_config(
+    config: dict[str, Any], *, max_seq_len: int | None = None, linear: LinearFactory = plain_linear
+) -> TransformerDecoder:
     """A Llama with the dimensions of a Hugging Face ``LlamaForCausalLM`` ``config.json`` (as a dict).
 
     Args:
         config: the parsed ``config.json``.
         max_seq_len: rotary cache length; defaults to the file's ``max_position_embeddings``.
+        linear: makes each projection (the LoRA builders pass adapter layers).
 
     Raises:
         KeyError: a required field is missing.
@@ -78,6 +81,7 @@ def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) ->
             "Llama checkpoints whose head_dim differs from hidden_size / num_attention_heads are not supported"
         )
     return llama3(
+        linear=linear,
         vocab_size=config["vocab_size"],
         num_layers=config["num_hidden_layers"],
         num_heads=config["num_attention_heads"],

@@ -27,12 +27,15 @@ def mistral_7b(*, max_seq_len: int = 32_768, linear: LinearFactory = plain_linea
     )
 
 
-def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) -> TransformerDecoder:
+def from_hf_config(
+    config: dict[str, Any], *, max_seq_len: int | None = None, linear: LinearFactory = plain_linear
+) -> TransformerDecoder:
     """A Mistral with the dimensions of a Hugging Face ``MistralForCausalLM`` ``config.json`` (as a dict).
 
     Args:
         config: the parsed ``config.json``.
         max_seq_len: rotary cache length; defaults to the file's ``max_position_embeddings``.
+        linear: makes each projection (the LoRA builders pass adapter layers).
 
     Raises:
         KeyError: a required field is missing.
@@ -44,6 +47,7 @@ def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) ->
     if _hf_config.llama3_rope_scaling(config) is not None:
         raise UserError("Mistral checkpoints with llama3 rope scaling are not supported")
     return mistral(
+        linear=linear,
         vocab_size=config["vocab_size"],
         num_layers=config["num_hidden_layers"],
         num_heads=config["num_attention_heads"],

@@ -61,12 +61,15 @@ def qwen3_32b(*, max_seq_len: int = 40_960, linear: LinearFactory = plain_linear
     )
 
 
-def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) -> TransformerDecoder:
+def from_hf_config(
+    config: dict[str, Any], *, max_seq_len: int | None = None, linear: LinearFactory = plain_linear
+) -> TransformerDecoder:
     """A Qwen3 with the dimensions of a Hugging Face ``Qwen3ForCausalLM`` ``config.json`` (as a dict).
 
     Args:
         config: the parsed ``config.json``.
         max_seq_len: rotary cache length; defaults to the file's ``max_position_embeddings``.
+        linear: makes each projection (the LoRA builders pass adapter layers).
 
     Raises:
         KeyError: a required field is missing.
@@ -79,6 +82,7 @@ def from_hf_config(config: dict[str, Any], *, max_seq_len: int | None = None) ->
     if _hf_config.llama3_rope_scaling(config) is not None:
         raise UserError("Qwen3 checkpoints with llama3 rope scaling are not supported")
     return qwen3(
+        linear=linear,
         vocab_size=config["vocab_size"],
         num_layers=config["num_hidden_layers"],
         num_heads=config["num_attention_heads"],

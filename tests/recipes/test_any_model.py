@@ -1,0 +1,68 @@
+"""One config for any checkpoint: `any_model` builds the architecture, weight names and tokenizer from a Hugging
+Face folder (here a tiny Qwen2 that `transformers` writes, with a BPE tokenizer the test trains)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+FAST = [
+    "max_steps=3", "dataset.num_samples=64", "batch_size=8", "micro_batch_size=4", "data_parallel=ddp",
+    "progress_bar=false", "~eval_tasks", "save_every_n_steps=null", "dtype=fp32", "max_seq_len=64",
+]
+
+
+def tune(*args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-m", "toolkit.cli.main", *args], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("tiny_qwen2")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tokenizer.train_from_iterator(["reverse: abcd dcba", "upper: word WORD", "sort: dcba abcd"] * 50, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = transformers.Qwen2Config(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_full_finetune_of_any_checkpoint(qwen_folder, tmp_path):
+    tune("run", "full_finetune_single_device", "--config", "any_model", f"output_dir={tmp_path}",
+         f"checkpointer.checkpoint_dir={qwen_folder}", *FAST)
+    config = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["num_hidden_layers"] == 2
+    assert (tmp_path / "final" / "tokenizer.json").is_file(), "the tokenizer files travel with the export"
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")  # loads back
+
+
+@pytest.mark.parametrize("config", ["any_model_lora", "any_model_qlora"])
+def test_lora_and_qlora_of_any_checkpoint(config, qwen_folder, tmp_path):
+    tune("run", "lora_finetune_single_device", "--config", config, f"output_dir={tmp_path}",
+         f"checkpointer.checkpoint_dir={qwen_folder}", "save_merged=false", *FAST)
+    adapter = json.loads((tmp_path / "final" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(qwen_folder) and "q_proj" in adapter["target_modules"]
