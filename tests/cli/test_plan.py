@@ -91,7 +91,6 @@ def test_device_memory_from_the_config(plan) -> None:
     ("args", "message"),
     [
         ((), "no GPU here to measure: say how much memory one device has with --device-memory-gb G"),
-        (("--device-memory-gb", "24", "micro_batch_size=auto"), "micro_batch_size: auto is found at run time"),
         (("--device-memory-gb", "24", "~micro_batch_size"), "micro_batch_size: the config has none"),
         (("--device-memory-gb", "24", "data_parallel=zero4"), "data_parallel: unknown strategy 'zero4'"),
         (("--device-memory-gb", "-1"), "--device-memory-gb: must be a positive number of GiB"),
@@ -136,3 +135,14 @@ def _between(text: str, start: str, middle: str, end: str) -> tuple[str, str]:
     line = next(line for line in text.splitlines() if line.startswith(start))
     first, rest = line.split(middle, 1)
     return first.rsplit(" ", 1)[-1].replace(",", ""), rest.split(end, 1)[0].replace(",", "")
+
+
+def test_auto_micro_batch_is_planned_like_tune_run_picks_it():
+    # 8B on 8 x 80 GB with zero3: the same choice plan_parallelism makes at run time, with its reason printed.
+    result = subprocess.run(
+        ["tune", "plan", "full_finetune", "--config", "llama3_1_8b", "--nproc_per_node", "8",
+         "--device-memory-gb", "80", "micro_batch_size=auto"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "micro_batch_size: auto -> " in result.stdout and "sequences per device" in result.stdout

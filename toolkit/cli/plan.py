@@ -27,6 +27,7 @@ from toolkit.training.memory import (
     estimate_memory,
     format_bytes,
     format_table,
+    plan_parallelism,
 )
 
 _GIB = 1024**3
@@ -149,7 +150,8 @@ def plan_command(argv: Sequence[str]) -> int:
     cfg, path = _load(args.recipe, args.config, args.overrides)
     if "model" not in cfg:
         raise UserError(f"{path}: model: the config has no model to plan for")
-    micro_batch_size = _positive_int(cfg, "micro_batch_size")
+    auto_micro_batch = cfg.get("micro_batch_size") == "auto"
+    micro_batch_size = 1 if auto_micro_batch else _positive_int(cfg, "micro_batch_size")
     max_seq_len = _positive_int(cfg, "max_seq_len")
     dtype = str(cfg.get("dtype", "bf16-mixed"))
     activation_checkpointing = bool(cfg.get("activation_checkpointing", False))
@@ -157,6 +159,24 @@ def plan_command(argv: Sequence[str]) -> int:
     world_size = nproc * nnodes
     memory, memory_source = _device_memory(args, cfg)
     optimizer, optimizer_note = _optimizer_name(cfg)
+
+    with torch.device("meta"):  # shapes only: a 70B model costs nothing
+        model = instantiate(cfg.model)
+    adapters = get_adapter_params(model)
+    if adapters:  # what the LoRA recipe does: only the adapters train
+        set_trainable_params(model, adapters)
+    auto_note = None
+    if auto_micro_batch:  # what tune run would pick, for the configured strategy (or the one auto picks)
+        if "batch_size" not in cfg:
+            raise UserError(f"{path}: micro_batch_size: auto needs batch_size")
+        chosen = plan_parallelism(
+            model=model, strategy=str(cfg.get("data_parallel", "auto")), cpu_offload=bool(cfg.get("cpu_offload")),
+            batch_size=cfg.batch_size, micro_batch_size="auto", device=torch.device("cpu"),
+            device_memory_gb=memory / _GIB, world_size=world_size, local_world_size=nproc, max_seq_len=max_seq_len,
+            dtype=dtype, activation_checkpointing=activation_checkpointing, headroom=args.headroom,
+        )
+        micro_batch_size = chosen.micro_batch_size
+        auto_note = "; ".join(chosen.reasons)
     accumulation, accumulation_note = 1, None
     if "batch_size" in cfg:
         try:
@@ -165,17 +185,7 @@ def plan_command(argv: Sequence[str]) -> int:
             )
         except UserError as e:
             accumulation_note = f"note: tune run would stop here: {e}"
-    if accumulation > 1 and world_size > 1:
-        accumulation_note = (
-            f"note: {accumulation} accumulation steps: zero2/zero3/hsdp skip the reduce-scatter until the last "
-            "micro-step, so every rank holds full unsharded gradients in the meantime (in `gathered`)"
-        )
 
-    with torch.device("meta"):  # shapes only: a 70B model costs nothing
-        model = instantiate(cfg.model)
-    adapters = get_adapter_params(model)
-    if adapters:  # what the LoRA recipe does: only the adapters train
-        set_trainable_params(model, adapters)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     common: dict[str, Any] = dict(
@@ -200,7 +210,7 @@ def plan_command(argv: Sequence[str]) -> int:
         f"devices: {nnodes} node(s) x {nproc} process(es) = world size {world_size}; {memory / _GIB:.2f} GiB each "
         f"({memory_source}), {usable / _GIB:.2f} GiB usable (headroom {args.headroom:g})"
     )
-    for note in (world_note, optimizer_note, accumulation_note):
+    for note in (world_note, optimizer_note, auto_note, accumulation_note):
         if note:
             print(note)
     print()

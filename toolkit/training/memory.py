@@ -353,9 +353,9 @@ def estimate_memory(
     - ``zero3``/``hsdp``: the root unit (embedding, final norm, output; kept gathered by ``apply_fsdp``), the layer
       in use and the one prefetched are gathered; ``hsdp`` shards over ``S`` instead of ``W``.
     - The sharded strategies also hold unsharded gradients: the root's through backward, one layer's before its
-      reduce-scatter (plus its fp32 copy in the mixed modes); with ``gradient_accumulation_steps > 1``
-      ``gradient_sync`` skips the reduce-scatter, so FSDP2 accumulates full unsharded gradients in the reduce
-      dtype (``T`` elements) on every rank until the last micro-step.
+      reduce-scatter (plus its fp32 copy in the mixed modes). They reduce-scatter on every micro-step, also
+      with ``gradient_accumulation_steps > 1``, so the sharded gradients accumulate in place and accumulation adds
+      no memory.
     - ``cpu_offload``: sharded parameters, gradients and optimizer state move to ``host``.
 
     Args:
@@ -441,10 +441,9 @@ def estimate_memory(
         # Unsharded gradients: the root's live through backward (it reduce-scatters last), one layer's until its
         # reduce-scatter, which in the mixed modes first casts them to fp32.
         unsharded_grads = c * trainable_in(root) + (c + (p if p != c else 0)) * trainable_in(largest_layer)
+        # With gradient accumulation the sharded strategies still reduce-scatter every micro-step (see
+        # parallel.gradient_sync), so accumulation adds nothing here.
         gathered = int(gathered_params + unsharded_grads)
-        if gradient_accumulation_steps > 1:
-            # gradient_sync(enabled=False) -> FSDP2 accumulates full unsharded gradients in the reduce dtype.
-            gathered += p * trainable
     host = 0
     grad_bytes, opt_bytes = p * grad_elems, p * states * opt_elems
     if cpu_offload:
