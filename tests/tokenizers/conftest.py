@@ -1,6 +1,11 @@
 """Shared text for the tokenizer tests: a corpus to train tiny vocabularies on and one to compare encodings on."""
 
+from pathlib import Path
+
 import pytest
+
+from toolkit.config import instantiate, load_config
+from toolkit.paths import configs_dir
 
 # Varied on purpose: accents, CJK, emoji (with a skin-tone modifier), whitespace runs and tabs, leading and
 # trailing spaces, digit runs, code, and special-token strings that must stay text.
@@ -78,3 +83,21 @@ def check_masks():
     ``bodies`` (each assistant message's content and closing token; spaces ignored, as sentencepiece moves them),
     ``last_turn`` to the last body, ``all`` trains everything but the first token, and truncation applies."""
     return _check_masks
+
+
+def _config_chat_formats(pattern: str, folder: Path) -> list[tuple[Path, object]]:
+    configs = sorted(configs_dir().glob(pattern))
+    assert configs, f"no config matches {pattern}"
+    formats = []
+    for path in configs:
+        cfg = load_config(path)
+        cfg.checkpointer.checkpoint_dir = str(folder)
+        formats.append((path, instantiate(cfg.tokenizer).chat_format))
+    return formats
+
+
+@pytest.fixture
+def config_chat_formats():
+    """``config_chat_formats(pattern, folder)``: ``(config path, chat format)`` of every shipped config matching
+    ``pattern`` (e.g. ``*/llama3_*.yaml``), its tokenizer built from the model folder ``folder``."""
+    return _config_chat_formats

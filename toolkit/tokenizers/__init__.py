@@ -10,6 +10,7 @@ sentencepiece, ``tokenizer.json``) with the model's chat format (:mod:`toolkit.t
 from toolkit.tokenizers.auto import from_pretrained
 from toolkit.tokenizers.base import TRAIN_ON, ChatTokenizer
 from toolkit.tokenizers.byte import ByteTokenizer, byte_tokenizer
+from toolkit.tokenizers.chat_templates import Llama3ChatFormat, Qwen3ChatFormat
 from toolkit.tokenizers.hf_json import qwen2_5_tokenizer, qwen3_tokenizer
 from toolkit.tokenizers.model_tokenizer import ModelTokenizer
 from toolkit.tokenizers.sentencepiece import gemma_tokenizer, llama2_tokenizer, mistral_tokenizer
@@ -19,7 +20,9 @@ __all__ = [
     "TRAIN_ON",
     "ByteTokenizer",
     "ChatTokenizer",
+    "Llama3ChatFormat",
     "ModelTokenizer",
+    "Qwen3ChatFormat",
     "byte_tokenizer",
     "from_pretrained",
     "gemma_tokenizer",

@@ -5,11 +5,11 @@ import re
 from pathlib import Path
 
 from toolkit.errors import UserError
-from toolkit.tokenizers.chat_templates import Llama3ChatFormat
+from toolkit.tokenizers.chat_templates import ChatFormat
 from toolkit.tokenizers.hf_json import TokenizerJSONEngine, qwen2_5_tokenizer, qwen3_tokenizer
 from toolkit.tokenizers.model_tokenizer import ModelTokenizer
 from toolkit.tokenizers.sentencepiece import gemma_tokenizer, llama2_tokenizer, mistral_tokenizer
-from toolkit.tokenizers.tiktoken_bpe import llama3_tokenizer
+from toolkit.tokenizers.tiktoken_bpe import llama3_model_tokenizer, llama3_tokenizer
 
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+$")
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("gemma", "gemma2", "llama", "mistral", "qwen2", "qwen3")
@@ -20,14 +20,45 @@ def _is_tiktoken(path: Path) -> bool:
         return bool(_TIKTOKEN_LINE.match(f.readline().strip()))
 
 
-def _model_type(folder: Path) -> str | None:
-    config = folder / "config.json"
-    if not config.is_file():
-        return None
+def _read_json(path: Path) -> dict:
+    # A missing file (or one that is not an object) says nothing; a broken one is the user's to fix.
+    if not path.is_file():
+        return {}
     try:
-        return json.loads(config.read_text()).get("model_type")
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise UserError(f"{config}: not valid JSON ({e})") from None
+        raise UserError(f"{path}: not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _chat_template(folder: Path) -> str:
+    # transformers saves the template as chat_template.jinja (recent versions) or in tokenizer_config.json, as
+    # one string or a list of named ones.
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    template = _read_json(folder / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):
+        template = "".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
+    return template if isinstance(template, str) else ""
+
+
+def is_dated_llama3(folder: Path) -> bool:
+    """Whether a Llama 3 folder is Llama 3.1, 3.2 or 3.3, whose chat template dates the system turn.
+
+    The folder's chat template decides when it is a Llama 3 one: dated when it states "Cutting Knowledge
+    Date", Llama 3.0's plain headers when it does not. Without such a template (base models, stripped folders)
+    the architecture decides: 3.1+ introduced the ``llama3`` RoPE scaling (``config.json``'s
+    ``rope_scaling.rope_type``, or ``use_scaled_rope`` in Meta's ``original/params.json``), which 3.0 lacks.
+    """
+    template = _chat_template(folder)
+    if "Cutting Knowledge Date" in template:
+        return True
+    if "<|start_header_id|>" in template:
+        return False
+    rope = _read_json(folder / "config.json").get("rope_scaling")
+    if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "llama3":
+        return True
+    return _read_json(folder / "original" / "params.json").get("use_scaled_rope") is True
 
 
 def _llama(folder: Path, max_seq_len: int | None) -> ModelTokenizer:
@@ -35,27 +66,30 @@ def _llama(folder: Path, max_seq_len: int | None) -> ModelTokenizer:
     for candidate in (folder / "original" / "tokenizer.model", folder / "tokenizer.model"):
         if candidate.is_file():
             if _is_tiktoken(candidate):
-                return llama3_tokenizer(str(candidate), max_seq_len=max_seq_len)
+                return llama3_tokenizer(str(candidate), max_seq_len=max_seq_len, dated=is_dated_llama3(folder))
             return llama2_tokenizer(str(candidate), max_seq_len=max_seq_len)
     if (folder / "tokenizer.json").is_file():  # Llama 3 without Meta's file: the same vocabulary in HF's format
-        return ModelTokenizer(
-            engine=TokenizerJSONEngine(folder / "tokenizer.json"), chat_format=Llama3ChatFormat(),
-            bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>", pad_token="<|finetune_right_pad_id|>",
-            stop_tokens=["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], max_seq_len=max_seq_len,
+        return llama3_model_tokenizer(
+            TokenizerJSONEngine(folder / "tokenizer.json"), max_seq_len=max_seq_len, dated=is_dated_llama3(folder)
         )
     raise UserError(f"{folder}: no tokenizer.model or tokenizer.json for this Llama checkpoint")
 
 
-def from_pretrained(path: str, max_seq_len: int | None = None) -> ModelTokenizer:
+def from_pretrained(
+    path: str, max_seq_len: int | None = None, chat_format: ChatFormat | None = None
+) -> ModelTokenizer:
     """The tokenizer of a Hugging Face model folder, chosen by ``config.json``'s ``model_type``.
 
     Without a ``config.json``, the files decide: a tiktoken ``tokenizer.model`` is Llama 3, a ``tokenizer.json``
-    with ``<|im_start|>`` is Qwen3-style ChatML, a sentencepiece model with ``<start_of_turn>`` is Gemma, one with
-    ``[INST]`` Mistral, and any other sentencepiece model Llama 2.
+    with ``<|im_start|>`` is Qwen3, a sentencepiece model with ``<start_of_turn>`` is Gemma, one with ``[INST]``
+    Mistral, and any other sentencepiece model Llama 2. A Llama 3 folder gets Llama 3.1+'s dated chat format or
+    Llama 3.0's as :func:`is_dated_llama3` tells.
 
     Args:
         path: the model folder.
         max_seq_len: keep at most this many tokens per sequence; ``None`` keeps all.
+        chat_format: use this chat format instead of the one the folder implies (in a config, a
+            ``_component_`` node such as ``toolkit.tokenizers.Qwen3ChatFormat`` with ``enable_thinking: false``).
 
     Raises:
         UserError: no tokenizer files, or a ``model_type`` without a tokenizer here (the message lists those).
@@ -63,7 +97,14 @@ def from_pretrained(path: str, max_seq_len: int | None = None) -> ModelTokenizer
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise UserError(f"tokenizer path: {folder} is not a folder")
-    model_type = _model_type(folder)
+    tokenizer = _build(folder, max_seq_len)
+    if chat_format is not None:
+        tokenizer.chat_format = chat_format
+    return tokenizer
+
+
+def _build(folder: Path, max_seq_len: int | None) -> ModelTokenizer:
+    model_type = _read_json(folder / "config.json").get("model_type")
     sp_model = next((folder / n for n in ("tokenizer.model.v3", "tokenizer.model") if (folder / n).is_file()), None)
     if model_type is None:
         if (folder / "tokenizer.json").is_file() and "<|im_start|>" in (folder / "tokenizer.json").read_text():

@@ -9,7 +9,8 @@ TRAIN_ON: tuple[str, ...] = ("assistant", "last_turn", "all")
 class ChatTokenizer(Protocol):
     """What datasets and generation need from a tokenizer, whichever vocabulary backs it.
 
-    Messages are dicts ``{"role": "system" | "user" | "assistant", "content": str}``. Masks returned by
+    Messages are dicts ``{"role": "system" | "user" | "assistant", "content": str}``, assistant ones optionally
+    with ``"reasoning_content": str`` (chat formats whose model shows reasoning render it). Masks returned by
     :meth:`tokenize_messages` say per token whether it is trained on (``True``) or only context (``False``).
     """
 

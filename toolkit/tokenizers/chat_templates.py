@@ -6,13 +6,18 @@ it, trained on when that message is) or to the scaffolding around it (headers, r
 is context. Text segments next to each other are encoded together, exactly as the reference tokenizers encode
 the rendered template, and :func:`layout` recovers which tokens came from which segment.
 
-Formats (each matches its model's published template):
+Formats (each matches the tool-free path of its model's published template):
 
-* :class:`Llama3ChatFormat`: ``<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>``.
+* :class:`Llama3ChatFormat`: ``<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>``; with ``dated=True``
+  Llama 3.1/3.2/3.3's, which always opens with a system turn stating the knowledge cutoff and a date.
 * :class:`Llama2ChatFormat`: ``<s>[INST] <<SYS>>...<</SYS>> user [/INST] answer </s>`` per exchange.
 * :class:`MistralChatFormat`: ``<s>[INST] user[/INST] answer</s>`` with ``[INST]``/``[/INST]`` control tokens.
-* :class:`ChatMLFormat`: ``<|im_start|>role\\ncontent<|im_end|>\\n`` (Qwen).
+* :class:`ChatMLFormat`: ``<|im_start|>role\\ncontent<|im_end|>\\n`` (Qwen2.5).
+* :class:`Qwen3ChatFormat`: ChatML with Qwen3's ``<think>`` reasoning blocks.
 * :class:`GemmaChatFormat`: ``<start_of_turn>user\\ncontent<end_of_turn>\\n``, the assistant called ``model``.
+
+Messages may carry ``reasoning_content`` (a string), which only :class:`Qwen3ChatFormat` renders (the other
+templates ignore it, and so do their formats).
 """
 
 from collections.abc import Callable
@@ -23,6 +28,9 @@ from toolkit.errors import UserError
 from toolkit.tokenizers.base import TRAIN_ON
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
+# The date Llama 3.1's and 3.3's templates state when the caller gives none (3.2's asks the clock, which would
+# make a dataset's tokens depend on the day it was tokenized).
+LLAMA3_DEFAULT_DATE = "26 Jul 2024"
 
 
 @dataclass(frozen=True)
@@ -47,14 +55,17 @@ class ChatFormat(Protocol):
 
 
 def check_messages(messages: list[dict]) -> None:
-    """Raise :class:`UserError` unless every message is ``{"role": system|user|assistant, "content": str}``."""
+    """Raise :class:`UserError` unless every message is ``{"role": system|user|assistant, "content": str}``,
+    optionally with ``"reasoning_content": str | None``."""
     for message in messages:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise UserError(f"each message must be a dict with 'role' and 'content'; got {message!r}")
         if message["role"] not in ROLES:
             raise UserError(f"message role must be one of {', '.join(ROLES)}; got {message['role']!r}")
-        if not isinstance(message["content"], str):
-            raise UserError(f"message content must be a string; got {type(message['content']).__name__}")
+        for key in ("content", "reasoning_content"):
+            value = message.get(key)
+            if not isinstance(value, str) and (key == "content" or value is not None):
+                raise UserError(f"message {key} must be a string; got {type(value).__name__}")
 
 
 def _split_system(messages: list[dict]) -> tuple[str | None, list[tuple[int, dict]]]:
@@ -75,14 +86,24 @@ def _check_alternation(turns: list[tuple[int, dict]], family: str) -> None:
 
 
 class Llama3ChatFormat:
-    """Llama 3's header format (content stripped of surrounding whitespace, as in the published template).
+    """Llama 3's header format (content stripped of surrounding whitespace, as in the published templates).
+
+    Llama 3.0's template renders the messages as they come. Llama 3.1's, 3.2's and 3.3's (``dated``) always open
+    with a system turn: ``Cutting Knowledge Date: December 2023\\nToday Date: <date>\\n\\n`` followed by the
+    conversation's system message, if it starts with one (stripped), else nothing.
 
     Args:
         bos: the begin-of-text token.
+        dated: render Llama 3.1+'s system turn.
+        date_string: the date it states (the template's ``date_string``).
     """
 
-    def __init__(self, bos: str = "<|begin_of_text|>") -> None:
+    def __init__(
+        self, bos: str = "<|begin_of_text|>", *, dated: bool = False, date_string: str = LLAMA3_DEFAULT_DATE
+    ) -> None:
         self.bos = bos
+        self.dated = dated
+        self.date_string = date_string
 
     def _header(self, role: str) -> list[Segment]:
         return [
@@ -90,22 +111,40 @@ class Llama3ChatFormat:
             Segment("\n\n"),
         ]
 
+    def _turn(self, role: str, body: list[Segment], message: int | None) -> list[Segment]:
+        return self._header(role) + body + [Segment("<|eot_id|>", special=True, message=message)]
+
     def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
         out = [Segment(self.bos, special=True)]
-        for i, message in enumerate(messages):
-            out += self._header(message["role"])
-            out += [Segment(message["content"].strip(), message=i), Segment("<|eot_id|>", special=True, message=i)]
+        turns = list(enumerate(messages))
+        if self.dated:
+            system, turns = _split_system(messages)
+            preamble = Segment(f"Cutting Knowledge Date: December 2023\nToday Date: {self.date_string}\n\n")
+            owner = 0 if system is not None else None
+            out += self._turn("system", [preamble, Segment((system or "").strip(), message=owner)], owner)
+        for i, message in turns:
+            out += self._turn(message["role"], [Segment(message["content"].strip(), message=i)], i)
         if add_generation_prompt:
             out += self._header("assistant")
         return out
 
 
+def _chatml_turn(role: str, body: list[Segment], message: int | None) -> list[Segment]:
+    return [
+        Segment("<|im_start|>", special=True), Segment(role + "\n"), *body,
+        Segment("<|im_end|>", special=True, message=message), Segment("\n"),
+    ]
+
+
+_CHATML_PROMPT = [Segment("<|im_start|>", special=True), Segment("assistant\n")]
+
+
 class ChatMLFormat:
-    """ChatML as Qwen uses it.
+    """ChatML as Qwen2.5 uses it.
 
     Args:
         default_system_prompt: system message inserted when the conversation has none (Qwen2.5's template
-            inserts one; Qwen3's does not).
+            inserts one).
     """
 
     def __init__(self, default_system_prompt: str | None = None) -> None:
@@ -114,20 +153,67 @@ class ChatMLFormat:
     def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
         out: list[Segment] = []
         if self.default_system_prompt is not None and (not messages or messages[0]["role"] != "system"):
-            out += [
-                Segment("<|im_start|>", special=True), Segment("system\n" + self.default_system_prompt),
-                Segment("<|im_end|>", special=True), Segment("\n"),
-            ]
+            out += _chatml_turn("system", [Segment(self.default_system_prompt)], None)
         for i, message in enumerate(messages):
-            out += [
-                Segment("<|im_start|>", special=True),
-                Segment(message["role"] + "\n"),
-                Segment(message["content"], message=i),
-                Segment("<|im_end|>", special=True, message=i),
-                Segment("\n"),
-            ]
+            out += _chatml_turn(message["role"], [Segment(message["content"], message=i)], i)
+        return out + (_CHATML_PROMPT if add_generation_prompt else [])
+
+
+def _reasoning(message: dict) -> tuple[str, str]:
+    # Qwen3's template: reasoning_content when it is a string, else what content holds between <think> and
+    # </think>, which then leave content.
+    content = message["content"]
+    if isinstance(message.get("reasoning_content"), str):
+        return message["reasoning_content"], content
+    if "</think>" not in content:
+        return "", content
+    before, *_, after = content.split("</think>")
+    return before.rstrip("\n").split("<think>")[-1].lstrip("\n"), after.lstrip("\n")
+
+
+class Qwen3ChatFormat:
+    """Qwen3's ChatML with reasoning (the template of the hybrid thinking Qwen3 models, tool-free path).
+
+    Only assistant turns after the last user query keep their reasoning, written before the answer as
+    ``<think>\\nreasoning\\n</think>\\n\\n``; the conversation's last message, when it is such a turn, gets
+    the block even with no reasoning (then empty). Earlier assistant turns are history, shown as the bare answer.
+
+    Trained (``train_on: assistant``): what the model writes after ``<|im_start|>assistant\\n``, i.e. the turns
+    after the last user query, think block included. History turns are context: the template strips their
+    reasoning, a form the model never produces, and training on them would teach it to skip its thinking.
+    With ``enable_thinking=False`` an empty think block is part of the prompt, so it is context too.
+
+    Args:
+        enable_thinking: ``False`` ends the generation prompt with an empty think block (the template's
+            ``enable_thinking=False``), so the model answers without reasoning.
+    """
+
+    def __init__(self, enable_thinking: bool = True) -> None:
+        self.enable_thinking = enable_thinking
+
+    def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
+        # A user message that only wraps a tool response is not a query (the template's multi-step tool rule).
+        queries = [
+            i for i, m in enumerate(messages) if m["role"] == "user"
+            and not (m["content"].startswith("<tool_response>") and m["content"].endswith("</tool_response>"))
+        ]
+        last_query = queries[-1] if queries else len(messages) - 1
+        out: list[Segment] = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                out += _chatml_turn(message["role"], [Segment(message["content"], message=i)], i)
+                continue
+            reasoning, content = _reasoning(message)
+            owner = i if i > last_query else None
+            body = []
+            if i > last_query and (i == len(messages) - 1 or reasoning):
+                reasoning = reasoning.strip("\n")
+                trained = self.enable_thinking or bool(reasoning)
+                body.append(Segment(f"<think>\n{reasoning}\n</think>\n\n", message=owner if trained else None))
+                content = content.lstrip("\n")
+            out += _chatml_turn("assistant", body + [Segment(content, message=owner)], owner)
         if add_generation_prompt:
-            out += [Segment("<|im_start|>", special=True), Segment("assistant\n")]
+            out += _CHATML_PROMPT + ([] if self.enable_thinking else [Segment("<think>\n\n</think>\n\n")])
         return out
 
 
@@ -226,7 +312,7 @@ def layout(
     """Tokens and training mask of a conversation.
 
     Args:
-        messages: ``{"role", "content"}`` dicts.
+        messages: ``{"role", "content"}`` dicts, optionally with ``reasoning_content``.
         chat_format: the family's format.
         encode: text to ids (no special tokens).
         special_id: a special token's id.

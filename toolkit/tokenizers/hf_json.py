@@ -5,7 +5,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from toolkit.errors import UserError
-from toolkit.tokenizers.chat_templates import ChatMLFormat
+from toolkit.tokenizers.chat_templates import ChatMLFormat, Qwen3ChatFormat
 from toolkit.tokenizers.model_tokenizer import ModelTokenizer
 
 # What Qwen2.5's chat template says when a conversation brings no system message (Qwen3's says nothing).
@@ -30,7 +30,8 @@ class TokenizerJSONEngine:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # the library raises plain Exception for every parse problem
             raise UserError(f"{path}: not a tokenizer.json ({e})") from None
-        # Special-token strings inside text stay text (the chat format inserts the real ones by id).
+        # Special-token strings inside text stay text (the chat format inserts the real ones by id). Added tokens
+        # that are not special (Qwen3's <think> and </think>) are matched in text, as the reference does.
         self._tokenizer.encode_special_tokens = True
         self._special_ids = {
             i: added.content for i, added in self._tokenizer.get_added_tokens_decoder().items() if added.special
@@ -68,14 +69,17 @@ def qwen2_5_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokeniz
     )
 
 
-def qwen3_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokenizer:
-    """Qwen3's tokenizer (ChatML without a default system prompt) from its ``tokenizer.json``.
+def qwen3_tokenizer(path: str, max_seq_len: int | None = None, *, enable_thinking: bool = True) -> ModelTokenizer:
+    """Qwen3's tokenizer (ChatML with ``<think>`` reasoning, no default system prompt) from its ``tokenizer.json``.
 
     Args:
         path: the ``tokenizer.json``.
         max_seq_len: keep at most this many tokens per sequence; ``None`` keeps all.
+        enable_thinking: as Qwen3's template: ``False`` makes generation prompts end with an empty think block
+            (see :class:`~toolkit.tokenizers.chat_templates.Qwen3ChatFormat`).
     """
     return ModelTokenizer(
-        engine=TokenizerJSONEngine(path), chat_format=ChatMLFormat(), bos_token=None, eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>", stop_tokens=["<|im_end|>", "<|endoftext|>"], max_seq_len=max_seq_len,
+        engine=TokenizerJSONEngine(path), chat_format=Qwen3ChatFormat(enable_thinking=enable_thinking),
+        bos_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        stop_tokens=["<|im_end|>", "<|endoftext|>"], max_seq_len=max_seq_len,
     )

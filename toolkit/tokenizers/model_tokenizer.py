@@ -134,10 +134,13 @@ class ModelTokenizer:
         """Lays out a conversation in the model's chat format and says which tokens are trained on.
 
         Args:
-            messages: dicts with ``role`` (system, user or assistant) and ``content`` (str).
+            messages: dicts with ``role`` (system, user or assistant) and ``content`` (str), optionally
+                ``reasoning_content`` (str, rendered by formats that show reasoning: Qwen3's).
             add_eos: end with eos (unless the format already ends there); it is trained when the token before is.
-            train_on: ``"assistant"``: each assistant message's content and closing token; ``"last_turn"``: only
-                the last assistant message's; ``"all"``: every token but the first.
+            train_on: ``"assistant"``: each assistant message's body as the format lays it out (content and
+                closing token; Qwen3's format trains only the turns after the last user query, think block
+                included); ``"last_turn"``: only the last assistant message's; ``"all"``: every token but the
+                first.
 
         Returns:
             ``(tokens, mask)`` of equal length, truncated to ``max_seq_len``.

@@ -6,8 +6,8 @@ from pathlib import Path
 import tiktoken
 
 from toolkit.errors import UserError
-from toolkit.tokenizers.chat_templates import Llama3ChatFormat
-from toolkit.tokenizers.model_tokenizer import ModelTokenizer
+from toolkit.tokenizers.chat_templates import LLAMA3_DEFAULT_DATE, Llama3ChatFormat
+from toolkit.tokenizers.model_tokenizer import ModelTokenizer, TextEngine
 
 # Llama 3's pre-tokenization: contractions, letter runs, digit groups of at most three, punctuation runs, newline
 # runs and other whitespace (from Meta's Llama 3 tokenizer).
@@ -93,20 +93,32 @@ class TiktokenEngine:
         return self._specials.get(token)
 
 
-def llama3_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokenizer:
-    """Llama 3.x's tokenizer from its tiktoken ``tokenizer.model`` (``original/tokenizer.model`` in hub repos).
-
-    Args:
-        path: the rank file.
-        max_seq_len: keep at most this many tokens per sequence; ``None`` keeps all.
-    """
-    engine = TiktokenEngine(path, pattern=LLAMA3_PATTERN, special_tokens=llama3_special_tokens())
+def llama3_model_tokenizer(
+    engine: TextEngine, *, max_seq_len: int | None, dated: bool, date_string: str = LLAMA3_DEFAULT_DATE
+) -> ModelTokenizer:
+    """Llama 3.x's special tokens and chat format on a vocabulary engine (tiktoken or Hugging Face's file)."""
     return ModelTokenizer(
         engine=engine,
-        chat_format=Llama3ChatFormat(),
+        chat_format=Llama3ChatFormat(dated=dated, date_string=date_string),
         bos_token="<|begin_of_text|>",
         eos_token="<|end_of_text|>",
         pad_token="<|finetune_right_pad_id|>",
         stop_tokens=["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"],
         max_seq_len=max_seq_len,
     )
+
+
+def llama3_tokenizer(
+    path: str, max_seq_len: int | None = None, *, dated: bool = False, date_string: str = LLAMA3_DEFAULT_DATE
+) -> ModelTokenizer:
+    """Llama 3.x's tokenizer from its tiktoken ``tokenizer.model`` (``original/tokenizer.model`` in hub repos).
+
+    Args:
+        path: the rank file.
+        max_seq_len: keep at most this many tokens per sequence; ``None`` keeps all.
+        dated: Llama 3.1/3.2/3.3's chat format, whose system turn states a knowledge cutoff and a date;
+            ``False`` is Llama 3.0's (see :class:`~toolkit.tokenizers.chat_templates.Llama3ChatFormat`).
+        date_string: the date that turn states.
+    """
+    engine = TiktokenEngine(path, pattern=LLAMA3_PATTERN, special_tokens=llama3_special_tokens())
+    return llama3_model_tokenizer(engine, max_seq_len=max_seq_len, dated=dated, date_string=date_string)
