@@ -145,3 +145,17 @@ def test_preference_pairs_and_collate(tmp_path: Path) -> None:
     assert batch["tokens"][2, : len(first["rejected_tokens"])].tolist() == first["rejected_tokens"]
     assert (batch["labels"][1] != CROSS_ENTROPY_IGNORE_INDEX).sum() == len("hello") + 2  # + end of turn, eos
     assert batch["labels"].dtype == torch.long
+
+
+def test_reasoning_content_reaches_the_chat_format() -> None:
+    # Qwen3's template puts an assistant turn's reasoning_content in <think>; the data must not drop it.
+    from toolkit.data.formats import BadRowError, normalize_messages
+
+    messages = normalize_messages(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "why"}],
+        name="messages",
+    )
+    assert messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "why"} and messages[0].keys() == {
+        "role", "content"}
+    with pytest.raises(BadRowError, match="reasoning_content"):
+        normalize_messages([{"role": "assistant", "content": "a", "reasoning_content": 3}], name="messages")

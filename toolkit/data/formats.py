@@ -82,7 +82,8 @@ def _content(message: dict, key: str, index: int) -> str:
 
 
 def normalize_messages(value: Any, *, name: str) -> list[dict[str, str]]:
-    """OpenAI (``role``/``content``) or ShareGPT (``from``/``value``) messages as ``{"role", "content"}`` dicts.
+    """OpenAI (``role``/``content``, optional ``reasoning_content``) or ShareGPT (``from``/``value``) messages as
+    ``{"role", "content"}`` dicts (plus ``reasoning_content`` where given).
 
     Args:
         value: the column's value.
@@ -101,7 +102,13 @@ def normalize_messages(value: Any, *, name: str) -> list[dict[str, str]]:
             role = message["role"]
             if role not in ROLES:
                 raise BadRowError(f"message {index} has unknown role {role!r} (known: {', '.join(ROLES)})")
-            messages.append({"role": role, "content": _content(message, "content", index)})
+            normalized = {"role": role, "content": _content(message, "content", index)}
+            reasoning = message.get("reasoning_content")
+            if reasoning is not None:  # a reasoning model's thinking (Qwen3's template places it in <think>)
+                if not isinstance(reasoning, str):
+                    raise BadRowError(f"message {index}: 'reasoning_content' must be text, got {_type_name(reasoning)}")
+                normalized["reasoning_content"] = reasoning
+            messages.append(normalized)
         elif isinstance(message, dict) and "from" in message and "value" in message:
             role = message["from"]
             if role not in SHAREGPT_ROLES:
