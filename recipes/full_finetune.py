@@ -31,6 +31,7 @@ from toolkit.training import (
     StepCheckpointer,
     StepProfiler,
     TrainingState,
+    ValidationSampler,
     destroy_distributed,
     flops_per_token,
     forward_backward,
@@ -51,6 +52,7 @@ from toolkit.training import (
     start_run,
     step_metrics,
     unwrap,
+    validation_loss,
 )
 
 
@@ -118,6 +120,16 @@ def train(cfg: DictConfig) -> None:
         sampler=sampler,
         collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id),
     )
+    # Validation: every rank scores a disjoint slice of the whole set; the loss is exact on any number of ranks.
+    val_loader = None
+    if cfg.get("validation_dataset"):
+        val_dataset = instantiate(cfg.validation_dataset, tokenizer)
+        val_loader = DataLoader(
+            val_dataset,
+            batch_size=plan.micro_batch_size,
+            sampler=ValidationSampler(len(val_dataset), rank=env.rank, world_size=env.world_size),
+            collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id),
+        )
     total_steps = cfg.epochs * sampler.steps_per_epoch
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
@@ -182,6 +194,8 @@ def train(cfg: DictConfig) -> None:
             flops_per_token=flops, peak_flops=peak_flops,
         ))
         profiler.step()
+        if val_loader is not None and cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
+            log.log({"step": step, **validation_loss(model, val_loader, device=env.device, autocast=autocast)})
         if checkpoints.due(step, total_steps):
             checkpoints.save(step, state, config=cfg, strategy=dims.strategy)
         inject_fault("after_step", step=step, rank=env.rank)  # a testing hook: see toolkit.training.debug

@@ -47,6 +47,7 @@ from toolkit.training.step_checkpoint import (
     start_run,
 )
 from toolkit.training.step import StepResult, forward_backward, global_batches, make_grad_scaler, optimizer_step
+from toolkit.training.validation import ValidationSampler, validation_loss
 
 __all__ = [
     "STRATEGIES",
@@ -61,6 +62,7 @@ __all__ = [
     "StepProfiler",
     "StepResult",
     "TrainingState",
+    "ValidationSampler",
     "all_reduce_sum",
     "apply_activation_checkpointing",
     "apply_data_parallel",
@@ -105,4 +107,5 @@ __all__ = [
     "start_run",
     "step_metrics",
     "unwrap",
+    "validation_loss",
 ]
