@@ -70,12 +70,37 @@ class TransformerDecoder(nn.Module):
         *,
         mask: torch.Tensor | None = None,
         input_pos: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[b, s, vocab]`` for ``tokens`` ``[b, s]`` (mask and input_pos as in the attention layer)."""
+        num_output_chunks: int | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Logits ``[b, s, vocab]`` for ``tokens`` ``[b, s]`` (mask and input_pos as in the attention layer).
+
+        Args:
+            tokens: token ids ``[b, s]``.
+            mask: attention mask, as in the attention layer.
+            input_pos: positions, as in the attention layer.
+            num_output_chunks: return a list of this many logit tensors ``[b, s_i, vocab]`` that split the sequence
+                in order (``torch.tensor_split`` sizes, so any count works; chunks past the sequence's end are
+                empty). Each is projected from its own slice of the hidden states, so no ``[b, s, vocab]`` tensor is
+                made and a chunked loss (``toolkit.training.loss.chunked_cross_entropy_sum``) can upcast one chunk
+                at a time. It is an argument rather than a model attribute so that other callers of the same model
+                (validation, generation) keep getting one tensor.
+        """
         h = self.embed_tokens(tokens)  # [b, s, d]
         for layer in self.layers:
             h = layer(h, mask=mask, input_pos=input_pos)
         h = self.norm(h)
+        if num_output_chunks is None:
+            return self.compute_logits(h)
+        if num_output_chunks < 1:
+            raise ValueError(f"num_output_chunks must be at least 1, got {num_output_chunks}")
+        return [self.compute_logits(chunk) for chunk in h.tensor_split(num_output_chunks, dim=1)]
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The output projection: final hidden states ``[..., d]`` to logits ``[..., vocab]``.
+
+        A subclass that transforms the logits (soft-capping) should override this rather than ``forward``, so that
+        the chunked output gets the transform too.
+        """
         if self.output is None:
             return F.linear(h, self.embed_tokens.weight)
         return self.output(h)
