@@ -1,0 +1,101 @@
+"""compile_model: every decoder layer compiled in place (with or without activation checkpointing), the same
+training step as eager, and a clear error where inductor's compiler is missing."""
+
+import importlib.util
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from toolkit.errors import UserError
+from toolkit.models.llama3 import llama3
+from toolkit.training import apply_activation_checkpointing
+from toolkit.training.compile import _missing_compiler, compile_model
+from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum
+
+CPU = torch.device("cpu")
+DIMS = dict(vocab_size=96, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64, max_seq_len=64)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def tiny_model(num_layers: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return llama3(**DIMS, num_layers=num_layers)
+
+
+def batch(seq_len: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, DIMS["vocab_size"], (2, seq_len), generator=generator)
+    labels = torch.randint(0, DIMS["vocab_size"], (2, seq_len), generator=generator)
+    labels[0, :5] = -100
+    return tokens, labels
+
+
+def train_step(model: torch.nn.Module, loss_fn, *, num_output_chunks: int | None = None) -> tuple[float, list]:
+    tokens, labels = batch()
+    kwargs = {} if num_output_chunks is None else {"num_output_chunks": num_output_chunks}
+    loss = loss_fn(model(tokens, **kwargs), labels)
+    loss.backward()
+    return loss.item(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "before", "after"])
+def test_every_layer_runs_compiled_and_shares_one_graph(checkpointing):
+    # Ten layers, more than Dynamo's default recompile limit (8): they must share one compiled graph, not compile
+    # once each. A counting backend runs the captured graphs eagerly, so the step equals the plain one exactly.
+    counter = CompileCounter()
+    model = tiny_model(num_layers=10)
+    keys = list(model.state_dict())
+    if checkpointing == "before":
+        apply_activation_checkpointing(model)
+    assert compile_model(model, device=CPU, backend=counter) is None
+    if checkpointing == "after":
+        apply_activation_checkpointing(model)
+    loss, grads = train_step(model, cross_entropy_sum)
+    expected_loss, expected_grads = train_step(tiny_model(num_layers=10), cross_entropy_sum)
+    assert counter.frame_count == 1 and counter.op_count > 0
+    assert list(model.state_dict()) == keys
+    assert loss == expected_loss
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        assert torch.equal(grad, expected)
+
+
+@pytest.mark.slow  # inductor generates and builds C++ for the layer and the loss: tens of seconds on 2 cores
+@pytest.mark.skipif(_missing_compiler("cpu") is not None, reason="no C++ compiler for inductor")
+def test_inductor_compiled_step_matches_eager_with_activation_checkpointing():
+    # The recipe order: compile, then activation checkpointing (inside parallelize), with the chunked loss.
+    model = tiny_model()
+    loss_fn = compile_model(model, device=CPU, loss_fn=chunked_cross_entropy_sum)
+    apply_activation_checkpointing(model)
+    loss, grads = train_step(model, loss_fn, num_output_chunks=3)
+
+    eager = tiny_model()
+    apply_activation_checkpointing(eager)
+    expected_loss, expected_grads = train_step(eager, cross_entropy_sum)
+    # Fused kernels round differently from eager: float32 tolerance.
+    assert loss == pytest.approx(expected_loss, rel=1e-6)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_missing_cxx_compiler_is_a_user_error(monkeypatch):
+    from torch._inductor import config
+
+    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-compiler++"))
+    model = tiny_model()
+    with pytest.raises(UserError, match=r"needs a C\+\+ compiler \(no-such-compiler\+\+\).*compile=false"):
+        compile_model(model, device=CPU)
+    assert all("forward" not in vars(layer) for layer in model.layers)  # left untouched
+
+
+def test_missing_triton_is_a_user_error(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    with pytest.raises(UserError, match=r"needs Triton \(pip install triton\)"):
+        compile_model(tiny_model(), device=torch.device("cuda"))

@@ -1,0 +1,80 @@
+"""``torch.compile`` applied per decoder layer, from outside the model.
+
+Compiling each layer rather than the whole model keeps compile time to that of one layer (every layer runs the
+same graph, so it is traced and compiled once), leaves the data-parallel hooks (FSDP2's all-gathers, DDP's
+gradient buckets) outside the compiled code, and composes with activation checkpointing.
+"""
+
+import importlib.util
+import os
+import shutil
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from toolkit.errors import UserError
+
+
+def _missing_compiler(device_type: str) -> str | None:
+    """Why inductor cannot generate code for ``device_type`` here, or None when it can (as far as we can tell
+    without compiling)."""
+    if device_type == "cpu":
+        from torch._inductor import config
+
+        candidates = [cxx for cxx in config.cpp.cxx if cxx]  # honours the CXX environment variable
+        if not any(shutil.which(cxx) for cxx in candidates):
+            return (
+                f"compile: torch.compile on the CPU needs a C++ compiler ({' or '.join(candidates)}) and none was "
+                "found on PATH; install one (e.g. apt-get install g++), point CXX at one, or set compile=false"
+            )
+    elif device_type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "compile: torch.compile on a GPU needs Triton (pip install triton), or set compile=false"
+        # Triton builds a small C launcher with $CC, gcc or clang on first use.
+        if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+            return (
+                "compile: Triton needs a C compiler (gcc or clang on PATH, or CC) to build its launcher; install "
+                "one or set compile=false"
+            )
+    return None
+
+
+def compile_model(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    backend: str | Callable = "inductor",
+) -> Callable[..., torch.Tensor] | None:
+    """Compile every decoder layer of ``model`` in place, and optionally the loss.
+
+    Each ``model.layers[i].forward`` is replaced by its compiled version, so parameter names, state-dict keys and
+    module hooks are unchanged. Apply it to the plain model, before data parallelism; before or after
+    :func:`~toolkit.training.apply_activation_checkpointing` (after: the checkpoint is compiled with the layer;
+    before: the compiled layer is recomputed in backward). Compilation itself happens on the first forward.
+
+    ``nn.Module.compile()`` is not used: it compiles ``Module._call_impl``, a frame Dynamo skips, and once
+    activation checkpointing has replaced a layer's ``forward`` (with ``torch.utils.checkpoint``, skipped too)
+    nothing is left to compile and the layer silently runs eagerly (seen with torch 2.13).
+
+    Args:
+        model: a decoder with ``model.layers``.
+        device: where training runs (checks that the code generator for it is installed).
+        loss_fn: a loss to compile too; returned compiled.
+        backend: the ``torch.compile`` backend.
+
+    Returns:
+        ``loss_fn`` compiled, or None when none was given.
+
+    Raises:
+        UserError: the compiler that ``inductor`` needs for ``device`` (a C++ compiler on the CPU, Triton on a
+            GPU) is missing; raised here rather than at the first forward, deep inside a traceback.
+    """
+    if backend == "inductor":
+        problem = _missing_compiler(device.type)
+        if problem is not None:
+            raise UserError(problem)
+    for layer in model.layers:
+        layer.forward = torch.compile(layer.forward, backend=backend)
+    return torch.compile(loss_fn, backend=backend) if loss_fn is not None else None
