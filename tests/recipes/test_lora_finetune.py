@@ -47,6 +47,24 @@ def single(base_checkpoint, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("extra", [["data_parallel=ddp", "activation_checkpointing=true"], ["data_parallel=zero3"]])
 def test_two_processes_match_one(extra, single, base_checkpoint, tmp_path):
+    _assert_two_processes_match(extra, single, base_checkpoint, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def dora_single(base_checkpoint, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dora_single")
+    tune("run", "lora_finetune_single_device", "--config", "demo", f"output_dir={out}",
+         f"checkpointer.checkpoint_dir={base_checkpoint}", *FAST, "model.use_dora=true")
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_dora_two_processes_match_one(strategy, dora_single, base_checkpoint, tmp_path):
+    # DoRA's magnitudes are initialized from the (sharded, under zero3) base rows' norms and train too.
+    _assert_two_processes_match([f"data_parallel={strategy}", "model.use_dora=true"], dora_single, base_checkpoint, tmp_path)
+
+
+def _assert_two_processes_match(extra, single, base_checkpoint, tmp_path):
     # DDP + LoRA + activation checkpointing is the combination that fails elsewhere with "Expected to mark a
     # variable ready only once"; here it must run and train identically. Tolerances as in the parity tests.
     tune("run", "--nproc_per_node", "2", "lora_finetune_distributed", "--config", "demo", f"output_dir={tmp_path}",
