@@ -32,6 +32,9 @@ from toolkit.training import (
     StepProfiler,
     TrainingState,
     ValidationSampler,
+    chunked_cross_entropy_sum,
+    compile_model,
+    cross_entropy_sum,
     destroy_distributed,
     flops_per_token,
     forward_backward,
@@ -100,6 +103,10 @@ def train(cfg: DictConfig) -> None:
         if resume is None:  # (when resuming, every weight comes from the step checkpoint, loaded below)
             checkpointer.load(model) if checkpointer.checkpoint_dir is not None else init_weights(model)
 
+    # Speed and memory switches: the loss over sequence chunks (never the whole fp32 logits), torch.compile per layer.
+    loss_fn = chunked_cross_entropy_sum if cfg.get("loss_chunks") else cross_entropy_sum
+    if cfg.get("compile"):
+        loss_fn = compile_model(model, device=env.device, loss_fn=loss_fn)
     # Sharded strategies shard before allocating: each rank only ever holds (and loads) its shard of the model.
     model = parallelize(
         model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
@@ -179,7 +186,7 @@ def train(cfg: DictConfig) -> None:
         start = time.perf_counter()
         result = forward_backward(
             model, micro_batches, device=env.device, data_parallel_size=env.world_size,
-            autocast=autocast, grad_scaler=grad_scaler,
+            autocast=autocast, grad_scaler=grad_scaler, loss_fn=loss_fn, num_output_chunks=cfg.get("loss_chunks"),
         )
         grad_norm = optimizer_step(model, optimizer, max_grad_norm=cfg.clip_grad_norm, grad_scaler=grad_scaler)
         lr = lr_scheduler.get_last_lr()[0]

@@ -109,3 +109,12 @@ def test_profiler_window_writes_a_trace(tmp_path):
     assert result.returncode == 0, result.stderr
     folder = tmp_path / "profile" / "rank_0"
     assert (folder / "trace.json").stat().st_size > 0 and "aten::" in (folder / "summary.txt").read_text()
+
+
+@pytest.mark.slow
+def test_compile_and_chunked_loss_train_like_the_plain_step(single_run, tmp_path):
+    # torch.compile per layer (inductor, CPU) and the loss over 4 sequence chunks: the same math in another order.
+    result = tune("run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path}", *FAST,
+                  "compile=true", "loss_chunks=4")
+    assert result.returncode == 0, result.stderr
+    torch.testing.assert_close(losses(tmp_path), losses(single_run), rtol=1e-5, atol=0)

@@ -90,12 +90,7 @@ class SoftcappedTransformerDecoder(TransformerDecoder):
         super().__init__(**kwargs)
         self.final_logit_softcap = final_logit_softcap
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        *,
-        mask: torch.Tensor | None = None,
-        input_pos: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        logits = super().forward(tokens, mask=mask, input_pos=input_pos)
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The output projection, soft-capped (also per chunk when the output is chunked)."""
+        logits = super().compute_logits(h)
         return torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap

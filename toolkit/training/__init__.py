@@ -18,7 +18,8 @@ from toolkit.training.distributed import (
     on_rank_zero,
 )
 from toolkit.training.init import init_weights, materialize, set_seed
-from toolkit.training.loss import cross_entropy_sum, global_token_count, gradient_scale
+from toolkit.training.compile import compile_model
+from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum, global_token_count, gradient_scale
 from toolkit.training.lr_schedulers import cosine_with_warmup
 from toolkit.training.memory import ParallelPlan, choose_strategy, estimate_memory, plan_parallelism
 from toolkit.training.meta_checkpoint import MetaCheckpointer
@@ -72,6 +73,8 @@ __all__ = [
     "breakpoint_on_rank",
     "clip_grad_norm",
     "choose_strategy",
+    "chunked_cross_entropy_sum",
+    "compile_model",
     "cosine_with_warmup",
     "cross_entropy_sum",
     "destroy_distributed",

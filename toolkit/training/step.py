@@ -38,7 +38,8 @@ def forward_backward(
     data_parallel_size: int,
     autocast: contextlib.AbstractContextManager | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
+    loss_fn: Callable[..., torch.Tensor] = cross_entropy_sum,
+    num_output_chunks: int | None = None,
 ) -> StepResult:
     """Accumulate the gradients of one global batch's share on this rank.
 
@@ -55,8 +56,12 @@ def forward_backward(
         data_parallel_size: ranks the gradient reduction averages over.
         autocast: forward-pass context (mixed precision without FSDP2).
         grad_scaler: fp16 loss scaling.
-        loss_fn: returns the *sum* of token losses of a micro-batch.
+        loss_fn: returns the *sum* of token losses of a micro-batch; with ``num_output_chunks``, one taking the list
+            of logit chunks (:func:`~toolkit.training.loss.chunked_cross_entropy_sum`).
+        num_output_chunks: have the model return its logits in this many sequence chunks, so that the loss never
+            holds them whole in float32 (``None``: one tensor).
     """
+    output_kwargs = {} if num_output_chunks is None else {"num_output_chunks": num_output_chunks}
     num_tokens = global_token_count([mb["labels"] for mb in micro_batches])
     scale = gradient_scale(global_tokens=num_tokens, data_parallel_size=data_parallel_size)
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
@@ -67,8 +72,9 @@ def forward_backward(
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             with autocast or contextlib.nullcontext():
                 # Packed batches carry a per-document attention mask and positions that restart per document.
-                logits = model(mb["tokens"], mask=mb.get("mask"), input_pos=mb.get("input_pos"))
+                logits = model(mb["tokens"], mask=mb.get("mask"), input_pos=mb.get("input_pos"), **output_kwargs)
             micro_loss = loss_fn(logits, mb["labels"])
+            del logits  # the backward frees the logits (chunk by chunk) as it uses them
             scaled = micro_loss * scale
             (grad_scaler.scale(scaled) if grad_scaler is not None else scaled).backward()
         loss_sum += micro_loss.detach().float()
