@@ -1,0 +1,236 @@
+"""The checks a single-GPU machine without network runs, in about 8 minutes: install the wheels brought along, run
+the GPU tests, compare our recipes with torchtune and transformers on real Llama shapes, and write a results table.
+
+    python benchmarks/gpu/run_checks.py                          # on the GPU machine; wheels in benchmarks/gpu/wheels
+    python benchmarks/gpu/run_checks.py --results "$OUT"         # the table and logs where the caller collects them
+    python benchmarks/gpu/run_checks.py --dry-run                # on CPU, tiny shapes: checks this script end to end
+
+Before: ``bash benchmarks/gpu/fetch_wheels.sh`` where PyPI is reachable (README.md here lists the wheels).
+
+1. ``pip install --no-index --no-deps --target`` the wheels into two folders under ``/dev/shm/tunekit-bench``:
+   ``peers`` (torchtune and what it needs) and ``ours`` (our wheel, plus omegaconf and torchao when this interpreter
+   lacks them). Each tool's runs get only its own folder on ``PYTHONPATH``, so torchtune sees torchao 0.10 while
+   ours keeps the machine's torchao where there is one.
+2. ``pytest -m gpu`` (tests that need a GPU; exit code 5, none selected, is reported, not a failure).
+3. ``benchmarks/compare.py --device cuda`` for Llama 3.2 1B and 3B full fine-tuning and Llama 3.1 8B LoRA and QLoRA,
+   random weights, everything under ``/dev/shm`` (removed after each shape).
+4. ``results.md`` (and ``results.json``) in ``--results``: one row per tool and the ratio lines.
+
+``--dry-run`` does the same on CPU with the tiny shapes, a few steps and short sequences, into ``/tmp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+COMPARE = REPO / "benchmarks" / "compare.py"
+OURS_WHEEL = "tunekit"
+# Wheels of packages ours needs too: added to ours' folder when this interpreter cannot import them.
+SHARED = {"omegaconf": "omegaconf", "torchao": "torchao"}
+
+# (shape, methods, extra compare.py arguments, time limit s). Estimated for one H200: 1B ~100 s, 3B ~130 s, 8B LoRA
+# and QLoRA (one 16 GB checkpoint for both) ~250 s with 12 steps each; --budget cuts what does not fit.
+_GPU_STEPS = ["--steps", "12", "--warmup", "4"]
+GPU_RUNS = [
+    ("llama3_2_1b", ["full"], _GPU_STEPS, 150),
+    ("llama3_2_3b", ["full"], _GPU_STEPS, 180),
+    ("llama3_1_8b", ["lora", "qlora"], _GPU_STEPS, 330),
+]
+# The tiny shapes have the 1B/3B layout (tied embeddings) and the 8B one; the first runs one tool after another as
+# on a GPU, the second interleaved as on CPU.
+_FEW_STEPS = ["--steps", "6", "--warmup", "2", "--batch-size", "2", "--seq-len", "64"]
+DRY_RUNS = [
+    ("tiny", ["full"], [*_FEW_STEPS, "--interleave", "off"], 300),
+    ("tiny_untied", ["lora", "qlora"], _FEW_STEPS, 400),
+]
+
+
+def log(message: str) -> None:
+    print(f"[run_checks {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def install_wheels(wheels: Path, site: Path) -> tuple[Path, Path]:
+    """Install the wheels into ``site/peers`` and ``site/ours``; return both folders."""
+    files = sorted(wheels.glob("*.whl"))
+    ours = [f for f in files if f.name.startswith(OURS_WHEEL + "-")]
+    peers = [f for f in files if f not in ours]
+    if not ours or not peers:
+        sys.exit(f"{wheels}: expected our {OURS_WHEEL} wheel and the peers' wheels; run benchmarks/gpu/fetch_wheels.sh")
+    shared = [f for f in peers for dist, module in SHARED.items()
+              if f.name.startswith(dist + "-") and importlib.util.find_spec(module) is None]
+    for name, group in (("peers", peers), ("ours", ours + shared)):
+        target = site / name
+        shutil.rmtree(target, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                        "--root-user-action=ignore",
+                        "--no-index", "--no-deps", "--target", str(target), *map(str, group)], check=True)
+        log(f"installed into {target}: {', '.join(f.name for f in group)}")
+    return site / "peers", site / "ours"
+
+
+def preflight(peers: Path, ours: Path) -> dict[str, str]:
+    """Versions as each tool's runs will see them (a missing import stops here, not in the middle)."""
+    checks = {
+        "torchtune": (peers, "import torch, torchtune, torchao; print(torch.__version__, torchtune.__version__, "
+                             "torchao.__version__)"),
+        "ours": (ours, "import torch, toolkit, torchao; "
+                       "print(torch.__version__, toolkit.__file__, torchao.__version__)"),
+        "transformers": (None, "import transformers, peft; print(transformers.__version__, peft.__version__)"),
+        "bitsandbytes": (None, "import bitsandbytes; print(bitsandbytes.__version__)"),
+    }
+    found = {}
+    for name, (path, code) in checks.items():
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(path) if path else None,
+                                                                         os.environ.get("PYTHONPATH")]))}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd="/")
+        found[name] = run.stdout.strip() if run.returncode == 0 else "missing: " + run.stderr.strip().splitlines()[-1]
+        log(f"{name}: {found[name]}")
+    if found["torchtune"].startswith("missing") or found["ours"].startswith("missing"):
+        sys.exit("a tool cannot be imported (above); bring its wheel")
+    return found
+
+
+def run_logged(cmd: list[str], *, log_path: Path, timeout: int, env: dict[str, str] | None = None) -> int:
+    """Run ``cmd`` with its output both on the console and in ``log_path``; the exit code (124 on timeout)."""
+    log(f"$ {' '.join(cmd)}  (limit {timeout} s, log {log_path.name})")
+    with open(log_path, "w") as out:
+        # A new session: on the time limit the whole group goes (compare.py's training processes too).
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+        timer.start()
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            out.write(line)
+        code = proc.wait()
+        if not timer.is_alive():
+            log(f"time limit reached: {' '.join(cmd[:4])} ...")
+            return 124
+        timer.cancel()
+        return code
+
+
+def device_name(dry_run: bool) -> str:
+    if dry_run:
+        return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    import torch
+
+    return f"{torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
+
+
+def write_table(results: Path, runs: list[dict], versions: dict[str, str], *, device: str, pytest_status: str) -> str:
+    """Markdown: the setup, one row per tool and method, then the ratio lines."""
+    lines = [
+        f"# compare.py on {device}",
+        "",
+        f"Date: {datetime.datetime.now().isoformat(timespec='minutes')}; Python {platform.python_version()}.",
+        *(f"- {name}: {version}" for name, version in versions.items()),
+        f"- pytest -m gpu: {pytest_status}",
+        "",
+        "| shape | method | batch x seq | AC | tool | tokens/s | step ms | peak memory GiB | training GiB "
+        "| loss step 1 | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        if "results" not in run:
+            lines.append(f"| {run['shape']} | {' '.join(run['methods'])} | | | | | | | | | {run['status']} |")
+            continue
+        for method, tools in run["results"].items():
+            for r in tools:
+                lines.append(
+                    f"| {run['shape']} | {method} | {run['batch_size']} x {run['seq_len']} | "
+                    f"{'on' if run['activation_checkpointing'] else 'off'} | {r['tool']} | "
+                    f"{_num(r['tokens_per_s'], '.0f')} | {_num(r['step_ms'], '.1f')} | "
+                    f"{_num(r['memory_gib'], '.2f')} | {_num(r['training_gib'], '.2f')} | "
+                    f"{_num(r['first_loss'], '.4f')} | {r['note']} |"
+                )
+    lines += ["", *(f"    {run['shape']}: {line}" for run in runs for line in run.get("ratio_lines", []))]
+    text = "\n".join(lines) + "\n"
+    (results / "results.md").write_text(text)
+    (results / "results.json").write_text(json.dumps({"versions": versions, "runs": runs}, indent=1))
+    return text
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the script here")
+    parser.add_argument("--wheels", type=Path, default=REPO / "benchmarks" / "gpu" / "wheels")
+    parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "gpu" / "results")
+    parser.add_argument("--skip-pytest", action="store_true")
+    parser.add_argument("--budget", type=int, default=540,
+                        help="seconds for the whole script; a step that cannot get 60 s more is not started")
+    args = parser.parse_args()
+    started = time.monotonic()
+
+    def left() -> int:
+        return int(args.budget - (time.monotonic() - started))
+
+    scratch = Path("/tmp/tunekit-bench-dry" if args.dry_run else "/dev/shm/tunekit-bench")
+    args.results.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA device: run with --dry-run on a CPU machine")
+
+    peers, ours = install_wheels(args.wheels, scratch / "site")
+    versions = preflight(peers, ours)
+
+    pytest_status = "skipped (--skip-pytest)"
+    if not args.skip_pytest:
+        code = run_logged([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"],
+                          log_path=args.results / "pytest_gpu.log", timeout=min(120, left()))
+        named = {0: "passed", 5: "no test selected (exit 5)", 124: "time limit"}
+        pytest_status = named.get(code, f"FAILED (exit {code})")
+        log(f"pytest -m gpu: {pytest_status}")
+
+    runs = []
+    for shape, methods, extra, limit in DRY_RUNS if args.dry_run else GPU_RUNS:
+        work = scratch / shape
+        out_json = args.results / f"{shape}.json"
+        out_json.unlink(missing_ok=True)
+        cmd = [sys.executable, str(COMPARE), "--device", "cpu" if args.dry_run else "cuda", "--model", shape,
+               "--methods", *methods, *extra, "--work-dir", str(work), "--json-out", str(out_json),
+               "--torchtune-python", sys.executable, "--torchtune-pythonpath", str(peers),
+               "--ours-pythonpath", str(ours)]
+        if left() < 60:
+            runs.append({"shape": shape, "methods": methods, "status": f"not run: {left()} s of --budget left"})
+            log(f"{shape}: {runs[-1]['status']}")
+            continue
+        code = run_logged(cmd, log_path=args.results / f"{shape}.log", timeout=min(limit, left()))
+        shutil.rmtree(work, ignore_errors=True)  # an 8B checkpoint is 16 GB of /dev/shm
+        status = {0: "ok", 124: "time limit"}.get(code, f"compare.py exit {code}")
+        run = {"shape": shape, "methods": methods, "status": status}
+        if out_json.exists():
+            run.update(json.loads(out_json.read_text()))
+            log_lines = (args.results / f"{shape}.log").read_text().splitlines()
+            run["ratio_lines"] = [line for line in log_lines if line.startswith("ratio ")]
+        runs.append(run)
+        log(f"{shape}: {run['status']} ({time.monotonic() - started:.0f} s so far)")
+
+    table = write_table(args.results, runs, versions, device=device_name(args.dry_run), pytest_status=pytest_status)
+    print("\n" + table)
+    log(f"done in {time.monotonic() - started:.0f} s; {args.results / 'results.md'}")
+    if any(run["status"] != "ok" for run in runs):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
