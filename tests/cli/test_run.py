@@ -166,8 +166,8 @@ def test_two_runs_at_once_do_not_collide(tree, tune_process) -> None:
 
 def test_ctrl_c_stops_every_process_quietly(tree) -> None:
     (tree.recipes / "sleepy.py").write_text(
-        "import time\nfrom toolkit.config import recipe_main\n\n"
-        "@recipe_main\ndef main(cfg):\n    time.sleep(60)\n\n"
+        "import os, pathlib, time\nfrom toolkit.config import recipe_main\n\n"
+        "@recipe_main\ndef main(cfg):\n    pathlib.Path(f\"ready_{os.environ['RANK']}\").touch()\n    time.sleep(60)\n\n"
         "if __name__ == '__main__':\n    main()\n"
     )
     (tree.configs / "sleepy").mkdir()
@@ -177,7 +177,12 @@ def test_ctrl_c_stops_every_process_quietly(tree) -> None:
     launcher = subprocess.Popen(
         command, cwd=tree.work, env=tune_env(tree), stderr=subprocess.PIPE, text=True, start_new_session=True
     )
-    time.sleep(3)
+    # Interrupt once both workers are in the recipe: a Ctrl-C during Python's own start-up (slow on a loaded
+    # machine) would interrupt an import, before any handler of ours exists.
+    deadline = time.monotonic() + 90
+    while not all((tree.work / f"ready_{rank}").exists() for rank in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
     os.killpg(launcher.pid, signal.SIGINT)
     _, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode == 130

@@ -7,6 +7,7 @@ skipped (tensorboard is in the dev extra; wandb and mlflow are not: install them
 from __future__ import annotations
 
 import json
+import time
 import struct
 import sys
 from pathlib import Path
@@ -177,7 +178,13 @@ def test_wandb_offline_run_is_written_under_the_output_dir(tmp_path, monkeypatch
     log_steps(logger, {1: 3.0, 2: 2.5})
     logger.close()
 
-    (run_file,) = output_dir.glob("wandb/offline-run-*/run-*.wandb")
+    # W&B's service process writes the file; on a loaded machine it may land a moment after finish() returns.
+    for _ in range(100):
+        run_files = list(output_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        if run_files:
+            break
+        time.sleep(0.1)
+    (run_file,) = run_files
     records = wandb_records(run_file)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.project, run.display_name) == ("toolkit-test", "my_run")

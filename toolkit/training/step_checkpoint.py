@@ -24,6 +24,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -217,6 +218,7 @@ class StepCheckpointer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._pending: Future | None = None
+        self._finished: threading.Event | None = None  # rank 0: set once the marker of the pending save is written
         # Background writes run collectives of their own: on a separate group they cannot interleave with training's.
         self._async_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
@@ -277,7 +279,15 @@ class StepCheckpointer:
         if self.async_save:
             self._pending = dcp.async_save(tensors, checkpoint_id=str(path), process_group=self._async_group)
             if self.rank == 0:
-                self._pending.add_done_callback(lambda future: self._finish(path, future))
+                finished = self._finished = threading.Event()
+
+                def finish(future: Future) -> None:
+                    try:
+                        self._finish(path, future)
+                    finally:
+                        finished.set()
+
+                self._pending.add_done_callback(finish)
         else:
             dcp.save(tensors, checkpoint_id=str(path))
             # DCP's save returns on every rank only after all of them wrote their files and rank 0 the metadata.
@@ -308,7 +318,11 @@ class StepCheckpointer:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
-            barrier()  # rank 0's marker callback has run once every rank got here
+            # A future's result is visible before its callbacks have run: wait for the marker and pruning too.
+            if self._finished is not None:
+                self._finished.wait()
+                self._finished = None
+            barrier()
 
     # --- loading ----------------------------------------------------------------------------------------------------
 
