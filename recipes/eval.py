@@ -10,7 +10,7 @@ The base weights come from ``checkpointer.checkpoint_dir`` (a Hugging Face folde
 is loaded on top; ``model`` must then be the LoRA builder with the adapter's targets, rank and alpha.
 
 ``dataset`` (if set) is scored by the mean token cross-entropy over all its target tokens (perplexity = its
-exponential), exactly the same number on any number of processes. ``eval_tasks`` (if set, ``{"prompt",
+exponential), the same on any number of processes up to float rounding. ``eval_tasks`` (if set, ``{"prompt",
 "answer"}`` samples) is scored by greedy generation and exact match. A table is printed and the numbers are written
 to ``<output_dir>/eval.json``.
 """
