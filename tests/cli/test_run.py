@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -124,6 +125,46 @@ def test_distributed_crash_names_the_rank(tune_process) -> None:
     summary = result.stderr.splitlines()[-1]
     # The summary names the rank, its exit code and its exception (from the error file the recipe recorded).
     assert summary.startswith("tune: error: rank 1 exited with code 1: RuntimeError: bug on rank 1 (error file: ")
+
+
+def _failure(tmp_path, rank: int, exitcode: int, message: str | None, timestamp: int = 100):
+    """A torchrun ProcessFailure, its error file written in the layout `record` uses (None: no file)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"error_{rank}.json"
+    if message is not None:
+        path.write_text(json.dumps(
+            {"message": {"message": f"Traceback ...\n{message}", "extraInfo": {"timestamp": str(timestamp)}}}
+        ))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_the_rank_that_crashed_is_named_before_the_ranks_that_lost_it(tmp_path, capsys) -> None:
+    from toolkit.cli._run import _report_failure
+
+    # Rank 1 raised and was still exiting when rank 0, whose collective lost its peer, failed and torchrun stopped
+    # rank 1 with SIGTERM: rank 1 is the cause all the same, and is named first, though both carry one timestamp.
+    failures = {
+        0: _failure(tmp_path, 0, 1, "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
+        1: _failure(tmp_path, 1, -signal.SIGTERM, "RuntimeError: injected failure on rank 1"),
+        2: _failure(tmp_path, 2, -signal.SIGTERM, None),  # stopped while still working: not a cause
+    }
+    assert _report_failure(failures) == 1
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("tune: error: rank 1 failed, and was stopped by the launcher while exiting: "
+                           "RuntimeError: injected failure on rank 1 (error file: ")
+    assert "; rank 0 exited with code 1: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed" in line
+    assert "rank 2" not in line
+
+
+def test_a_user_error_recorded_before_sigterm_is_shown(tmp_path, capsys) -> None:
+    from toolkit.cli._run import _report_failure
+    from toolkit.config._recipe import USER_ERROR_KEY
+
+    stopped = _failure(tmp_path, 1, -signal.SIGTERM, "bad value")
+    stopped.error_file_data[USER_ERROR_KEY] = "bad value on rank 1"
+    assert _report_failure({0: _failure(tmp_path, 0, -signal.SIGTERM, None), 1: stopped}) == 2
+    assert one_line(capsys.readouterr().err) == "error: bad value on rank 1"
 
 
 @pytest.mark.parametrize(

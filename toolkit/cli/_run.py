@@ -117,37 +117,69 @@ def _run_single_device(path: Path, recipe_args: list[str]) -> int:
     return 0
 
 
-def _describe(rank: int, failure: Any) -> str:
-    what = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+# What a rank's exception says when it failed only because another rank died under it: its collective lost
+# the connection. Such a rank is a consequence, named after the ranks whose failure was their own.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "gloo/transport/",
+              "nccl communicator was aborted", "watchdog caught collective operation timeout")
+
+
+def _message(failure: Any) -> str:
+    """The last line of the exception the rank's error file holds, or ''."""
     if not os.path.isfile(failure.error_file):
-        return f"rank {rank} {what} (error file: none written)"
+        return ""
     # The recipe's `record` wrapper stored the exception there: its last line names the exception and message.
     message = getattr(failure, "message", "")
     if isinstance(message, dict):  # torchrun keeps the error file's {"message": ..., "extraInfo": ...}
         message = message.get("message", "")
     lines = [line for line in str(message).strip().splitlines() if line.strip()]
-    cause = f": {lines[-1].strip()}" if lines else ""
+    return lines[-1].strip() if lines else ""
+
+
+def _describe(rank: int, failure: Any) -> str:
+    stopped = failure.exitcode == -signal.SIGTERM
+    if stopped:
+        what = "failed, and was stopped by the launcher while exiting"
+    elif failure.exitcode < 0:
+        what = f"was killed by {failure.signal_name()}"
+    else:
+        what = f"exited with code {failure.exitcode}"
+    if not os.path.isfile(failure.error_file):
+        return f"rank {rank} {what} (error file: none written)"
+    message = _message(failure)
+    cause = f": {message}" if message else ""
     return f"rank {rank} {what}{cause} (error file: {failure.error_file})"
 
 
+def _recorded(failure: Any) -> bool:
+    return os.path.isfile(failure.error_file) and isinstance(failure.error_file_data, dict)
+
+
 def _report_failure(failures: dict[int, Any]) -> int:
+    # A rank torchrun stopped (SIGTERM) may still have recorded its own error before the signal came: it counts.
     user_errors = {
         rank: failure.error_file_data[USER_ERROR_KEY]
         for rank, failure in failures.items()
-        if failure.exitcode == 2
-        and isinstance(failure.error_file_data, dict)
-        and USER_ERROR_KEY in failure.error_file_data
+        if failure.exitcode in (2, -signal.SIGTERM) and _recorded(failure) and USER_ERROR_KEY in failure.error_file_data
     }
     if user_errors:
         # The recipe left its one-line message for us instead of printing it; show the lowest rank's, once.
         for line in str(user_errors[min(user_errors)]).splitlines():
             print(f"error: {line}", file=sys.stderr)
         return 2
-    # SIGTERM is how torchrun stops the ranks still running once one has failed: they are not the cause.
-    causes = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    # SIGTERM is how torchrun stops the ranks still running once one has failed: a rank it stopped is a cause only
+    # if it had recorded an exception of its own first.
+    causes = {
+        rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM or _recorded(f)
+    } or failures
     if all(f.exitcode == 2 for f in causes.values()):
         return 2  # a user error the recipe has already printed
-    details = "; ".join(_describe(rank, failure) for rank, failure in sorted(causes.items()))
+
+    def order(item: tuple[int, Any]) -> tuple[bool, int, int]:
+        rank, failure = item
+        lost_peer = any(pattern in _message(failure).lower() for pattern in _PEER_LOST)
+        return lost_peer, failure.timestamp, rank
+
+    details = "; ".join(_describe(rank, failure) for rank, failure in sorted(causes.items(), key=order))
     print(f"tune: error: {details}; see that rank's output above", file=sys.stderr)
     return 1
 

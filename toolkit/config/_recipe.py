@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -93,5 +94,16 @@ def recipe_main(fn: Callable[[DictConfig], T]) -> Callable[..., T]:
             sys.exit(2)
         except KeyboardInterrupt:
             sys.exit(130)
+        except Exception:
+            if "TORCHELASTIC_RUN_ID" not in os.environ:
+                raise
+            # A torchrun worker that crashed: `record` has written the error file; print the traceback and leave
+            # at once. Teardown can take seconds (or hang in gloo's destructor), and meanwhile the other ranks
+            # see the closed connections and fail too: exiting first keeps this rank the first failure the
+            # launcher sees, so it names the cause rather than a rank that only lost its peer.
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     return wrapper
