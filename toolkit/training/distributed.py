@@ -22,7 +22,8 @@ class DistributedEnv:
         world_size: number of processes in the job.
         local_world_size: processes on this node.
         device: this process's device (``cuda:<local_rank>`` or ``cpu``).
-        backend: ``nccl``, ``gloo``, or ``None`` for a single process without a process group.
+        backend: the backend of this device's collectives, ``nccl`` or ``gloo`` (on GPUs, CPU tensors go through a
+            gloo backend of the same group), or ``None`` for a single process without a process group.
     """
 
     rank: int
@@ -71,7 +72,9 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 600.0) -> Distr
         backend = "nccl" if use_cuda else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(
-                backend=backend,
+                # On GPUs, NCCL for CUDA tensors and gloo for the small CPU ones (token counts, flags, objects):
+                # NCCL alone refuses a CPU tensor ("No backend type associated with device type cpu").
+                backend="cpu:gloo,cuda:nccl" if use_cuda else "gloo",
                 timeout=timedelta(seconds=timeout_s),
                 device_id=torch_device if use_cuda else None,
                 **_restart_store(rank=rank, world_size=world_size, timeout_s=timeout_s),

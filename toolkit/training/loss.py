@@ -7,14 +7,14 @@ steps (the HF Trainer's 2024 gradient-accumulation bug). We count the global tok
 so each micro-batch contributes ``sum / N_global`` and the accumulated gradient is exact.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
-from toolkit.training.distributed import all_reduce_sum
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> torch.Tensor:
@@ -89,8 +89,29 @@ def chunked_cross_entropy_sum(
 
 def global_token_count(label_batches: list[torch.Tensor], *, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> int:
     """Non-ignored tokens in this rank's micro-batches, summed over all ranks (one small all-reduce)."""
+    return start_global_token_count(label_batches, ignore_index=ignore_index)()
+
+
+def start_global_token_count(
+    label_batches: list[torch.Tensor], *, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX
+) -> Callable[[], int]:
+    """Start :func:`global_token_count`'s all-reduce and return a function that waits for it and gives the count.
+
+    The count is needed only before the first backward, so the first forward runs while it travels: a rank that
+    arrives first does not sit idle waiting for the slower one (on CPU, two cores shared by two ranks, this wait
+    is most of what data parallelism costs when the gradients are small, as LoRA's are).
+    """
     local = sum(int((labels != ignore_index).sum()) for labels in label_batches)
-    return int(all_reduce_sum(torch.tensor([local], dtype=torch.float64, device=label_batches[0].device)).item())
+    total = torch.tensor([local], dtype=torch.float64)
+    if not dist.is_initialized():
+        return lambda: local
+    work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
+
+    def wait() -> int:
+        work.wait()
+        return int(total.item())
+
+    return wait
 
 
 def gradient_scale(*, global_tokens: int, data_parallel_size: int) -> float:

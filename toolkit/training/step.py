@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 from toolkit.data import GlobalBatchSampler
 
 from toolkit.training.distributed import all_reduce_sum
-from toolkit.training.loss import cross_entropy_sum, global_token_count, gradient_scale
+from toolkit.training.loss import cross_entropy_sum, gradient_scale, start_global_token_count
 from toolkit.training.parallel import clip_grad_norm, gradient_sync
 
 
@@ -62,8 +62,9 @@ def forward_backward(
             holds them whole in float32 (``None``: one tensor).
     """
     output_kwargs = {} if num_output_chunks is None else {"num_output_chunks": num_output_chunks}
-    num_tokens = global_token_count([mb["labels"] for mb in micro_batches])
-    scale = gradient_scale(global_tokens=num_tokens, data_parallel_size=data_parallel_size)
+    # The global token count travels during the first forward; it is waited for before the first backward.
+    wait_for_token_count = start_global_token_count([mb["labels"] for mb in micro_batches])
+    num_tokens = scale = None
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
     num_positions = 0
     for i, mb in enumerate(micro_batches):
@@ -75,6 +76,9 @@ def forward_backward(
                 logits = model(mb["tokens"], mask=mb.get("mask"), input_pos=mb.get("input_pos"), **output_kwargs)
             micro_loss = loss_fn(logits, mb["labels"])
             del logits  # the backward frees the logits (chunk by chunk) as it uses them
+            if scale is None:
+                num_tokens = wait_for_token_count()
+                scale = gradient_scale(global_tokens=num_tokens, data_parallel_size=data_parallel_size)
             scaled = micro_loss * scale
             (grad_scaler.scale(scaled) if grad_scaler is not None else scaled).backward()
         loss_sum += micro_loss.detach().float()
