@@ -4,14 +4,11 @@ untied, plain or wrapped in DDP/FSDP2.
 Run as a script under torchrun, this file is the two-process worker of ``test_chunks_under_ddp_and_fsdp2``.
 """
 
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.torchrun import run_workers
 from toolkit.models.llama3 import llama3
 
 DIMS = dict(vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64, max_seq_len=64)
@@ -69,21 +66,11 @@ def test_no_chunk_count_below_one():
         tiny_model(tied=False)(batch(), num_output_chunks=0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_chunks_under_ddp_and_fsdp2():
     # Each rank checks the wrapped model's chunked loss and gradients against the plain model's unchunked ones on
     # the whole global batch.
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         __file__],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    result = run_workers(__file__, timeout_s=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("ok") == 4, result.stdout
 

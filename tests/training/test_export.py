@@ -1,9 +1,6 @@
 """Exporting to Hugging Face from every rank: the files equal the model's weights and load in `transformers`."""
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.torchrun import run_workers
 from toolkit.training import HFCheckpointer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -29,22 +27,12 @@ def expected_hf_state() -> dict[str, torch.Tensor]:
     return {("lm_head.weight" if k == "output.weight" else "model." + k): v for k, v in tiny_model().state_dict().items()}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
 def test_two_process_export_equals_the_model_and_loads_in_transformers(strategy, tmp_path):
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"
     worker = Path(__file__).parent / "_export_worker.py"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(worker), strategy, str(out)],
-        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    result = run_workers(worker, strategy, str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))

@@ -13,7 +13,6 @@ node 0 by what it wrote, then checks that the other wrote nothing at all.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.torchrun import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Tiny and fast; words of 2 to 8 letters so that a wrong loss normalization across nodes would show.
@@ -36,14 +37,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 TIMEOUT_S = 150  # per launch; a healthy run takes ~20-30 s on a busy 2-core machine
 # How often to retry a launch whose rendezvous port was taken by someone else between our probe and its use.
 PORT_ATTEMPTS = 3
-
-
-def free_port() -> int:
-    """A port nothing listens on now: the kernel picks one from the ephemeral range, which it hands out in turn,
-    so a port just released is unlikely to be handed to another process in the next seconds."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_losses(out: Path) -> list[float]:

@@ -2,14 +2,13 @@
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.torchrun import run_workers
 from toolkit.data import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.errors import UserError
 from toolkit.training.validation import ValidationSampler, validation_loss
@@ -17,7 +16,6 @@ from toolkit.training.validation import ValidationSampler, validation_loss
 sys.path.insert(0, str(Path(__file__).parent))
 from _export_worker import tiny_model  # noqa: E402
 from _validation_worker import loader, samples  # noqa: E402
-from test_export import free_port  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -73,11 +71,7 @@ def test_keeps_eval_mode_and_refuses_a_set_without_targets():
 def test_two_processes_give_the_one_process_loss(strategy, tmp_path):
     out = tmp_path / "result.json"
     worker = Path(__file__).parent / "_validation_worker.py"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(worker), strategy, str(out)],
-        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    result = run_workers(worker, strategy, str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = json.loads(out.read_text())
     assert [r["batches_on_this_rank"] for r in ranks] == [2, 3], "uneven batch counts exercise the idle forwards"
