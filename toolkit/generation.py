@@ -1,5 +1,7 @@
 """Text generation with a KV cache: greedy, temperature, top-k and top-p sampling."""
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -47,9 +49,11 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    stop_when: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """Continue ``prompt`` by up to ``max_new_tokens`` tokens (fewer if the model's ``max_seq_len`` is reached),
-    stopping before any of ``stop_tokens``.
+    stopping before any of ``stop_tokens``, or after the token for which ``stop_when(generated)`` is true (a
+    stop string that only shows once the tokens are decoded, for example).
 
     The prompt is processed in one forward pass, then one token per step against the KV cache.
 
@@ -73,7 +77,7 @@ def generate(
             if token in stop_tokens:
                 break
             generated.append(token)
-            if pos + 1 == total_len:
+            if pos + 1 == total_len or (stop_when is not None and stop_when(generated)):
                 break
             logits = model(torch.tensor([[token]], device=device), input_pos=torch.tensor([pos], device=device))[0, -1]
     finally:
