@@ -1,0 +1,135 @@
+"""lm-evaluation-harness tasks on a toolkit model, when ``lm-eval`` is installed (the ``eval`` extra).
+
+:func:`load_lm_eval_tasks` imports ``lm_eval`` and finds the tasks (before any model is loaded, so that a missing
+package or a misspelled task fails at once); :func:`run_lm_eval` runs them through
+:class:`toolkit.evaluation.lm_eval_model.ToolkitLM` and returns each task's metrics.
+"""
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from toolkit.config import did_you_mean
+from toolkit.errors import UserError
+
+INSTALL_HINT = 'pip install "tunekit[eval]" (from a clone: pip install -e ".[eval]")'
+
+
+@dataclass(frozen=True)
+class LMEvalTasks:
+    """Task names checked against lm-eval's index, and the ``lm_eval.tasks.TaskManager`` that found them."""
+
+    names: list[str]
+    manager: Any
+
+
+def load_lm_eval_tasks(
+    tasks: str | Sequence[str], *, include_path: str | Path | None = None, include_defaults: bool = True
+) -> LMEvalTasks:
+    """Import lm-eval and check that every task (or group, or tag) name is known to it.
+
+    Args:
+        tasks: lm-eval task, group or tag names (a single name is a list of one).
+        include_path: a folder of task YAML files of your own, indexed along with lm-eval's.
+        include_defaults: also index lm-eval's own tasks (some 15,000 names, a few seconds); ``False`` when all the
+            tasks are under ``include_path``.
+
+    Raises:
+        UserError: lm-eval (or one of its dependencies) is not installed, a name is unknown, or ``include_path`` is
+            not a folder.
+    """
+    try:
+        from lm_eval.tasks import TaskManager
+    except ModuleNotFoundError as e:
+        missing = (e.name or "lm_eval").partition(".")[0]  # lm_eval itself, or one of its dependencies
+        raise UserError(f"lm_eval.tasks needs lm-evaluation-harness (no module named {missing!r}): {INSTALL_HINT}") from None
+    names = [tasks] if isinstance(tasks, str) else [str(name) for name in tasks]
+    if not names:
+        raise UserError("lm_eval.tasks: no task named (null turns lm-evaluation-harness off)")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise UserError(f"lm_eval.include_path: {include_path} is not a folder")
+    if include_path is None and not include_defaults:
+        raise UserError("lm_eval.include_defaults: false leaves no task to run without an include_path")
+    manager = TaskManager(include_path=None if include_path is None else str(include_path), include_defaults=include_defaults)
+    searched = " and ".join(
+        place
+        for place, used in [("lm-eval's own tasks", include_defaults), (f"the task files under {include_path}", include_path)]
+        if used
+    )
+    known = set(manager.all_tasks)
+    for name in names:
+        if name not in known:
+            raise UserError(f"lm_eval.tasks: no task {name!r} among {searched}{did_you_mean(name, known)}")
+    return LMEvalTasks(names=names, manager=manager)
+
+
+def run_lm_eval(
+    model: nn.Module,
+    tokenizer,
+    tasks: LMEvalTasks,
+    *,
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 16,
+    autocast: contextlib.AbstractContextManager | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+) -> dict[str, dict] | None:
+    """Run lm-eval's ``simple_evaluate`` on ``tasks`` with ``model``; a collective when ``world_size > 1``.
+
+    Every process runs the harness on every document and shares the model's work with the others (see
+    :class:`~toolkit.evaluation.lm_eval_model.ToolkitLM`). lm-eval's own seeds (for few-shot sampling) apply, so
+    numbers compare with other lm-eval runs.
+
+    Args:
+        model: a plain decoder, or one sharded in place by FSDP2.
+        tokenizer: the model's tokenizer, built with ``max_seq_len=None`` (the adapter truncates from the left).
+        tasks: from :func:`load_lm_eval_tasks`.
+        limit: documents per task (a fraction below 1: that share of each task); ``None``: all.
+        num_fewshot: examples in each prompt; ``None``: each task's own default.
+        batch_size: sequences per forward pass when scoring.
+        autocast: forward-pass context (mixed precision without FSDP2).
+        rank, world_size: this process among those that share the work.
+        seed: seeds sampled generations.
+
+    Returns:
+        On rank 0, ``{task: {"metrics": {name: value}, "num_fewshot": n, "samples": n}}`` for every task and group
+        lm-eval reports. Metric names are lm-eval's (``acc``, ``acc_stderr``, ``exact_match``...); a filter other
+        than the default stays after a comma (``exact_match,strict-match``). ``None`` on other ranks.
+    """
+    from lm_eval.evaluator import simple_evaluate
+
+    from toolkit.evaluation.lm_eval_model import ToolkitLM
+
+    lm = ToolkitLM(
+        model, tokenizer, batch_size=batch_size, autocast=autocast, rank=rank, world_size=world_size, seed=seed
+    )
+    results = simple_evaluate(
+        model=lm, tasks=tasks.names, num_fewshot=num_fewshot, limit=limit, task_manager=tasks.manager,
+        log_samples=False,
+    )
+    if rank != 0:
+        return None
+    return {
+        task: {
+            "metrics": _metrics(values),
+            "num_fewshot": results.get("n-shot", {}).get(task),
+            "samples": results.get("n-samples", {}).get(task, {}).get("effective"),
+        }
+        for task, values in results["results"].items()
+    }
+
+
+def _metrics(values: dict[str, Any]) -> dict[str, float]:
+    """lm-eval's ``{"acc,none": 0.5, "acc_stderr,none": 0.1, "alias": ...}`` as ``{"acc": 0.5, "acc_stderr": 0.1}``:
+    numbers only (a stderr lm-eval could not compute is ``"N/A"``), the default filter's name dropped."""
+    return {
+        key.removesuffix(",none"): float(value)
+        for key, value in values.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and "," in key
+    }
