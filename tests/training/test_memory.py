@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import checkpoint
 
 from toolkit.errors import UserError
 from toolkit.models.gemma2._component_builders import gemma2
 from toolkit.models.llama3 import llama3_1_8b, llama3_1_70b, llama3_demo
 from toolkit.models.qwen2_5._component_builders import qwen2_5
 from toolkit.models.qwen3._component_builders import qwen3
+from toolkit.training.activations import apply_activation_checkpointing
 from toolkit.training.memory import (
     activation_bytes,
     candidate_strategies,
@@ -26,6 +26,7 @@ from toolkit.training.memory import (
     device_memory_bytes,
     estimate_memory,
     logits_bytes,
+    offloaded_activation_bytes,
 )
 
 GIB = 1024**3
@@ -151,20 +152,12 @@ class _LiveStorages(TorchDispatchMode):
         return peak
 
 
-def _checkpoint_layers(model: nn.Module) -> None:
-    # What apply_activation_checkpointing does: non-reentrant checkpointing around each layer's forward.
-    for layer in model.layers:
-        layer.forward = (lambda forward: lambda x, **kw: checkpoint(forward, x, use_reentrant=False, **kw))(
-            layer.forward
-        )
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("activation_checkpointing", [False, True], ids=["no_ac", "ac"])
-def test_activations_and_logits_match_live_memory(dtype: str, activation_checkpointing: bool) -> None:
+@pytest.mark.parametrize("activation_checkpointing", [False, True, 2], ids=["no_ac", "ac", "ac_every_2"])
+def test_activations_and_logits_match_live_memory(dtype: str, activation_checkpointing: bool | int) -> None:
     model = _model("llama3", dtype)
     if activation_checkpointing:
-        _checkpoint_layers(model)
+        apply_activation_checkpointing(model, every_k_layers=int(activation_checkpointing))
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
     tracker = _LiveStorages([*model.parameters(), *model.buffers(), tokens])
     with tracker:
@@ -181,9 +174,9 @@ def test_activations_and_logits_match_live_memory(dtype: str, activation_checkpo
     logits = logits_bytes(model, **kwargs)
     one_layer = (activation_bytes(model, **kwargs) - _head_bytes(model, dtype)) // len(model.layers)
 
-    # After forward: the saved tensors (with checkpointing each layer's input only: no layer is recomputed yet),
-    # the logits the caller holds and the loss's fp32 log-probabilities; not the token ids, which the estimate
-    # counts but existed before. A few scalars are the difference.
+    # After forward: the saved tensors (a checkpointed layer's input only: no layer is recomputed yet), the logits
+    # the caller holds and the loss's fp32 log-probabilities; not the token ids, which the estimate counts but
+    # existed before. A few scalars are the difference.
     held = BATCH * SEQ * VOCAB * (compute + 4) - tokens.nbytes
     kept = activations - one_layer if activation_checkpointing else activations
     assert after_forward == pytest.approx(kept + held, rel=1e-3)
@@ -195,6 +188,33 @@ def test_activations_and_logits_match_live_memory(dtype: str, activation_checkpo
         assert estimate - one_layer <= peak <= estimate
     else:
         assert peak == pytest.approx(estimate, rel=1e-3)
+
+
+@pytest.mark.parametrize("activation_checkpointing", [False, True, 2], ids=["no_ac", "ac", "ac_every_2"])
+def test_offloading_leaves_two_layers_on_the_device_and_the_rest_on_the_host(activation_checkpointing) -> None:
+    # The demo's 4 alike layers, from the whole-layer and layer-input sizes (the formula checked above).
+    model = _model("llama3", "bf16")
+    kwargs = dict(micro_batch_size=BATCH, seq_len=SEQ, dtype="bf16")
+    head = _head_bytes(model, "bf16")
+    full = (activation_bytes(model, **kwargs) - head) // len(model.layers)
+    layer_input = BATCH * SEQ * model.embed_tokens.embedding_dim * 2
+    kept, recomputed = {
+        False: ([full] * 4, 0),
+        True: ([layer_input] * 4, full),
+        2: ([layer_input, full, layer_input, full], full),  # layers 0 and 2 checkpointed
+    }[activation_checkpointing]
+    kwargs["activation_checkpointing"] = activation_checkpointing
+    device = head + sum(sorted(kept)[-2:]) + recomputed
+    assert activation_bytes(model, activation_offloading=True, **kwargs) == device
+    assert offloaded_activation_bytes(model, **kwargs) == sum(kept)
+    assert activation_bytes(model, **kwargs) == head + sum(kept) + recomputed  # without offloading
+
+    kwargs["max_seq_len"] = kwargs.pop("seq_len")
+    plain = estimate_memory(model, strategy="ddp", world_size=1, **kwargs)
+    offloaded = estimate_memory(model, strategy="ddp", world_size=1, activation_offloading=True, **kwargs)
+    assert (offloaded.activations, offloaded.host) == (device, sum(kept))
+    assert plain.total - offloaded.total == sum(kept) - sum(sorted(kept)[-2:]) and plain.host == 0
+    assert "host, per rank" in offloaded.table()
 
 
 def _head_bytes(model: nn.Module, dtype: str) -> int:
@@ -349,8 +369,13 @@ def test_nothing_fits_is_one_actionable_line() -> None:
     assert "\n" not in message
     assert message.startswith("no data-parallel strategy fits 2 device(s) with 21.60 GiB usable")
     assert "zero3+offload" in message  # the smallest, with its numbers
-    for fix in ("activation_checkpointing=true", "micro_batch_size (now 2)", "LoRA/QLoRA", "more than 2 GPU(s)"):
+    for fix in ("activation_checkpointing=true", "activation_offloading=true", "micro_batch_size (now 2)",
+                "LoRA/QLoRA", "more than 2 GPU(s)"):
         assert fix in message
+    with pytest.raises(UserError) as error:  # every layer already checkpointed, offloading on: not suggested
+        choose_strategy(model, device_memory_bytes=24 * GIB, world_size=2, micro_batch_size=2, max_seq_len=4096,
+                        activation_checkpointing=True, activation_offloading=True)
+    assert "activation_checkpointing=" not in str(error.value) and "activation_offloading=" not in str(error.value)
 
 
 def test_gradient_accumulation_adds_no_memory_under_fsdp() -> None:
@@ -435,6 +460,15 @@ def test_given_values_pass_through_checked():
     assert (plan.strategy, plan.micro_batch_size, plan.accumulation_steps, plan.reasons) == ("ddp", 2, 4, ())
     with pytest.raises(UserError, match="not divisible"):
         _plan(micro_batch_size=3, strategy="ddp")
+    with pytest.raises(UserError, match="^activation_checkpointing: must be true"):
+        _plan(micro_batch_size=2, strategy="ddp", activation_checkpointing=0)
+
+
+def test_auto_micro_batch_grows_with_offloading():
+    # 8B full fine-tune on 8 x 80 GB without checkpointing: keeping the activations on the host lets more fit.
+    _, plain = _plan(activation_checkpointing=False)
+    _, offloaded = _plan(activation_checkpointing=False, activation_offloading=True)
+    assert offloaded.micro_batch_size > plain.micro_batch_size
 
 
 def test_auto_micro_batch_is_the_largest_divisor_that_fits():

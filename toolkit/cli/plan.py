@@ -19,6 +19,7 @@ from toolkit.config import apply_overrides, instantiate, load_config, validate
 from toolkit.errors import UserError
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.training.accumulation import gradient_accumulation_steps
+from toolkit.training.activations import checkpoint_interval
 from toolkit.training.memory import (
     OPTIMIZER_STATES,
     candidate_strategies,
@@ -37,7 +38,7 @@ Estimate per-device memory (parameters, gradients, optimizer state, activations,
 for every data-parallel strategy, and show the one `data_parallel: auto` picks: the cheapest that fits.
 
 Reads the config keys model, micro_batch_size, max_seq_len, dtype (default bf16-mixed), activation_checkpointing,
-data_parallel, cpu_offload, hsdp_shard_size, batch_size, optimizer and device_memory_gb.
+activation_offloading, data_parallel, cpu_offload, hsdp_shard_size, batch_size, optimizer and device_memory_gb.
 
 examples:
   tune plan full_finetune --config demo --device-memory-gb 24
@@ -154,7 +155,9 @@ def plan_command(argv: Sequence[str]) -> int:
     micro_batch_size = 1 if auto_micro_batch else _positive_int(cfg, "micro_batch_size")
     max_seq_len = _positive_int(cfg, "max_seq_len")
     dtype = str(cfg.get("dtype", "bf16-mixed"))
-    activation_checkpointing = bool(cfg.get("activation_checkpointing", False))
+    activation_checkpointing = cfg.get("activation_checkpointing", False)
+    every_k_layers = checkpoint_interval(activation_checkpointing)
+    activation_offloading = bool(cfg.get("activation_offloading", False))
     nproc, nnodes, world_note = _world(args)
     world_size = nproc * nnodes
     memory, memory_source = _device_memory(args, cfg)
@@ -173,7 +176,8 @@ def plan_command(argv: Sequence[str]) -> int:
             model=model, strategy=str(cfg.get("data_parallel", "auto")), cpu_offload=bool(cfg.get("cpu_offload")),
             batch_size=cfg.batch_size, micro_batch_size="auto", device=torch.device("cpu"),
             device_memory_gb=memory / _GIB, world_size=world_size, local_world_size=nproc, max_seq_len=max_seq_len,
-            dtype=dtype, activation_checkpointing=activation_checkpointing, headroom=args.headroom,
+            dtype=dtype, activation_checkpointing=activation_checkpointing,
+            activation_offloading=activation_offloading, headroom=args.headroom,
         )
         micro_batch_size = chosen.micro_batch_size
         auto_note = "; ".join(chosen.reasons)
@@ -195,16 +199,19 @@ def plan_command(argv: Sequence[str]) -> int:
         max_seq_len=max_seq_len,
         dtype=dtype,
         activation_checkpointing=activation_checkpointing,
+        activation_offloading=activation_offloading,
         optimizer=optimizer,
         gradient_accumulation_steps=accumulation,
     )
     usable = int(args.headroom * memory)
 
+    checkpointing = {0: "off", 1: "every layer"}.get(every_k_layers, f"every {every_k_layers} layers")
     print(f"plan for {path}")
     print(
         f"model: {cfg.model._component_}, {n_params / 1e6:,.2f}M parameters ({n_trainable / 1e6:,.2f}M trainable); "
         f"micro batch {micro_batch_size} x {max_seq_len} tokens, dtype {dtype}, activation checkpointing "
-        f"{'on' if activation_checkpointing else 'off'}, {optimizer}, {accumulation} accumulation step(s)"
+        f"{checkpointing}, offloading {'on' if activation_offloading else 'off'}, {optimizer}, {accumulation} "
+        "accumulation step(s)"
     )
     print(
         f"devices: {nnodes} node(s) x {nproc} process(es) = world size {world_size}; {memory / _GIB:.2f} GiB each "

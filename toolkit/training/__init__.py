@@ -2,6 +2,11 @@
 precision, schedules, checkpoints and metrics."""
 
 from toolkit.training.accumulation import gradient_accumulation_steps
+from toolkit.training.activations import (
+    ActivationOffloader,
+    apply_activation_checkpointing,
+    apply_activation_offloading,
+)
 from toolkit.training.checkpointing import (
     HFCheckpointer,
     gather_full_state_dict,
@@ -27,7 +32,6 @@ from toolkit.training.metrics import MetricsLogger, peak_memory_gib, rank_stats,
 from toolkit.training.parallel import (
     STRATEGIES,
     ParallelDims,
-    apply_activation_checkpointing,
     apply_data_parallel,
     apply_ddp,
     apply_fsdp,
@@ -54,6 +58,7 @@ __all__ = [
     "STRATEGIES",
     "DistributedEnv",
     "HFCheckpointer",
+    "ActivationOffloader",
     "MetaCheckpointer",
     "MetricsLogger",
     "ParallelDims",
@@ -69,6 +74,7 @@ __all__ = [
     "apply_data_parallel",
     "apply_ddp",
     "apply_fsdp",
+    "apply_activation_offloading",
     "barrier",
     "breakpoint_on_rank",
     "clip_grad_norm",

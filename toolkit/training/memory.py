@@ -33,6 +33,7 @@ from torch import nn
 from toolkit.errors import UserError
 from toolkit.modules.gemma2 import GemmaRMSNorm
 from toolkit.training.accumulation import gradient_accumulation_steps
+from toolkit.training.activations import checkpoint_interval, checkpointed_layers
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 _SHARDED = ("zero2", "zero3", "hsdp")
@@ -75,7 +76,8 @@ class MemoryEstimate:
         world_size: data-parallel ranks.
         shard_size: ranks each parameter is sharded over (1 for ddp/zero1, optimizer state aside).
         params, grads, optimizer_state, activations, logits, gathered: per-device bytes.
-        host: per-rank bytes of host memory for offloaded state (0 without ``cpu_offload``).
+        host: per-rank bytes of host memory for offloaded state and activations (0 without ``cpu_offload`` or
+            ``activation_offloading``).
     """
 
     strategy: str
@@ -198,16 +200,39 @@ def _layer_activation_bytes_per_token(
     return total
 
 
+def _activations_per_token(
+    model: nn.Module, *, seq_len: int, dtype: str, activation_checkpointing: bool | int, autocast: bool
+) -> tuple[list[int], int, int]:
+    """Bytes per token that :func:`activation_bytes` adds up: what each layer keeps from its forward to its
+    backward, what a checkpointed layer holds again while it is recomputed (the largest), and what the model keeps
+    outside its layers."""
+    compute = _precision(dtype).compute
+    autocast = autocast and _precision(dtype).stored != compute
+    d = model.embed_tokens.embedding_dim
+    full = [
+        _layer_activation_bytes_per_token(layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast)
+        for layer in model.layers
+    ]
+    checkpointed = set(checkpointed_layers(len(full), checkpoint_interval(activation_checkpointing)))
+    residual = (4 if autocast else compute) * d  # a checkpointed layer's input: the residual stream (fp32 in autocast)
+    kept = [residual if i in checkpointed else b for i, b in enumerate(full)]
+    recomputed = max((full[i] for i in checkpointed), default=0)
+    head = 8 + _norm_bytes_per_token(model.norm, embed_dim=d, compute=compute, autocast=autocast) + compute * d
+    return kept, recomputed, head
+
+
 def activation_bytes(
     model: nn.Module,
     *,
     micro_batch_size: int,
     seq_len: int,
     dtype: str = "bf16-mixed",
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
+    activation_offloading: bool = False,
     autocast: bool = False,
 ) -> int:
-    """Bytes autograd keeps for backward after one forward pass, without the logits (see :func:`logits_bytes`).
+    """Bytes autograd keeps for backward on the device after one forward pass, without the logits (see
+    :func:`logits_bytes`).
 
     With ``t = micro_batch_size * seq_len`` tokens, ``d`` the model width, ``c`` the compute dtype's bytes,
     ``n_h``/``n_kv`` query/key-value heads of ``h_d`` features, ``f`` the MLP width and ``k`` norms per layer, a
@@ -223,8 +248,14 @@ def activation_bytes(
     input (``2*c*d`` becomes ``5*c*d``). Per-head q/k norms and soft-capped attention add their own terms. The
     model adds ``8`` bytes of token ids and the final norm, ``4d + 2*c*d + 4``, per token.
 
-    With activation checkpointing each layer keeps only its input, ``c*d`` per token (``4d`` under autocast),
-    and one layer's full activations exist again while it is recomputed in backward.
+    A checkpointed layer keeps only its input, ``c*d`` per token (``4d`` under autocast), and the largest
+    checkpointed layer's full activations exist again while it is recomputed in backward. With every k-th layer
+    checkpointed, the other layers keep everything.
+
+    With activation offloading the layers' tensors wait in host memory; the device holds at most two layers'
+    worth at a time (the layer running and the one whose copy is in flight, in forward and in backward), plus a
+    checkpointed layer being recomputed. Tensors below the offloader's size threshold stay on the device and are
+    not counted there: a fraction of a percent.
 
     The formula is exact for the tensors PyTorch's CPU and flash/memory-efficient SDPA kernels save (checked
     against ``saved_tensors_hooks`` in the tests); per-document attention masks of packed batches are not counted.
@@ -236,22 +267,33 @@ def activation_bytes(
         micro_batch_size: sequences per forward pass.
         seq_len: tokens per sequence.
         dtype: the precision mode.
-        activation_checkpointing: each layer recomputes its activations in backward.
+        activation_checkpointing: false, true (every layer) or k (every k-th layer: 0, k, 2k, ...).
+        activation_offloading: the layers' saved tensors are kept in host memory (see
+            :func:`offloaded_activation_bytes` for how much).
         autocast: mixed precision through ``torch.autocast`` rather than low-precision parameters.
     """
-    compute = _precision(dtype).compute
-    autocast = autocast and _precision(dtype).stored != compute
-    d = model.embed_tokens.embedding_dim
-    tokens = micro_batch_size * seq_len
-    per_layer = [
-        _layer_activation_bytes_per_token(layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast)
-        for layer in model.layers
-    ]
-    head = 8 + _norm_bytes_per_token(model.norm, embed_dim=d, compute=compute, autocast=autocast) + compute * d
-    if activation_checkpointing:
-        residual = 4 if autocast else compute  # the residual stream is fp32 under autocast
-        return tokens * (len(per_layer) * residual * d + max(per_layer, default=0) + head)
-    return tokens * (sum(per_layer) + head)
+    kept, recomputed, head = _activations_per_token(
+        model, seq_len=seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing, autocast=autocast
+    )
+    layers = sum(sorted(kept)[-2:]) if activation_offloading else sum(kept)
+    return micro_batch_size * seq_len * (layers + recomputed + head)
+
+
+def offloaded_activation_bytes(
+    model: nn.Module,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype: str = "bf16-mixed",
+    activation_checkpointing: bool | int = False,
+    autocast: bool = False,
+) -> int:
+    """Host memory that activation offloading fills: every layer's saved tensors (with checkpointing, only the
+    checkpointed layers' inputs and the other layers' tensors). Arguments as in :func:`activation_bytes`."""
+    kept, _, _ = _activations_per_token(
+        model, seq_len=seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing, autocast=autocast
+    )
+    return micro_batch_size * seq_len * sum(kept)
 
 
 def logits_bytes(model: nn.Module, *, micro_batch_size: int, seq_len: int, dtype: str = "bf16-mixed") -> int:
@@ -332,7 +374,8 @@ def estimate_memory(
     micro_batch_size: int,
     max_seq_len: int,
     dtype: str = "bf16-mixed",
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
+    activation_offloading: bool = False,
     cpu_offload: bool = False,
     trainable_params: int | None = None,
     optimizer: str = "adamw",
@@ -357,6 +400,7 @@ def estimate_memory(
       with ``gradient_accumulation_steps > 1``, so the sharded gradients accumulate in place and accumulation adds
       no memory.
     - ``cpu_offload``: sharded parameters, gradients and optimizer state move to ``host``.
+    - ``activation_offloading``: the layers' activations move to ``host`` (see :func:`activation_bytes`).
 
     Args:
         model: a :class:`~toolkit.modules.TransformerDecoder`, usually on the meta device.
@@ -366,7 +410,9 @@ def estimate_memory(
         micro_batch_size: sequences per device per forward/backward.
         max_seq_len: tokens per sequence (padded batches use the longest; plan with the maximum).
         dtype: ``fp32``, ``bf16``, ``bf16-mixed`` or ``fp16-mixed``.
-        activation_checkpointing: recompute each layer's activations in backward.
+        activation_checkpointing: recompute each layer's activations in backward (true), or every k-th
+            layer's (an integer k).
+        activation_offloading: keep the layers' activations in host memory from forward to backward.
         cpu_offload: keep sharded state in host memory (sharded strategies only).
         trainable_params: parameters with gradients and optimizer state (LoRA); default: those with
             ``requires_grad``. When given, it is spread over shards and layers in proportion to their size.
@@ -444,10 +490,14 @@ def estimate_memory(
         # With gradient accumulation the sharded strategies still reduce-scatter every micro-step (see
         # parallel.gradient_sync), so accumulation adds nothing here.
         gathered = int(gathered_params + unsharded_grads)
-    host = 0
+    activations = dict(
+        micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype,
+        activation_checkpointing=activation_checkpointing, autocast=autocast,
+    )
+    host = offloaded_activation_bytes(model, **activations) if activation_offloading else 0
     grad_bytes, opt_bytes = p * grad_elems, p * states * opt_elems
     if cpu_offload:
-        host = param_bytes + grad_bytes + opt_bytes
+        host += param_bytes + grad_bytes + opt_bytes
         param_bytes = grad_bytes = opt_bytes = 0
 
     return MemoryEstimate(
@@ -459,14 +509,7 @@ def estimate_memory(
         params=param_bytes + buffer_bytes,
         grads=grad_bytes,
         optimizer_state=opt_bytes,
-        activations=activation_bytes(
-            model,
-            micro_batch_size=micro_batch_size,
-            seq_len=max_seq_len,
-            dtype=dtype,
-            activation_checkpointing=activation_checkpointing,
-            autocast=autocast,
-        ),
+        activations=activation_bytes(model, activation_offloading=activation_offloading, **activations),
         logits=logits_bytes(model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype),
         gathered=gathered,
         host=host,
@@ -509,7 +552,8 @@ def choose_strategy(
     micro_batch_size: int,
     max_seq_len: int,
     dtype: str = "bf16-mixed",
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
+    activation_offloading: bool = False,
     trainable_params: int | None = None,
     optimizer: str = "adamw",
     gradient_accumulation_steps: int = 1,
@@ -539,6 +583,7 @@ def choose_strategy(
             max_seq_len=max_seq_len,
             dtype=dtype,
             activation_checkpointing=activation_checkpointing,
+            activation_offloading=activation_offloading,
             cpu_offload=offload,
             trainable_params=trainable_params,
             optimizer=optimizer,
@@ -550,11 +595,17 @@ def choose_strategy(
             return strategy, estimate, reason
         estimates.append(estimate)
     raise UserError(_nothing_fits(min(estimates, key=lambda e: e.total), budget, world_size, micro_batch_size,
-                                  activation_checkpointing))
+                                  _activation_fixes(activation_checkpointing, activation_offloading)))
+
+
+def _activation_fixes(activation_checkpointing: bool | int, activation_offloading: bool) -> list[str]:
+    """The activation memory switches not yet fully on, as overrides to suggest."""
+    fixes = [] if checkpoint_interval(activation_checkpointing) == 1 else ["activation_checkpointing=true"]
+    return fixes + ([] if activation_offloading else ["activation_offloading=true"])
 
 
 def _nothing_fits(
-    smallest: MemoryEstimate, budget: str, world_size: int, micro_batch_size: int, activation_checkpointing: bool
+    smallest: MemoryEstimate, budget: str, world_size: int, micro_batch_size: int, activation_fixes: list[str]
 ) -> str:
     # The parts worth acting on (a few MiB of buffers would only be noise).
     parts = ", ".join(
@@ -562,7 +613,7 @@ def _nothing_fits(
         for title, attribute in _ROWS[:-1]
         if getattr(smallest, attribute) >= 0.01 * smallest.total
     )
-    fixes = [] if activation_checkpointing else ["activation_checkpointing=true"]
+    fixes = list(activation_fixes)
     if micro_batch_size > 1:
         fixes.append(f"a smaller micro_batch_size (now {micro_batch_size})")
     fixes += ["a shorter max_seq_len", "LoRA/QLoRA instead of a full fine-tune", f"more than {world_size} GPU(s)"]
@@ -613,7 +664,8 @@ def plan_parallelism(
     local_world_size: int,
     max_seq_len: int,
     dtype: str,
-    activation_checkpointing: bool,
+    activation_checkpointing: bool | int,
+    activation_offloading: bool = False,
     headroom: float = 0.9,
 ) -> ParallelPlan:
     """Resolve ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory estimate.
@@ -625,16 +677,19 @@ def plan_parallelism(
 
     Args:
         model: the model, on the meta device (only shapes are read).
-        strategy, cpu_offload, batch_size, micro_batch_size, max_seq_len, dtype, activation_checkpointing: as in
-            the config.
+        strategy, cpu_offload, batch_size, micro_batch_size, max_seq_len, dtype, activation_checkpointing,
+            activation_offloading: as in the config (offloading is counted as on a GPU: on the CPU, where it does
+            nothing, host and device memory are the same).
         device: this rank's device; its memory is used on CUDA.
         device_memory_gb: the memory to plan for where the device does not say (CPU), in GiB.
         world_size, local_world_size: the job's shape.
         headroom: the fraction of device memory a plan may fill.
 
     Raises:
-        UserError: ``auto`` without a known device memory, nothing fits, or sizes that do not divide.
+        UserError: ``auto`` without a known device memory, nothing fits, sizes that do not divide, or an invalid
+            ``activation_checkpointing``.
     """
+    checkpoint_interval(activation_checkpointing)  # refused here, before any weight is loaded
     auto_batch = micro_batch_size == "auto"
     if not auto_batch and not isinstance(micro_batch_size, int):
         raise UserError(f"micro_batch_size: must be a positive integer or auto, got {micro_batch_size!r}")
@@ -652,7 +707,7 @@ def plan_parallelism(
         memory = int(device_memory_gb * 2**30)
     num_nodes = max(1, world_size // max(1, local_world_size))
     common = dict(world_size=world_size, max_seq_len=max_seq_len, dtype=dtype,
-                  activation_checkpointing=activation_checkpointing)
+                  activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading)
     micro = 1 if auto_batch else micro_batch_size
     steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=world_size)
     reasons = []
@@ -691,7 +746,7 @@ def _largest_micro_batch(
                 f"{micro} sequences per device ({per_rank // micro} accumulation step(s)): {estimate.label} needs "
                 f"{format_bytes(estimate.total)} of {format_bytes(usable)} usable"
             )
-    fixes = ([] if common["activation_checkpointing"] else ["activation_checkpointing=true"]) + [
+    fixes = _activation_fixes(common["activation_checkpointing"], common["activation_offloading"]) + [
         "a shorter max_seq_len", "a sharded data_parallel strategy", "LoRA/QLoRA"]
     raise UserError(
         f"micro_batch_size: auto: not even 1 sequence of {common['max_seq_len']} tokens fits {format_bytes(usable)} "

@@ -15,7 +15,6 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn as nn
@@ -25,10 +24,14 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from torch.utils.checkpoint import checkpoint
 
 from toolkit.errors import UserError
 from toolkit.modules.peft.nf4 import is_nf4
+from toolkit.training.activations import (
+    apply_activation_checkpointing,
+    apply_activation_offloading,
+    checkpoint_interval,
+)
 from toolkit.training.init import materialize
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
@@ -108,18 +111,6 @@ def parallel_dims(
         return ParallelDims(strategy, world_size, shard, world_size // shard, cpu_offload)
     shard = world_size if strategy in ("zero2", "zero3") else 1
     return ParallelDims(strategy, world_size, shard, world_size // shard, cpu_offload)
-
-
-def apply_activation_checkpointing(model: nn.Module, *, every_k_layers: int = 1) -> None:
-    """Recompute every ``every_k_layers``-th decoder layer's activations in backward instead of storing them.
-
-    Uses non-reentrant checkpointing, which works with DDP, FSDP2 and frozen parameters (the reentrant variant
-    is what raises DDP's "Expected to mark a variable ready only once"). The layer's ``forward`` is wrapped in
-    place, so parameter names and state-dict keys do not change. Apply before data parallelism.
-    """
-    for i, layer in enumerate(model.layers):
-        if i % every_k_layers == 0:
-            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 # torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns); torch >= 2.9 is supported.
@@ -260,7 +251,8 @@ def parallelize(
     dtype: torch.dtype,
     fill: Callable[[nn.Module], None],
     mp_policy: MixedPrecisionPolicy | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
+    activation_offloading: bool = False,
 ) -> nn.Module:
     """Turn a meta-device ``model`` into the trainable, data-parallel model, in the order that needs least memory.
 
@@ -270,9 +262,16 @@ def parallelize(
     read only those rows; initializers draw the whole tensor and keep the part, giving every rank count the same
     values). DDP and ZeRO-1 keep whole copies, so they wrap the model once it is filled; so do CPU offload and
     NF4 (QLoRA) bases, whose weights FSDP2 takes whole.
+
+    ``activation_checkpointing`` (true, or k for every k-th layer) and ``activation_offloading`` wrap the layers
+    first, checkpointing inside offloading, so that only checkpointed layers' inputs are offloaded (see
+    :mod:`toolkit.training.activations`); offloading does nothing on a CPU.
     """
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
+    every_k_layers = checkpoint_interval(activation_checkpointing)
+    if every_k_layers:
+        apply_activation_checkpointing(model, every_k_layers=every_k_layers)
+    if activation_offloading:
+        apply_activation_offloading(model, device=device)
     shard_first = dims.world_size > 1 and dims.is_sharded and not dims.cpu_offload and not any(
         is_nf4(p) for p in model.parameters()
     )
