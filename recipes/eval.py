@@ -1,9 +1,11 @@
-"""Evaluate a checkpoint: perplexity on a dataset and exact-match accuracy on generation tasks.
+"""Evaluate a checkpoint: perplexity on a dataset, exact-match accuracy on generation tasks, and optionally the
+tasks of lm-evaluation-harness.
 
     tune run eval --config demo                                              # outputs/full_finetune_demo/final
     tune run eval --config demo checkpointer.checkpoint_dir=null             # a random model (from `seed`)
     tune run eval_distributed --nproc_per_node 2 --config demo data_parallel=zero3
     tune run eval --config demo adapter_dir=outputs/lora_finetune_demo/final/adapter model=...  # see the config
+    tune run eval --config demo 'lm_eval.tasks=[arc_easy]' lm_eval.limit=100   # pip install "tunekit[eval]"
 
 The base weights come from ``checkpointer.checkpoint_dir`` (a Hugging Face folder, or one of our step checkpoints;
 ``null``: random initialization from ``seed``, a baseline). With ``adapter_dir``, a PEFT LoRA/DoRA adapter folder
@@ -11,8 +13,10 @@ is loaded on top; ``model`` must then be the LoRA builder with the adapter's tar
 
 ``dataset`` (if set) is scored by the mean token cross-entropy over all its target tokens (perplexity = its
 exponential), the same on any number of processes up to float rounding. ``eval_tasks`` (if set, ``{"prompt",
-"answer"}`` samples) is scored by greedy generation and exact match. A table is printed and the numbers are written
-to ``<output_dir>/eval.json``.
+"answer"}`` samples) is scored by greedy generation and exact match. ``lm_eval.tasks`` (if set) runs those tasks of
+lm-evaluation-harness (the ``eval`` extra) on the model through ``toolkit.evaluation``: on several processes each
+scores its share of the requests (under FSDP2, all processes generate every answer together), and the metrics are
+the same as on one. A table is printed and the numbers are written to ``<output_dir>/eval.json``.
 """
 
 import json
@@ -27,6 +31,7 @@ from torch.utils.data import DataLoader
 from toolkit.config import instantiate, recipe_main
 from toolkit.data import padded_collate
 from toolkit.errors import UserError
+from toolkit.evaluation import load_lm_eval_tasks, run_lm_eval
 from toolkit.generation import exact_match_accuracy
 from toolkit.modules.peft import adapter_modules, init_adapters, is_adapter_key
 from toolkit.training import (
@@ -62,6 +67,15 @@ def write_report(results: dict, output_dir: Path) -> Path:
         ]
     if "accuracy" in results:
         rows.append(("accuracy", f"{results['accuracy']:.1%} ({results['correct']}/{results['total']})"))
+    for task, report in results.get("lm_eval", {}).items():
+        metrics = report["metrics"]
+        for name, value in metrics.items():
+            metric, comma, filter_name = name.partition(",")  # acc, or exact_match,strict-match
+            if metric.endswith("_stderr"):
+                continue  # shown after its metric
+            stderr = metrics.get(f"{metric}_stderr{comma}{filter_name}")
+            rows.append((f"{task} {name}", f"{value:.4f}" + ("" if stderr is None else f" ± {stderr:.4f}")))
+        rows.append((f"{task} samples", f"{report['samples']} ({report['num_fewshot']}-shot)"))
     width = max(len(name) for name, _ in rows)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in rows), flush=True)
     return path
@@ -75,6 +89,13 @@ def evaluate(cfg: DictConfig) -> None:
         strategy=cfg.data_parallel, world_size=env.world_size, local_world_size=env.local_world_size,
         shard_size=cfg.hsdp_shard_size, device_type=env.device.type,
     )
+    # lm-evaluation-harness is looked up before the model loads: a missing package or task name fails at once.
+    harness = cfg.get("lm_eval") or {}
+    lm_eval_tasks = None
+    if harness.get("tasks"):
+        lm_eval_tasks = load_lm_eval_tasks(
+            harness.tasks, include_path=harness.get("include_path"), include_defaults=harness.get("include_defaults", True)
+        )
 
     # --- Model: built on the meta device, then loaded (or initialized from the seed), then its adapter -------------
     set_seed(cfg.seed)  # the same seed as training gives the same random base (LoRA on a random base)
@@ -137,6 +158,15 @@ def evaluate(cfg: DictConfig) -> None:
             model, tokenizer, tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank, world_size=env.world_size
         )
         results.update(accuracy=correct / total, correct=correct, total=total)
+
+    # --- lm-evaluation-harness: every rank runs the harness; the model's work is shared out -----------------------
+    if lm_eval_tasks is not None:
+        untruncated = instantiate(cfg.tokenizer, max_seq_len=None)  # the adapter cuts sequences from the left
+        results["lm_eval"] = run_lm_eval(
+            model, untruncated, lm_eval_tasks, limit=harness.get("limit"),
+            num_fewshot=harness.get("num_fewshot"), batch_size=harness.get("batch_size", cfg.micro_batch_size),
+            autocast=autocast, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
+        )
 
     if env.is_rank_zero:
         path = write_report(results, Path(cfg.output_dir))
