@@ -116,6 +116,7 @@ def train(cfg: DictConfig) -> None:
         micro_batch_size=cfg.micro_batch_size, device=env.device, device_memory_gb=cfg.get("device_memory_gb"),
         world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
+        activation_offloading=cfg.activation_offloading,
     )
     accum_steps = plan.accumulation_steps
     dims = parallel_dims(
@@ -136,7 +137,8 @@ def train(cfg: DictConfig) -> None:
             init_weights(model)
         init_adapters(model)  # B = 0 (and DoRA magnitudes = base norms): the model starts as exactly the base
 
-    # Speed and memory switches: the loss over sequence chunks (never the whole fp32 logits), torch.compile per layer.
+    # Speed and memory switches: the loss over sequence chunks (never the whole fp32 logits), torch.compile per layer
+    # (before parallelize, which wraps the compiled layers in activation checkpointing and offloading).
     loss_fn = chunked_cross_entropy_sum if cfg.get("loss_chunks") else cross_entropy_sum
     if cfg.get("compile"):
         loss_fn = compile_model(model, device=env.device, loss_fn=loss_fn)
@@ -144,6 +146,7 @@ def train(cfg: DictConfig) -> None:
     model = parallelize(
         model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
         mp_policy=precision.fsdp_policy(), activation_checkpointing=cfg.activation_checkpointing,
+        activation_offloading=cfg.activation_offloading,
     )
     autocast = precision.autocast(env.device, sharded=dims.is_sharded)
     grad_scaler = make_grad_scaler(enabled=precision.needs_grad_scaler, device=env.device, sharded=dims.is_sharded)

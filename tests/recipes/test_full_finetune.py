@@ -71,6 +71,27 @@ def test_same_seed_reproduces_exactly(single_run, tmp_path):
     assert losses(tmp_path) == losses(single_run)
 
 
+def test_activation_memory_switches_change_no_loss(single_run, tmp_path):
+    # Checkpointing every 2nd layer recomputes the same kernels on the same values, and on the CPU offloading is
+    # a logged no-op (its hooks are checked on the CPU target in tests/training/test_activations.py): the same
+    # losses to the bit.
+    result = tune("run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path}", *FAST,
+                  "activation_checkpointing=2", "activation_offloading=true")
+    assert result.returncode == 0, result.stderr
+    assert "activation_offloading: training runs on the CPU" in result.stderr
+    assert losses(tmp_path) == losses(single_run)
+
+
+def test_a_bad_activation_checkpointing_value_is_one_line(tmp_path):
+    result = tune("run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path}", *FAST,
+                  "activation_checkpointing=0")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "activation_checkpointing: must be true (every layer), false, or a positive integer k (every k-th layer); "
+        "got 0"
+    )
+
+
 def test_generate_answers_from_the_checkpoint(single_run):
     result = tune("run", "generate", "--config", "demo", f"checkpoint_dir={single_run / 'final'}", "prompt=reverse: abcd", "max_new_tokens=5")
     assert result.returncode == 0, result.stderr

@@ -45,7 +45,11 @@ def single(base_checkpoint, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("extra", [["data_parallel=ddp", "activation_checkpointing=true"], ["data_parallel=zero3"]])
+@pytest.mark.parametrize("extra", [
+    ["data_parallel=ddp", "activation_checkpointing=true"],
+    # Every 2nd layer checkpointed under FSDP2; offloading is a no-op on the CPU but goes through the recipe.
+    ["data_parallel=zero3", "activation_checkpointing=2", "activation_offloading=true"],
+])
 def test_two_processes_match_one(extra, single, base_checkpoint, tmp_path):
     _assert_two_processes_match(extra, single, base_checkpoint, tmp_path)
 
