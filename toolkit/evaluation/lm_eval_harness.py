@@ -50,9 +50,11 @@ def load_lm_eval_tasks(
     names = [tasks] if isinstance(tasks, str) else [str(name) for name in tasks]
     if not names:
         raise UserError("lm_eval.tasks: no task named (null turns lm-evaluation-harness off)")
-    if include_path is not None and not Path(include_path).is_dir():
-        raise UserError(f"lm_eval.include_path: {include_path} is not a folder")
-    if include_path is None and not include_defaults:
+    if include_path is not None:
+        include_path = Path(include_path).expanduser()
+        if not include_path.is_dir():
+            raise UserError(f"lm_eval.include_path: {include_path} is not a folder")
+    elif not include_defaults:
         raise UserError("lm_eval.include_defaults: false leaves no task to run without an include_path")
     manager = TaskManager(include_path=None if include_path is None else str(include_path), include_defaults=include_defaults)
     searched = " and ".join(
