@@ -56,9 +56,9 @@ from toolkit.training.validation import ValidationSampler, validation_loss
 
 __all__ = [
     "STRATEGIES",
+    "ActivationOffloader",
     "DistributedEnv",
     "HFCheckpointer",
-    "ActivationOffloader",
     "MetaCheckpointer",
     "MetricsLogger",
     "ParallelDims",
@@ -71,10 +71,10 @@ __all__ = [
     "ValidationSampler",
     "all_reduce_sum",
     "apply_activation_checkpointing",
+    "apply_activation_offloading",
     "apply_data_parallel",
     "apply_ddp",
     "apply_fsdp",
-    "apply_activation_offloading",
     "barrier",
     "breakpoint_on_rank",
     "clip_grad_norm",
