@@ -28,10 +28,12 @@ from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import exact_match_accuracy
 from toolkit.training import (
     MetricsLogger,
+    OptimizerInBackward,
     StepCheckpointer,
     StepProfiler,
     TrainingState,
     ValidationSampler,
+    check_optimizer_in_backward,
     chunked_cross_entropy_sum,
     compile_model,
     cross_entropy_sum,
@@ -98,6 +100,11 @@ def train(cfg: DictConfig) -> None:
         cpu_offload=plan.cpu_offload,
         device_type=env.device.type,
     )
+    if cfg.get("optimizer_in_backward"):  # what it cannot do is refused here, before any weight is loaded
+        check_optimizer_in_backward(
+            dims=dims, micro_batch_size=plan.micro_batch_size, accumulation_steps=accum_steps,
+            max_grad_norm=cfg.clip_grad_norm, grad_scaling=precision.needs_grad_scaler,
+        )
     checkpointer = instantiate(cfg.checkpointer)
 
     def fill(model: torch.nn.Module) -> None:
@@ -145,8 +152,11 @@ def train(cfg: DictConfig) -> None:
         total_steps = min(total_steps, cfg.max_steps)
 
     # --- Optimizer and schedule (after sharding: FSDP2 parameters are DTensors) ---------------------------------
-    optimizer = instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
-    optimizer = shard_optimizer_state(optimizer, dims=dims)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if cfg.get("optimizer_in_backward"):  # one optimizer per parameter, stepped in backward; gradients freed at once
+        optimizer = OptimizerInBackward(trainable, partial(instantiate, cfg.optimizer))
+    else:
+        optimizer = shard_optimizer_state(instantiate(cfg.optimizer, trainable), dims=dims)
     lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
 
     # --- Step checkpoints: resume exactly where a run stopped, on any number of processes ----------------------------

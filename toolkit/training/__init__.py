@@ -29,6 +29,7 @@ from toolkit.training.lr_schedulers import cosine_with_warmup
 from toolkit.training.memory import ParallelPlan, choose_strategy, estimate_memory, plan_parallelism
 from toolkit.training.meta_checkpoint import MetaCheckpointer
 from toolkit.training.metrics import MetricsLogger, peak_memory_gib, rank_stats, step_metrics
+from toolkit.training.optim import OptimizerInBackward, check_optimizer_in_backward
 from toolkit.training.parallel import (
     STRATEGIES,
     ParallelDims,
@@ -61,6 +62,7 @@ __all__ = [
     "HFCheckpointer",
     "MetaCheckpointer",
     "MetricsLogger",
+    "OptimizerInBackward",
     "ParallelDims",
     "ParallelPlan",
     "PrecisionPolicy",
@@ -77,6 +79,7 @@ __all__ = [
     "apply_fsdp",
     "barrier",
     "breakpoint_on_rank",
+    "check_optimizer_in_backward",
     "clip_grad_norm",
     "choose_strategy",
     "chunked_cross_entropy_sum",

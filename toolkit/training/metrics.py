@@ -138,8 +138,8 @@ def step_metrics(
     step: int,
     epoch: int,
     result: StepResult,
-    lr: float,
-    grad_norm: float,
+    lr: float | torch.Tensor,
+    grad_norm: float | None,
     elapsed_s: float,
     device: torch.device,
     gather_rank_stats: bool,
@@ -157,8 +157,8 @@ def step_metrics(
         "step": step,
         "epoch": epoch,
         "loss": result.loss,
-        "lr": lr,
-        "grad_norm": grad_norm,
+        "lr": float(lr),  # torchao's optimizers keep the learning rate in a tensor
+        "grad_norm": grad_norm,  # None (null) with the step inside backward: no step holds every gradient
         "num_tokens": result.num_tokens,
         "tokens_per_second": result.num_tokens / elapsed_s,
         "step_time_s": elapsed_s,

@@ -12,6 +12,7 @@ from toolkit.data import GlobalBatchSampler
 
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import cross_entropy_sum, gradient_scale, start_global_token_count
+from toolkit.training.optim import OptimizerInBackward
 from toolkit.training.parallel import clip_grad_norm, gradient_sync
 
 
@@ -92,8 +93,15 @@ def optimizer_step(
     *,
     max_grad_norm: float | None,
     grad_scaler: torch.amp.GradScaler | None = None,
-) -> float:
-    """Unscale (fp16), clip the global gradient norm, step, and clear the gradients; returns the norm."""
+) -> float | None:
+    """Unscale (fp16), clip the global gradient norm, step, and clear the gradients; returns the norm.
+
+    With the step inside backward (:class:`~toolkit.training.optim.OptimizerInBackward`) every parameter is already
+    updated and its gradient gone, so there is nothing to do and no global norm (None).
+    """
+    if isinstance(optimizer, OptimizerInBackward):
+        optimizer.step()  # a no-op, which the LR scheduler expects before its own step
+        return None
     if grad_scaler is not None:
         grad_scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(model, max_grad_norm)

@@ -50,6 +50,7 @@ from toolkit.data import GlobalBatchSampler
 from toolkit.errors import UserError
 from toolkit.training.debug import inject_fault
 from toolkit.training.distributed import barrier, shared_filesystem
+from toolkit.training.optim import OptimizerInBackward
 
 log = logging.getLogger(__name__)
 # One process without a process group loads and saves alone, as intended: DCP's warning says only that.
@@ -168,6 +169,28 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
+def _to_json(value: Any) -> Any:
+    # torchao's optimizers keep the learning rate in a tensor, and so the LR scheduler's state holds tensors too: a
+    # tensor is written as its values and dtype, and read back exactly by _from_json (float32 -> JSON -> float32).
+    if isinstance(value, torch.Tensor):
+        return {"tensor": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, dict):
+        return {key: _to_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(item) for item in value]
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if value.keys() == {"tensor", "dtype"}:
+            return torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+        return {key: _from_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_from_json(item) for item in value]
+    return value
+
+
 def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -232,13 +255,18 @@ class StepCheckpointer:
         return StateDictOptions(ignore_frozen_params=self.trainable_only, **kwargs)
 
     @staticmethod
-    def _local_optimizer(optimizer: Optimizer) -> Optimizer:
-        # ZeRO-1 keeps the state of this rank's parameters in an inner optimizer; saved by parameter name, it
-        # reshards to any world size like the rest.
-        return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    def _local_optimizers(optimizer: Optimizer) -> Optimizer | tuple[Optimizer, ...]:
+        # ZeRO-1 keeps the state of this rank's parameters in an inner optimizer, the step inside backward one
+        # optimizer per parameter; saved by parameter name, their state is that of one optimizer over all
+        # parameters, and reshards to any world size like the rest.
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer.optim
+        if isinstance(optimizer, OptimizerInBackward):
+            return tuple(optimizer.optimizers.values())
+        return optimizer
 
     def _tensor_state(self, state: TrainingState) -> dict[str, Any]:
-        optimizer = self._local_optimizer(state.optimizer)
+        optimizer = self._local_optimizers(state.optimizer)
         return {
             "model": get_model_state_dict(state.model, options=self._options()),
             "optimizer": get_optimizer_state_dict(
@@ -250,7 +278,7 @@ class StepCheckpointer:
         return {
             "step": step,
             "sampler": state.sampler.state_dict(),
-            "lr_scheduler": state.lr_scheduler.state_dict(),
+            "lr_scheduler": _to_json(state.lr_scheduler.state_dict()),
             "grad_scaler": state.grad_scaler.state_dict() if state.grad_scaler is not None else None,
             "world_size": self.world_size,
             "data_parallel": strategy,
@@ -355,14 +383,17 @@ class StepCheckpointer:
         set_model_state_dict(state.model, tensors["model"], options=self._options(strict=not self.trainable_only))
         set_optimizer_state_dict(
             state.model,
-            self._local_optimizer(state.optimizer),
+            self._local_optimizers(state.optimizer),
             tensors["optimizer"],
             options=self._options(flatten_optimizer_state_dict=True),
         )
-        state.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
+        state.lr_scheduler.load_state_dict(_from_json(trainer["lr_scheduler"]))
         # The optimizer's own copy of the learning rate (ZeRO-1's outer one is not in its state) is the schedule's.
         for group, lr in zip(state.optimizer.param_groups, state.lr_scheduler.get_last_lr()):
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers need it to stay the same tensor
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         state.sampler.load_state_dict(trainer["sampler"])
         if state.grad_scaler is not None and trainer["grad_scaler"]:
             state.grad_scaler.load_state_dict(trainer["grad_scaler"])

@@ -1,0 +1,98 @@
+"""Optimizer techniques in the recipes, end to end on the CPU demo (fp32, deterministic):
+
+- ``optimizer_in_backward``: the same AdamW arithmetic per parameter, run from FSDP2's (or autograd's) hook instead
+  of after backward, so losses and weights equal the ordinary step's bitwise, on one process and under every
+  strategy it supports; its step checkpoints resume exactly and are those of the ordinary step.
+- ``torchao.optim.AdamW8bit``: its quantized state, sharded by ZeRO-3, survives a step checkpoint exactly.
+
+The runs reuse tests/recipes/test_resume.py's launcher: a global batch of 8, 8 steps, a checkpoint every 3 steps.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_resume import assert_bitwise_equal, assert_same_run, kill_then_resume, losses, run
+
+IN_BACKWARD = ["optimizer_in_backward=true", "clip_grad_norm=null"]
+# 2 processes x 4 sequences: one micro-batch per step, as the step inside backward needs.
+ZERO3 = ["data_parallel=zero3", "micro_batch_size=4"]
+
+
+def train(output_dir: Path, *overrides: str, **launch) -> Path:
+    result = run(output_dir, *overrides, **launch)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def in_backward_zero3(tmp_path_factory) -> Path:
+    """2 processes, ZeRO-3, the step inside backward; its checkpoints (steps 3, 6, 8) are resumed from below."""
+    return train(tmp_path_factory.mktemp("in_backward_zero3"), *ZERO3, *IN_BACKWARD)
+
+
+# --- the step inside backward ------------------------------------------------------------------------------------
+
+
+def test_in_backward_equals_the_ordinary_step_on_one_process(tmp_path):
+    ordinary = train(tmp_path / "ordinary", "clip_grad_norm=null", "micro_batch_size=8", nproc=1)
+    in_backward = train(tmp_path / "in_backward", *IN_BACKWARD, "micro_batch_size=8", nproc=1)
+    assert_same_run(in_backward, ordinary)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "hsdp"])
+def test_in_backward_equals_the_ordinary_step_on_two_processes(strategy, in_backward_zero3, tmp_path):
+    # HSDP with shard groups of 1 process replicates over the two: its hooks run after the all-reduce as well.
+    layout = [f"data_parallel={strategy}", "micro_batch_size=4", "hsdp_shard_size=1"]
+    ordinary = train(tmp_path / "ordinary", *layout, "clip_grad_norm=null")
+    in_backward = in_backward_zero3 if strategy == "zero3" else train(tmp_path / "in_backward", *layout, *IN_BACKWARD)
+    assert_same_run(in_backward, ordinary)
+
+
+def test_in_backward_resumes_exactly(in_backward_zero3, tmp_path):
+    assert "resumed at step 6" in kill_then_resume(tmp_path, "after_step:7:1", *ZERO3, *IN_BACKWARD)
+    assert_same_run(tmp_path, in_backward_zero3)
+
+
+def test_in_backward_checkpoints_are_the_ordinary_steps(in_backward_zero3, tmp_path):
+    # Saved by parameter name, the per-parameter optimizers' state is one AdamW's: the ordinary step resumes from it.
+    step_3 = in_backward_zero3 / "checkpoints" / "step_3"
+    train(tmp_path, *ZERO3, "clip_grad_norm=null", f"resume_from={step_3}")
+    assert losses(tmp_path) == losses(in_backward_zero3)[3:]
+    assert_bitwise_equal(load_file(tmp_path / "final" / "model.safetensors"),
+                         load_file(in_backward_zero3 / "final" / "model.safetensors"))
+
+
+def test_lora_in_backward_under_zero3(tmp_path):
+    # Only the adapters have optimizers and hooks; the frozen, sharded base gets neither.
+    def adapter(out: Path) -> dict[str, torch.Tensor]:
+        return load_file(out / "final" / "adapter" / "adapter_model.safetensors")
+
+    lora = ["save_merged=false", *ZERO3]
+    ordinary = train(tmp_path / "ordinary", *lora, "clip_grad_norm=null", recipe="lora_finetune")
+    in_backward = train(tmp_path / "in_backward", *lora, *IN_BACKWARD, recipe="lora_finetune")
+    assert losses(in_backward) == losses(ordinary)
+    assert_bitwise_equal(adapter(in_backward), adapter(ordinary))
+
+
+def test_in_backward_refuses_gradient_clipping_in_one_line(tmp_path):
+    result = run(tmp_path, "optimizer_in_backward=true", "micro_batch_size=8", nproc=1)  # the demo clips at 1.0
+    assert result.returncode != 0
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "set clip_grad_norm=null or optimizer_in_backward=false" in result.stderr
+
+
+# --- torchao's 8-bit AdamW ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # torchao compiles its step per parameter shape: about a minute with a cold compile cache
+def test_adamw8bit_under_zero3_resumes_exactly(tmp_path):
+    # The state is torchao's OptimState8bit inside FSDP2's DTensors; a step checkpoint stores it dequantized and
+    # loading quantizes it again, to the same codes and scales: the resumed run is the uninterrupted one, bitwise.
+    adamw8bit = ["optimizer._component_=torchao.optim.AdamW8bit", *ZERO3]
+    reference = train(tmp_path / "reference", *adamw8bit)
+    assert losses(reference)[-1] < losses(reference)[0] - 0.5
+    assert "resumed at step 6" in kill_then_resume(tmp_path / "run", "after_step:7:1", *adamw8bit)
+    assert_same_run(tmp_path / "run", reference)
