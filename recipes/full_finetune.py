@@ -33,6 +33,8 @@ from toolkit.training import (
     StepProfiler,
     TrainingState,
     ValidationSampler,
+    apply_float8,
+    check_float8_device,
     check_optimizer_in_backward,
     chunked_cross_entropy_sum,
     compile_model,
@@ -111,6 +113,9 @@ def train(cfg: DictConfig) -> None:
         if resume is None:  # (when resuming, every weight comes from the step checkpoint, loaded below)
             checkpointer.load(model) if checkpointer.checkpoint_dir is not None else init_weights(model)
 
+    if cfg.get("float8"):  # float8 matmuls in the linear layers (torchao), converted before compile and sharding
+        check_float8_device(env.device)
+        apply_float8(model, fsdp_float8_all_gather=dims.is_sharded)
     # Speed and memory switches: the loss over sequence chunks (never the whole fp32 logits), torch.compile per layer
     # (before parallelize, which wraps the compiled layers in activation checkpointing and offloading).
     loss_fn = chunked_cross_entropy_sum if cfg.get("loss_chunks") else cross_entropy_sum

@@ -35,7 +35,9 @@ from toolkit.training import (
     StepProfiler,
     TrainingState,
     ValidationSampler,
+    apply_float8,
     barrier,
+    check_float8_device,
     check_optimizer_in_backward,
     chunked_cross_entropy_sum,
     compile_model,
@@ -144,6 +146,9 @@ def train(cfg: DictConfig) -> None:
             init_weights(model)
         init_adapters(model)  # B = 0 (and DoRA magnitudes = base norms): the model starts as exactly the base
 
+    if cfg.get("float8"):  # float8 matmuls in the linear layers (torchao), converted before compile and sharding
+        check_float8_device(env.device)
+        apply_float8(model, fsdp_float8_all_gather=dims.is_sharded)
     # Speed and memory switches: the loss over sequence chunks (never the whole fp32 logits), torch.compile per layer
     # (before parallelize, which wraps the compiled layers in activation checkpointing and offloading).
     loss_fn = chunked_cross_entropy_sum if cfg.get("loss_chunks") else cross_entropy_sum

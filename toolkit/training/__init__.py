@@ -22,6 +22,7 @@ from toolkit.training.distributed import (
     init_distributed,
     on_rank_zero,
 )
+from toolkit.training.float8 import apply_float8, check_float8_device
 from toolkit.training.init import init_weights, materialize, set_seed
 from toolkit.training.compile import compile_model
 from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum, global_token_count, gradient_scale
@@ -76,9 +77,11 @@ __all__ = [
     "apply_activation_offloading",
     "apply_data_parallel",
     "apply_ddp",
+    "apply_float8",
     "apply_fsdp",
     "barrier",
     "breakpoint_on_rank",
+    "check_float8_device",
     "check_optimizer_in_backward",
     "clip_grad_norm",
     "choose_strategy",

@@ -1,0 +1,86 @@
+"""Worker for test_float8.py, run under torchrun: the demo Llama with float8 linear layers, sharded by FSDP2 (ZeRO-3)
+and trained a few steps, once gathering the weights in float32 and casting them after, once casting each shard and
+gathering the float8 bytes (``fsdp_float8_all_gather``). Rank zero writes both runs' losses as JSON.
+
+Also the one-process helpers test_float8.py trains with."""
+
+import itertools
+import json
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from toolkit.data import GlobalBatchSampler, demo_dataset, padded_collate
+from toolkit.models.llama3 import llama3_demo
+from toolkit.tokenizers import byte_tokenizer
+from toolkit.training import (
+    apply_float8,
+    forward_backward,
+    init_weights,
+    optimizer_step,
+    parallel_dims,
+    parallelize,
+    set_seed,
+)
+
+CPU = torch.device("cpu")
+BATCH_SIZE = 16
+
+
+def batches(steps: int, *, rank: int = 0, world_size: int = 1) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of the first ``steps`` global batches of the demo tasks."""
+    tokenizer = byte_tokenizer(max_seq_len=64)
+    dataset = demo_dataset(tokenizer, num_samples=BATCH_SIZE * steps, seed=0)
+    sampler = GlobalBatchSampler(len(dataset), global_batch_size=BATCH_SIZE, rank=rank, world_size=world_size, seed=0)
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE // world_size, sampler=sampler,
+                        collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id))
+    return list(itertools.islice(loader, steps))
+
+
+def demo_model(
+    *, float8: bool, dtype: torch.dtype, strategy: str = "ddp", world_size: int = 1, float8_all_gather: bool = True
+) -> torch.nn.Module:
+    """The seeded demo Llama, optionally with float8 linear layers, in ``dtype``, parallelized as a recipe does;
+    sharded float8 weights are all-gathered in float8 unless ``float8_all_gather`` is False."""
+    dims = parallel_dims(strategy=strategy, world_size=world_size, local_world_size=world_size, device_type="cpu")
+    set_seed(0)
+    with torch.device("meta"):
+        model = llama3_demo(max_seq_len=64)
+    if float8:
+        apply_float8(model, fsdp_float8_all_gather=float8_all_gather and dims.is_sharded)
+    return parallelize(model, dims=dims, device=CPU, dtype=dtype, fill=init_weights)
+
+
+def train(model: torch.nn.Module, steps: list[dict[str, torch.Tensor]], *, world_size: int = 1) -> list[float]:
+    """AdamW on the given micro-batches, one per step; returns the global losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    losses = []
+    for batch in steps:
+        losses.append(forward_backward(model, [batch], device=CPU, data_parallel_size=world_size).loss)
+        optimizer_step(model, optimizer, max_grad_norm=None)
+    return losses
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    steps = batches(3, rank=rank, world_size=world_size)
+    result = {}
+    for name, float8_all_gather in (("float32_all_gather", False), ("float8_all_gather", True)):
+        model = demo_model(float8=True, dtype=torch.float32, strategy="zero3", world_size=world_size,
+                           float8_all_gather=float8_all_gather)
+        result[name] = train(model, steps, world_size=world_size)
+        result[f"{name}_weight"] = type(model.layers[0].mlp.up_proj.weight.to_local()).__name__
+        del model
+    if rank == 0:
+        out.write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown, as the recipes' torchrun workers do (gloo destructors can abort there)
