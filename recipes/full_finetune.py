@@ -91,7 +91,7 @@ def train(cfg: DictConfig) -> None:
         micro_batch_size=cfg.micro_batch_size, device=env.device, device_memory_gb=cfg.get("device_memory_gb"),
         world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
-        activation_offloading=cfg.activation_offloading,
+        activation_offloading=cfg.activation_offloading, optimizer_in_backward=cfg.get("optimizer_in_backward", False),
     )
     accum_steps = plan.accumulation_steps
     dims = parallel_dims(

@@ -146,3 +146,15 @@ def test_auto_micro_batch_is_planned_like_tune_run_picks_it():
     )
     assert result.returncode == 0, result.stderr
     assert "micro_batch_size: auto -> " in result.stdout and "sequences per device" in result.stdout
+
+
+def test_plan_counts_8bit_adamw_and_the_step_inside_backward(plan) -> None:
+    # The demo on 2 processes: 8-bit AdamW's state is a quarter of fp32 AdamW's, the step inside backward holds one
+    # gradient at a time, and auto skips ddp, which would fit but cannot step inside backward.
+    args = ("full_finetune", "--config", "demo", "--device-memory-gb", "24", "--nproc_per_node", "2")
+    adamw = plan(*args).stdout
+    lighter = plan(*args, "optimizer._component_=torchao.optim.AdamW8bit", "optimizer_in_backward=true").stdout
+    assert "adamw8bit stepped inside backward" in lighter
+    assert float(_row(lighter, "optimizer state")[0]) < float(_row(adamw, "optimizer state")[0]) / 3
+    assert float(_row(lighter, "grads")[0]) < float(_row(adamw, "grads")[0]) / 5
+    assert "auto picks: data_parallel=ddp" in adamw and "auto picks: data_parallel=zero2" in lighter

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from toolkit.training.memory import (
     logits_bytes,
     offloaded_activation_bytes,
 )
+from toolkit.training.optim import OptimizerInBackward
 
 GIB = 1024**3
 VOCAB = 384
@@ -297,6 +299,37 @@ def test_offload_moves_sharded_state_to_host() -> None:
     assert offloaded.total < on_device.total and offloaded.gathered == on_device.gathered
 
 
+def test_optimizer_in_backward_holds_the_largest_gradient_only() -> None:
+    model = _model("llama3", "fp32")
+    params = list(model.parameters())
+    live = []  # bytes of the gradients alive each time one is ready (these hooks run before the optimizer's)
+
+    def record(_: torch.Tensor) -> None:
+        live.append(_bytes([p.grad for p in params if p.grad is not None]))
+
+    for param in params:
+        param.register_post_accumulate_grad_hook(record)
+    OptimizerInBackward(params, partial(torch.optim.AdamW, lr=1e-3))
+    loss, _ = _loss(model, torch.randint(0, VOCAB, (BATCH, SEQ)))
+    loss.backward()
+    kwargs = dict(world_size=1, micro_batch_size=BATCH, max_seq_len=SEQ, dtype="fp32", optimizer_in_backward=True)
+    assert estimate_memory(model, strategy="ddp", **kwargs).grads == max(live) == 4 * max(p.numel() for p in params)
+    # Sharded: the largest parameter's FSDP2 shard (dim 0 split like torch.chunk).
+    zero3 = estimate_memory(model, strategy="zero3", **{**kwargs, "world_size": 2})
+    assert zero3.grads == 4 * max(torch.chunk(p, 2, dim=0)[0].numel() for p in params)
+
+
+def test_8bit_adamw_state_is_2_bytes_per_parameter() -> None:
+    with torch.device("meta"):
+        model = llama3_demo()
+    n = sum(p.numel() for p in model.parameters())
+    kwargs = dict(strategy="ddp", world_size=1, micro_batch_size=BATCH, max_seq_len=SEQ, dtype="bf16-mixed")
+    # Two 1-byte moments plus a float32 scale per block of 256 (measured in tests/training/test_optim.py), against
+    # AdamW's two moments in the fp32 master dtype.
+    assert estimate_memory(model, optimizer="adamw8bit", **kwargs).optimizer_state == int(2 * (1 + 4 / 256) * n)
+    assert estimate_memory(model, optimizer="adamw", **kwargs).optimizer_state == 8 * n
+
+
 # --- Choosing a strategy -------------------------------------------------------------------------------------------
 
 
@@ -314,6 +347,16 @@ def test_auto_picks_ddp_when_the_model_fits() -> None:
     assert (strategy, estimate.cpu_offload) == ("ddp", False)
     assert estimate.total <= 0.9 * 24 * GIB
     assert reason.startswith("ddp needs ") and "21.60 GiB usable (90% of 24.00 GiB)" in reason
+
+
+def test_auto_never_picks_a_replicated_strategy_for_the_step_inside_backward() -> None:
+    # ddp would fit (see above), but DDP and ZeRO-1 cannot step inside backward on several processes.
+    with torch.device("meta"):
+        model = llama3_demo()
+    kwargs = dict(device_memory_bytes=24 * GIB, micro_batch_size=16, max_seq_len=64, dtype="fp32")
+    strategy, _, reason = choose_strategy(model, world_size=2, optimizer_in_backward=True, **kwargs)
+    assert strategy == "zero2" and "ddp" not in reason
+    assert choose_strategy(model, world_size=1, optimizer_in_backward=True, **kwargs)[0] == "ddp"  # one process
 
 
 def test_auto_shards_an_8b_full_finetune_on_two_24gb_gpus() -> None:

@@ -38,7 +38,8 @@ Estimate per-device memory (parameters, gradients, optimizer state, activations,
 for every data-parallel strategy, and show the one `data_parallel: auto` picks: the cheapest that fits.
 
 Reads the config keys model, micro_batch_size, max_seq_len, dtype (default bf16-mixed), activation_checkpointing,
-activation_offloading, data_parallel, cpu_offload, hsdp_shard_size, batch_size, optimizer and device_memory_gb.
+activation_offloading, data_parallel, cpu_offload, hsdp_shard_size, batch_size, optimizer, optimizer_in_backward
+and device_memory_gb.
 
 examples:
   tune plan full_finetune --config demo --device-memory-gb 24
@@ -162,6 +163,7 @@ def plan_command(argv: Sequence[str]) -> int:
     world_size = nproc * nnodes
     memory, memory_source = _device_memory(args, cfg)
     optimizer, optimizer_note = _optimizer_name(cfg)
+    optimizer_in_backward = bool(cfg.get("optimizer_in_backward", False))
 
     with torch.device("meta"):  # shapes only: a 70B model costs nothing
         model = instantiate(cfg.model)
@@ -177,7 +179,8 @@ def plan_command(argv: Sequence[str]) -> int:
             batch_size=cfg.batch_size, micro_batch_size="auto", device=torch.device("cpu"),
             device_memory_gb=memory / _GIB, world_size=world_size, local_world_size=nproc, max_seq_len=max_seq_len,
             dtype=dtype, activation_checkpointing=activation_checkpointing,
-            activation_offloading=activation_offloading, headroom=args.headroom,
+            activation_offloading=activation_offloading, optimizer_in_backward=optimizer_in_backward,
+            headroom=args.headroom,
         )
         micro_batch_size = chosen.micro_batch_size
         auto_note = "; ".join(chosen.reasons)
@@ -201,6 +204,7 @@ def plan_command(argv: Sequence[str]) -> int:
         activation_checkpointing=activation_checkpointing,
         activation_offloading=activation_offloading,
         optimizer=optimizer,
+        optimizer_in_backward=optimizer_in_backward,
         gradient_accumulation_steps=accumulation,
     )
     usable = int(args.headroom * memory)
@@ -210,7 +214,8 @@ def plan_command(argv: Sequence[str]) -> int:
     print(
         f"model: {cfg.model._component_}, {n_params / 1e6:,.2f}M parameters ({n_trainable / 1e6:,.2f}M trainable); "
         f"micro batch {micro_batch_size} x {max_seq_len} tokens, dtype {dtype}, activation checkpointing "
-        f"{checkpointing}, offloading {'on' if activation_offloading else 'off'}, {optimizer}, {accumulation} "
+        f"{checkpointing}, offloading {'on' if activation_offloading else 'off'}, {optimizer}"
+        f"{' stepped inside backward' if optimizer_in_backward else ''}, {accumulation} "
         "accumulation step(s)"
     )
     print(

@@ -7,8 +7,10 @@ device (so a 70B model costs nothing to plan):
 
 - **params**: stored (master) parameters, NF4 base weights (QLoRA) at their quantized size, plus buffers such
   as the rotary cos/sin cache.
-- **grads**: gradients in the stored dtype (the mixed modes reduce in fp32).
-- **optimizer state**: ``states x`` trainable parameters in the stored dtype (AdamW: exp_avg and exp_avg_sq).
+- **grads**: gradients in the stored dtype (the mixed modes reduce in fp32); with the optimizer step inside
+  backward, only the largest parameter's (each gradient is freed as soon as its parameter has stepped).
+- **optimizer state**: ``states x`` trainable parameters in the stored dtype (AdamW: exp_avg and exp_avg_sq), or
+  in one byte each for torchao's 8-bit Adam(W).
 - **activations**: tensors autograd saves for backward, from the formula in :func:`activation_bytes`.
 - **logits**: the peak of the logits and the loss's float32 copies, see :func:`logits_bytes`.
 - **gathered**: full-size parameters and gradients that exist only around compute: FSDP2's unsharded layers and
@@ -38,8 +40,12 @@ from toolkit.training.activations import checkpoint_interval, checkpointed_layer
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 _SHARDED = ("zero2", "zero3", "hsdp")
 
-# Optimizer state tensors per trainable parameter, each in the stored parameter dtype.
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
+# Optimizer state tensors per trainable parameter, each in the stored parameter dtype (but see below).
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "adamw8bit": 2, "adam8bit": 2}
+# Bytes per state element of the optimizers that keep their state in their own format: torchao's 8-bit Adam(W)
+# stores one byte per element and a float32 scale per block of 256 (tensors under 4096 elements, a negligible share
+# of a model, stay in the parameter dtype).
+_STATE_ELEMENT_BYTES = {"adamw8bit": 1 + 4 / 256, "adam8bit": 1 + 4 / 256}
 
 _GIB = 1024**3
 
@@ -379,6 +385,7 @@ def estimate_memory(
     cpu_offload: bool = False,
     trainable_params: int | None = None,
     optimizer: str = "adamw",
+    optimizer_in_backward: bool = False,
     shard_size: int | None = None,
     gradient_accumulation_steps: int = 1,
 ) -> MemoryEstimate:
@@ -416,7 +423,9 @@ def estimate_memory(
         cpu_offload: keep sharded state in host memory (sharded strategies only).
         trainable_params: parameters with gradients and optimizer state (LoRA); default: those with
             ``requires_grad``. When given, it is spread over shards and layers in proportion to their size.
-        optimizer: ``adamw``, ``adam`` (2 states) or ``sgd`` (1: momentum).
+        optimizer: ``adamw``, ``adam`` (2 states), ``adamw8bit``, ``adam8bit`` (2 states of 1 byte) or ``sgd``
+            (1: momentum).
+        optimizer_in_backward: each parameter steps as soon as its gradient is ready, which is then freed.
         shard_size: HSDP's shard group size (default ``world_size // num_nodes``).
         gradient_accumulation_steps: micro-steps per optimizer step.
 
@@ -490,12 +499,19 @@ def estimate_memory(
         # With gradient accumulation the sharded strategies still reduce-scatter every micro-step (see
         # parallel.gradient_sync), so accumulation adds nothing here.
         gathered = int(gathered_params + unsharded_grads)
+    if optimizer_in_backward:
+        # Each gradient is freed as soon as its parameter has stepped: one exists at a time, at most the largest.
+        per_rank = 1 if strategy in ("ddp", "zero1") else shards
+        if by_flags:
+            grad_elems = max((_stored_bytes(t, 1, per_rank) for t in params if t.requires_grad), default=0)
+        else:
+            grad_elems = math.ceil(fraction * max(t.numel() for t in params) / per_rank)
     activations = dict(
         micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype,
         activation_checkpointing=activation_checkpointing, autocast=autocast,
     )
     host = offloaded_activation_bytes(model, **activations) if activation_offloading else 0
-    grad_bytes, opt_bytes = p * grad_elems, p * states * opt_elems
+    grad_bytes, opt_bytes = p * grad_elems, int(_STATE_ELEMENT_BYTES.get(optimizer, p) * states * opt_elems)
     if cpu_offload:
         host += param_bytes + grad_bytes + opt_bytes
         param_bytes = grad_bytes = opt_bytes = 0
@@ -556,12 +572,14 @@ def choose_strategy(
     activation_offloading: bool = False,
     trainable_params: int | None = None,
     optimizer: str = "adamw",
+    optimizer_in_backward: bool = False,
     gradient_accumulation_steps: int = 1,
     headroom: float = 0.9,
 ) -> tuple[str, MemoryEstimate, str]:
     """The cheapest strategy (order: :func:`candidate_strategies`) whose estimate fits ``headroom`` of the device.
 
-    The other arguments are those of :func:`estimate_memory`.
+    The other arguments are those of :func:`estimate_memory`. With ``optimizer_in_backward`` on several processes,
+    only the FSDP2 strategies are candidates (see :mod:`toolkit.training.optim`).
 
     Returns:
         ``(strategy, estimate, reason)``: the ``data_parallel`` value, its estimate (``estimate.cpu_offload`` says
@@ -574,6 +592,8 @@ def choose_strategy(
     budget = f"{format_bytes(usable)} usable ({headroom:.0%} of {format_bytes(device_memory_bytes)})"
     estimates = []
     for strategy, offload in candidate_strategies(world_size=world_size, num_nodes=num_nodes):
+        if optimizer_in_backward and world_size > 1 and strategy not in _SHARDED:
+            continue
         estimate = estimate_memory(
             model,
             strategy=strategy,
@@ -587,6 +607,7 @@ def choose_strategy(
             cpu_offload=offload,
             trainable_params=trainable_params,
             optimizer=optimizer,
+            optimizer_in_backward=optimizer_in_backward,
             gradient_accumulation_steps=gradient_accumulation_steps,
         )
         if estimate.total <= usable:
@@ -666,6 +687,7 @@ def plan_parallelism(
     dtype: str,
     activation_checkpointing: bool | int,
     activation_offloading: bool = False,
+    optimizer_in_backward: bool = False,
     headroom: float = 0.9,
 ) -> ParallelPlan:
     """Resolve ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory estimate.
@@ -678,8 +700,8 @@ def plan_parallelism(
     Args:
         model: the model, on the meta device (only shapes are read).
         strategy, cpu_offload, batch_size, micro_batch_size, max_seq_len, dtype, activation_checkpointing,
-            activation_offloading: as in the config (offloading is counted as on a GPU: on the CPU, where it does
-            nothing, host and device memory are the same).
+            activation_offloading, optimizer_in_backward: as in the config (offloading is counted as on a GPU: on
+            the CPU, where it does nothing, host and device memory are the same).
         device: this rank's device; its memory is used on CUDA.
         device_memory_gb: the memory to plan for where the device does not say (CPU), in GiB.
         world_size, local_world_size: the job's shape.
@@ -707,7 +729,8 @@ def plan_parallelism(
         memory = int(device_memory_gb * 2**30)
     num_nodes = max(1, world_size // max(1, local_world_size))
     common = dict(world_size=world_size, max_seq_len=max_seq_len, dtype=dtype,
-                  activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading)
+                  activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
+                  optimizer_in_backward=optimizer_in_backward)
     micro = 1 if auto_batch else micro_batch_size
     steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=world_size)
     reasons = []
