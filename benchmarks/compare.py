@@ -3,6 +3,7 @@
     python benchmarks/compare.py --device cpu                                  # tiny Llama, full and LoRA, ~4.5 min
     python benchmarks/compare.py --device cuda --model llama3_2_1b             # full fine-tune, bf16
     python benchmarks/compare.py --device cuda --model llama3_1_8b --methods lora qlora
+    python benchmarks/compare.py --device cpu --ladder                         # ours only, technique by technique
 
 For each method (``full``: every weight trains; ``lora``; ``qlora``: LoRA on an NF4 base) three programs train the
 same model on the same data, each in its own process:
@@ -68,6 +69,11 @@ tools rather than about the load at the minute each ran:
   way took 6-9x the CPU time of one-thread steps and varied by 5x from one step to the next, which swamped every
   difference between tools. ``--threads 0`` gives torch its own choice.
 
+**The ladder** (``--ladder``) runs no peer: it runs our recipe once per rung of ``LADDER``, each rung adding one
+technique to those above it (chunked loss, activation checkpointing, offloading on CUDA, compile, 8-bit AdamW, the
+optimizer step in backward), measured the same way, and prints each rung's tokens/s and memory against the
+baseline's: what each switch costs or saves on this job.
+
 On CUDA the runs go one after another (memory: a full 3B fine-tune does not fit three times) on torch's defaults.
 The last lines are one per comparison::
 
@@ -90,7 +96,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +155,7 @@ class Job:
     checkpoint_dir: str
     data: str
     tokenizer: str
+    ours_overrides: tuple[str, ...] = ()  # more config overrides for our recipe (the ladder's techniques)
 
     @property
     def shape(self) -> Shape:
@@ -224,6 +231,8 @@ def install_probe(path: str, *, cuda: bool, pause: bool) -> None:
     first_forward = register_module_forward_pre_hook(before_first_forward)
 
     def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a step run by a backward hook (our optimizer_in_backward): one parameter's, not the step's end
         record: dict[str, Any] = {}
         if cuda:
             torch.cuda.synchronize()  # the step's kernels are done: intervals are device time, not launch time
@@ -389,6 +398,7 @@ def ours_command(job: Job, out: Path) -> list[str]:
             "model.lora_dropout=0.0", "model.use_dora=false",
             f"model.quantize_base={str(job.method == 'qlora').lower()}", "save_merged=false",
         ]
+    o += job.ours_overrides  # later overrides win
     return [sys.executable, "-m", "toolkit.cli", "run", f"{RECIPES[job.method]}_single_device", "--config", "demo", *o]
 
 
@@ -637,6 +647,78 @@ def ratio(a: float | None, b: float | None) -> str:
     return "n/a" if a is None or b is None else f"{a / b:.2f}"
 
 
+# --- The ladder: what each of our techniques buys, one on top of the other ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One step of the ladder: config overrides added to all the rungs before it."""
+
+    name: str
+    overrides: tuple[str, ...]
+    cuda_only: bool = False  # offloading to host memory means nothing when training already runs there
+
+
+LADDER = (
+    Rung("baseline: whole logits", ("loss_chunks=null", "activation_checkpointing=false", "compile=false")),
+    Rung("+ chunked loss (8 chunks)", ("loss_chunks=8",)),
+    Rung("+ activation checkpointing", ("activation_checkpointing=true",)),
+    Rung("+ activation offloading", ("activation_offloading=true",), cuda_only=True),
+    Rung("+ compile", ("compile=true",)),
+    Rung("+ 8-bit AdamW (torchao)", ("optimizer._component_=torchao.optim.AdamW8bit", "~optimizer.fused")),
+    # The step inside backward cannot clip the global gradient norm (it needs every gradient at once).
+    Rung("+ optimizer step in backward, no clipping", ("optimizer_in_backward=true", "clip_grad_norm=null")),
+)
+
+
+def run_ladder(job: Job, *, work: Path, env: dict[str, str], interleave: bool, warmup: int,
+               keep: bool) -> list[Result]:
+    """Our recipe on ``job`` once per rung, each with its techniques and all the earlier ones'."""
+    rungs = [rung for rung in LADDER if job.device == "cuda" or not rung.cuda_only]
+    procs: dict[str, list[Any]] = {}
+    jobs: dict[str, Job] = {}
+    overrides: list[str] = []
+    for i, rung in enumerate(rungs):
+        overrides += rung.overrides
+        jobs[rung.name] = replace(job, ours_overrides=tuple(overrides))
+        out = work / f"{job.method}_rung{i}"
+        for old in [out, *work.glob(f"{out.name}.*")]:
+            shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+        rung_env = {**env, "BENCH_PROBE_OUT": str(work / f"{out.name}.probe"),
+                    "BENCH_PROBE_CUDA": str(int(job.device == "cuda")), "BENCH_PROBE_PAUSE": str(int(interleave))}
+        procs[rung.name] = [ours_command(jobs[rung.name], out), rung_env, work, work / f"{out.name}.log"]
+    print(f"  {job.method} ladder: {len(rungs)} rungs {'interleaved' if interleave else 'one after another'} ...",
+          end=" ", flush=True)
+    started = time.perf_counter()
+    ended = run_together(procs, interleave=interleave)
+    print(f"{time.perf_counter() - started:.0f} s", flush=True)
+    results = []
+    for i, rung in enumerate(rungs):
+        out = work / f"{job.method}_rung{i}"
+        exit_code, usage, wall_s = ended[rung.name]
+        result = read_result("ours", job=jobs[rung.name], out=out, exit_code=exit_code, usage=usage, wall_s=wall_s,
+                             warmup=warmup, interleaved=interleave)
+        result.tool = rung.name
+        results.append(result)
+        if not keep:
+            shutil.rmtree(out, ignore_errors=True)
+    return results
+
+
+def print_ladder(method: str, results: list[Result], *, steps: int, cpu: bool) -> None:
+    base = results[0]
+    memory = "peak RSS GiB" if cpu else "peak GPU alloc GiB"
+    columns = ["rung", "tokens/s", "x baseline", memory, "x baseline", "training GiB", "x baseline", "loss step 1",
+               f"loss step {steps}", "note"]
+    print(f"\n{RECIPES[method]}{'/qlora' if method == 'qlora' else ''} ladder (each rung adds to the ones above):\n")
+    print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
+    for r in results:
+        cells = [r.tool, fmt(r.tokens_per_s, ".0f"), ratio(r.tokens_per_s, base.tokens_per_s),
+                 fmt(r.memory_gib, ".3f"), ratio(r.memory_gib, base.memory_gib), fmt(r.training_gib, ".3f"),
+                 ratio(r.training_gib, base.training_gib), fmt(r.first_loss, ".5f"), fmt(r.last_loss, ".5f"), r.note]
+        print("| " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -644,6 +726,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=("full", "lora", "qlora"), default=None,
                         help="default: full lora (tiny shapes), full (1B, 3B), lora qlora (8B)")
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
+    parser.add_argument("--ladder", action="store_true",
+                        help="no peers: our recipe once per technique added (LADDER), tokens/s and memory of each")
     parser.add_argument("--batch-size", type=int, default=None, help="default: 4 (cpu, 1B), 2 (3B, 8B)")
     parser.add_argument("--seq-len", type=int, default=None, help="default: 256 (cpu), 2048 (cuda)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run; default 30 (cpu), 15 (cuda)")
@@ -691,7 +775,7 @@ def main() -> None:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="tunekit-compare-", dir=None if cpu else "/dev/shm"))
     work.mkdir(parents=True, exist_ok=True)
     torchtune_python = None
-    if "torchtune" in args.peers:
+    if "torchtune" in args.peers and not args.ladder:
         torchtune_python = args.torchtune_python or ensure_torchtune_venv(TORCHTUNE_VENV)
     probe_dir = work / "probe"
     probe_dir.mkdir(exist_ok=True)
@@ -727,6 +811,10 @@ def main() -> None:
     for method in methods:
         job = Job(method, shape_name, args.device, dtype, batch_size, seq_len, steps, ac, args.loss_chunks,
                   str(checkpoint), str(data), str(ranks))
+        if args.ladder:
+            results[method] = run_ladder(job, work=work, env=env_with(args.ours_pythonpath), interleave=interleave,
+                                         warmup=warmup, keep=args.keep)
+            continue
         procs: dict[str, list[Any]] = {}
         skipped: dict[str, Result] = {}
         for tool in ("ours", *args.peers):
@@ -766,6 +854,12 @@ def main() -> None:
         results[method] = runs
 
     print(f"\n1-minute load average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after\n")
+    if args.ladder:
+        for method, runs in results.items():
+            print_ladder(method, runs, steps=steps, cpu=cpu)
+        if not args.keep and args.work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     columns = ["method", "tool", "tokens/s", "step ms", "CPU s/step", f"peak {'RSS' if cpu else 'GPU alloc'} GiB",
                "training GiB", "above torch GiB", "own log tokens/s", "process RSS GiB", "loss step 1",
                f"loss step {steps}", "note"]
