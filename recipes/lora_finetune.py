@@ -233,14 +233,17 @@ def train(cfg: DictConfig) -> None:
     flops = flops_per_token(unwrap(model), seq_len=cfg.max_seq_len)
     peak_flops = measure_peak_flops(env.device, precision.compute_dtype)
     model.train()
+    data_requested = time.perf_counter()
     for epoch, micro_batches in global_batches(loader, sampler, accum_steps=accum_steps):
         if step == total_steps:
             break
         start = time.perf_counter()
+        data_wait_s = start - data_requested  # reading and collating this step's micro-batches
         result = forward_backward(
             model, micro_batches, device=env.device, data_parallel_size=env.world_size,
             autocast=autocast, grad_scaler=grad_scaler, loss_fn=loss_fn, num_output_chunks=cfg.get("loss_chunks"),
         )
+        forward_backward_s = time.perf_counter() - start
         grad_norm = optimizer_step(model, optimizer, max_grad_norm=cfg.clip_grad_norm, grad_scaler=grad_scaler)
         lr = lr_scheduler.get_last_lr()[0]
         lr_scheduler.step()
@@ -250,6 +253,7 @@ def train(cfg: DictConfig) -> None:
         log.log(step_metrics(
             step=step, epoch=epoch, result=result, lr=lr, grad_norm=grad_norm,
             elapsed_s=time.perf_counter() - start, device=env.device,
+            data_wait_s=data_wait_s, forward_backward_s=forward_backward_s,
             gather_rank_stats=step % cfg.log_every_n_steps == 0 or step == total_steps,
             flops_per_token=flops, peak_flops=peak_flops,
         ))
@@ -259,6 +263,7 @@ def train(cfg: DictConfig) -> None:
         if checkpoints.due(step, total_steps):
             checkpoints.save(step, state, config=cfg, strategy=dims.strategy)
         inject_fault("after_step", step=step, rank=env.rank)  # a testing hook: see toolkit.training.debug
+        data_requested = time.perf_counter()
     checkpoints.wait()
     profiler.close()
 

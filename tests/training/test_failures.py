@@ -86,6 +86,10 @@ def test_metrics_gather_per_rank_figures(tmp_path):
     assert record["rank_step_time_s_max"] >= record["rank_step_time_s_min"] > 0
     assert record["slowest_rank"] in (0, 1)
     assert record["rank_peak_memory_gib_max"] > 0
+    # The step-time split: forward and backward, then the optimizer (the rest of the step); the data wait before it.
+    assert record["forward_backward_s"] > 0 and record["optimizer_s"] > 0
+    assert record["forward_backward_s"] + record["optimizer_s"] == pytest.approx(record["step_time_s"], rel=1e-9)
+    assert record["rank_data_wait_s_max"] >= record["rank_data_wait_s_min"] >= 0 and record["data_wait_s"] >= 0
 
 
 def test_auto_strategy_is_resolved_and_explained(tmp_path):

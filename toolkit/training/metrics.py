@@ -143,6 +143,8 @@ def step_metrics(
     elapsed_s: float,
     device: torch.device,
     gather_rank_stats: bool,
+    data_wait_s: float | None = None,
+    forward_backward_s: float | None = None,
     flops_per_token: float | None = None,
     peak_flops: float | None = None,
 ) -> dict[str, float]:
@@ -152,6 +154,11 @@ def step_metrics(
     time, throughput and peak memory as min/max over ranks and the slowest rank, so a straggler shows. With
     ``flops_per_token`` and the device's ``peak_flops`` (``toolkit.training.profiling``) it adds ``mfu``: this
     rank's positions per second times the model FLOPs per position, over the device's peak.
+
+    The step time splits into ``forward_backward_s`` (forward and backward of every micro-batch, gradient
+    reduction included; it ends with the loss on the host, so on a GPU it is device time) and ``optimizer_s`` (the
+    rest of ``step_time_s``: clipping, the optimizer and the schedule); ``data_wait_s`` is the time spent waiting
+    for the step's micro-batches before it (not part of ``step_time_s``).
     """
     metrics = {
         "step": step,
@@ -163,6 +170,11 @@ def step_metrics(
         "tokens_per_second": result.num_tokens / elapsed_s,
         "step_time_s": elapsed_s,
     }
+    if forward_backward_s is not None:
+        metrics["forward_backward_s"] = forward_backward_s
+        metrics["optimizer_s"] = elapsed_s - forward_backward_s
+    if data_wait_s is not None:
+        metrics["data_wait_s"] = data_wait_s
     if flops_per_token and peak_flops:
         metrics["mfu"] = result.num_positions / elapsed_s * flops_per_token / peak_flops
     if gather_rank_stats:
@@ -172,6 +184,7 @@ def step_metrics(
                     "rank_step_time_s": elapsed_s,
                     "rank_positions_per_second": result.num_positions / elapsed_s,
                     "rank_peak_memory_gib": peak_memory_gib(device),
+                    **({"rank_data_wait_s": data_wait_s} if data_wait_s is not None else {}),
                 }
             )
         )
