@@ -53,8 +53,10 @@ optimizer state, activations: what training adds to the loaded model; the probe 
 on CPU the peak above what the process held once Python and torch were loaded (the rest is each tool's imports,
 data and model); the process's RSS high-water to its exit (``wait4``, the final save included); and, without
 interleaving, each tool's own throughput log (ours ``metrics.jsonl`` ``tokens_per_second``, timed over forward,
-backward and step; torchtune's ``tokens_per_second_per_gpu``, over the loop iteration). The table is followed by
-the same ratios computed from CPU time per step and from training GiB.
+backward and step; torchtune's ``tokens_per_second_per_gpu``, over the loop iteration). For ours, the table also
+splits the step (``split ms``): forward and backward and the data wait from our recipe's own timers in
+``metrics.jsonl``, and the rest of the probe's step time (clipping, optimizer, schedule, logging). The table is
+followed by the same ratios computed from CPU time per step and from training GiB.
 
 On CPU the machine is shared (2 cores here, other jobs come and go), so two things keep the comparison about the
 tools rather than about the load at the minute each ran:
@@ -246,6 +248,12 @@ def install_probe(path: str, *, cuda: bool, pause: bool) -> None:
         out.flush()
 
     register_optimizer_step_post_hook(after_step)
+
+
+def probe_env(out: Path, *, cuda: bool, pause: bool) -> dict[str, str]:
+    """The environment that turns the probe on in a training process whose outputs go to ``out``."""
+    return {"BENCH_PROBE_OUT": str(out.parent / f"{out.name}.probe"), "BENCH_PROBE_CUDA": str(int(cuda)),
+            "BENCH_PROBE_PAUSE": str(int(pause))}
 
 
 def read_probe(prefix: Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
@@ -537,6 +545,7 @@ class Result:
     training_gib: float | None = None
     process_rss_gib: float | None = None
     own_tokens_per_s: float | None = None
+    split: str = ""  # ours: forward+backward / data wait / the rest of the step (optimizer, logging), ms
     first_loss: float | None = None
     last_loss: float | None = None
     wall_s: float | None = None
@@ -575,11 +584,29 @@ def read_result(tool: str, *, job: Job, out: Path, exit_code: int, usage: Any, w
         result.first_loss, result.last_loss = losses[0], losses[-1]
     if own[warmup:] and not interleaved:  # (a tool's own timer would count the turns it waited)
         result.own_tokens_per_s = statistics.median(own[warmup:])
+    if tool == "ours" and result.step_ms is not None:
+        result.split = step_split(out, warmup=warmup, step_ms=result.step_ms)
     if header:
         if steps and first and job.device == "cpu":
             result.above_torch_gib = (max(first["hwm_kib"], steps[-1]["hwm_kib"]) - header["rss_kib"]) / 2**20
         result.note += f"torch {header['torch']}, {header['threads']} threads"
     return result
+
+
+def step_split(out: Path, *, warmup: int, step_ms: float) -> str:
+    """Our step time split as ``forward+backward / data wait / rest`` ms, from ``metrics.jsonl``.
+
+    Forward/backward and the data wait come from the recipe's own timers (medians after the warmup), which the
+    probe's pause (inside the optimizer step) does not touch; the rest (clipping, optimizer, schedule, logging) is
+    what the probe's step time leaves.
+    """
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "forward_backward_s" in r][warmup:]
+    if not records:
+        return ""
+    forward_backward = statistics.median(r["forward_backward_s"] for r in records) * 1e3
+    data = statistics.median(r["data_wait_s"] for r in records) * 1e3
+    return f"{forward_backward:.1f} / {data:.1f} / {step_ms - forward_backward - data:.1f}"
 
 
 def own_log(tool: str, out: Path) -> tuple[list[float], list[float]]:
@@ -684,8 +711,7 @@ def run_ladder(job: Job, *, work: Path, env: dict[str, str], interleave: bool, w
         out = work / f"{job.method}_rung{i}"
         for old in [out, *work.glob(f"{out.name}.*")]:
             shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
-        rung_env = {**env, "BENCH_PROBE_OUT": str(work / f"{out.name}.probe"),
-                    "BENCH_PROBE_CUDA": str(int(job.device == "cuda")), "BENCH_PROBE_PAUSE": str(int(interleave))}
+        rung_env = {**env, **probe_env(out, cuda=job.device == "cuda", pause=interleave)}
         procs[rung.name] = [ours_command(jobs[rung.name], out), rung_env, work, work / f"{out.name}.log"]
     print(f"  {job.method} ladder: {len(rungs)} rungs {'interleaved' if interleave else 'one after another'} ...",
           end=" ", flush=True)
@@ -709,13 +735,14 @@ def print_ladder(method: str, results: list[Result], *, steps: int, cpu: bool) -
     base = results[0]
     memory = "peak RSS GiB" if cpu else "peak GPU alloc GiB"
     columns = ["rung", "tokens/s", "x baseline", memory, "x baseline", "training GiB", "x baseline", "loss step 1",
-               f"loss step {steps}", "note"]
+               f"loss step {steps}", "split ms: fwd+bwd / data / rest", "note"]
     print(f"\n{RECIPES[method]}{'/qlora' if method == 'qlora' else ''} ladder (each rung adds to the ones above):\n")
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for r in results:
         cells = [r.tool, fmt(r.tokens_per_s, ".0f"), ratio(r.tokens_per_s, base.tokens_per_s),
                  fmt(r.memory_gib, ".3f"), ratio(r.memory_gib, base.memory_gib), fmt(r.training_gib, ".3f"),
-                 ratio(r.training_gib, base.training_gib), fmt(r.first_loss, ".5f"), fmt(r.last_loss, ".5f"), r.note]
+                 ratio(r.training_gib, base.training_gib), fmt(r.first_loss, ".5f"), fmt(r.last_loss, ".5f"),
+                 r.split or "-", r.note]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -832,8 +859,7 @@ def main() -> None:
                     skipped[tool] = Result(tool, note=f"skipped: {missing}")
                     continue
                 cmd, env = transformers_command(job, out), env_with()
-            env.update(BENCH_PROBE_OUT=str(work / f"{out.name}.probe"), BENCH_PROBE_CUDA=str(int(not cpu)),
-                       BENCH_PROBE_PAUSE=str(int(interleave)))
+            env.update(probe_env(out, cuda=not cpu, pause=interleave))
             procs[tool] = [cmd, env, work, work / f"{out.name}.log"]
         print(f"  {method}: {', '.join(procs)} {'interleaved' if interleave else 'one after another'} ...",
               end=" ", flush=True)
@@ -862,14 +888,14 @@ def main() -> None:
         return
     columns = ["method", "tool", "tokens/s", "step ms", "CPU s/step", f"peak {'RSS' if cpu else 'GPU alloc'} GiB",
                "training GiB", "above torch GiB", "own log tokens/s", "process RSS GiB", "loss step 1",
-               f"loss step {steps}", "note"]
+               f"loss step {steps}", "split ms: fwd+bwd / data / rest", "note"]
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for method, runs in results.items():
         for r in runs:
             cells = [method, r.tool, fmt(r.tokens_per_s, ".0f"), fmt(r.step_ms, ".1f"), fmt(r.cpu_s, ".3f"),
                      fmt(r.memory_gib, ".3f"), fmt(r.training_gib, ".3f"), fmt(r.above_torch_gib, ".3f"),
                      fmt(r.own_tokens_per_s, ".0f"), fmt(r.process_rss_gib, ".3f"), fmt(r.first_loss, ".5f"),
-                     fmt(r.last_loss, ".5f"), r.note]
+                     fmt(r.last_loss, ".5f"), r.split or "-", r.note]
             print("| " + " | ".join(cells) + " |")
     print("\nBy CPU time per step (ours / theirs throughput) and by memory grown after the first forward pass:")
     for method, runs in results.items():
