@@ -33,19 +33,17 @@ from toolkit.data import padded_collate
 from toolkit.errors import UserError
 from toolkit.evaluation import load_lm_eval_tasks, run_lm_eval
 from toolkit.generation import exact_match_accuracy
-from toolkit.modules.peft import adapter_modules, init_adapters, is_adapter_key
+from toolkit.modules.peft import adapter_modules
 from toolkit.training import (
-    apply_data_parallel,
     destroy_distributed,
     init_distributed,
-    init_weights,
     materialize,
     parallel_dims,
     parallelize,
     precision_policy,
     set_seed,
 )
-from toolkit.training.peft import load_peft_adapter
+from toolkit.training.peft import fill_adapter_model
 from toolkit.training.validation import ValidationSampler, validation_loss
 
 
@@ -108,28 +106,18 @@ def evaluate(cfg: DictConfig) -> None:
         )
     checkpointer = instantiate(cfg.checkpointer)
 
-    def fill(model: torch.nn.Module) -> None:
-        if checkpointer.checkpoint_dir is not None:
-            checkpointer.load(model, ignore_missing=is_adapter_key)  # a base checkpoint holds no adapters
-        else:
-            init_weights(model)
-        init_adapters(model)  # B = 0: without an adapter folder, a LoRA model computes exactly its base
-        if cfg.adapter_dir is not None:
-            load_peft_adapter(model, cfg.adapter_dir, model_family=checkpointer.family_name)
-
-    if dims.is_sharded and cfg.adapter_dir is None:
-        # Sharded before allocating: each rank only ever holds (and loads) its shard of the model.
+    # The base from the checkpoint (or random from `seed`); on a LoRA model, the adapters of adapter_dir, or B = 0.
+    fill = partial(fill_adapter_model, checkpointer=checkpointer, adapter_dir=cfg.adapter_dir)
+    if dims.is_sharded:
+        # Sharded before allocating: each rank only ever holds (and loads) its shard of the model and adapter.
         model = parallelize(
             model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
             mp_policy=precision.fsdp_policy(),
         )
     else:
         # Nothing trains, so whole copies need no wrapper (DDP would allocate gradient buckets for nothing).
-        # load_peft_adapter copies whole tensors, so a model with an adapter is filled whole, then sharded.
         materialize(model, device=env.device, dtype=precision.param_dtype)
         fill(model)
-        if dims.is_sharded:
-            model = apply_data_parallel(model, dims=dims, device=env.device, mp_policy=precision.fsdp_policy())
     autocast = precision.autocast(env.device, sharded=dims.is_sharded)
     tokenizer = instantiate(cfg.tokenizer)
     results = {

@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader
 from toolkit.config import instantiate, recipe_main
 from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import exact_match_accuracy
-from toolkit.modules.peft import get_adapter_params, get_merged_state_dict, init_adapters, is_adapter_key
+from toolkit.modules.peft import get_adapter_params, get_merged_state_dict
 from toolkit.modules.peft import set_trainable_params
-from toolkit.training.peft import save_peft_adapter
+from toolkit.training.peft import fill_adapter_model, save_peft_adapter
 from toolkit.training import (
     MetricsLogger,
     OptimizerInBackward,
@@ -48,7 +48,6 @@ from toolkit.training import (
     gather_full_state_dict,
     global_batches,
     init_distributed,
-    init_weights,
     inject_fault,
     make_grad_scaler,
     measure_peak_flops,
@@ -139,12 +138,8 @@ def train(cfg: DictConfig) -> None:
     set_trainable_params(model, get_adapter_params(model))  # before wrapping: only adapters are reduced
     checkpointer = instantiate(cfg.checkpointer)
 
-    def fill(model: torch.nn.Module) -> None:
-        if checkpointer.checkpoint_dir is not None:
-            checkpointer.load(model, ignore_missing=is_adapter_key)  # a base checkpoint holds no adapters
-        else:
-            init_weights(model)
-        init_adapters(model)  # B = 0 (and DoRA magnitudes = base norms): the model starts as exactly the base
+    # The base from the checkpoint (or random), adapters with B = 0: the model starts as exactly its base.
+    fill = partial(fill_adapter_model, checkpointer=checkpointer)
 
     if cfg.get("float8"):  # float8 matmuls in the linear layers (torchao), converted before compile and sharding
         check_float8_device(env.device)

@@ -19,8 +19,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from toolkit.errors import UserError
-from toolkit.modules.peft import DoRALinear, adapter_modules
+from toolkit.modules._dtensor import copy_full_
+from toolkit.modules.peft import DoRALinear, adapter_modules, init_adapters, is_adapter_key
 from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _TOKENIZER_FILES, _weight_files, load_model_family
+from toolkit.training.init import init_weights
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -176,11 +178,31 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, di
     return config, by_module, config["lora_alpha"] / config["r"]
 
 
+def fill_adapter_model(
+    model: nn.Module, checkpointer: Any, *, adapter_dir: str | Path | None = None
+) -> None:
+    """Put the weights into a materialized LoRA/DoRA/QLoRA model (a ``fill`` for ``parallelize``).
+
+    The base comes from ``checkpointer`` (a base checkpoint holds no adapter keys), or is initialized at random from
+    the current seed when it has no ``checkpoint_dir``. The adapters are then initialized so that the model
+    computes exactly its base (LoRA ``B`` = 0, DoRA magnitudes = the base rows' norms), and with ``adapter_dir``
+    a PEFT adapter's weights replace them. A model without adapters just gets its base.
+    """
+    if checkpointer.checkpoint_dir is not None:
+        checkpointer.load(model, ignore_missing=is_adapter_key)
+    else:
+        init_weights(model)
+    init_adapters(model)
+    if adapter_dir is not None:
+        load_peft_adapter(model, adapter_dir, model_family=checkpointer.family_name)
+
+
 @torch.no_grad()
 def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, *, model_family: str) -> None:
     """Copy a PEFT adapter folder's weights into the adapter layers of ``model``.
 
-    The model must have been built with the adapter's targets, rank, alpha and kind (LoRA or DoRA).
+    The model must have been built with the adapter's targets, rank, alpha and kind (LoRA or DoRA). Its parameters
+    may be FSDP2-sharded: each rank copies its own part.
 
     Raises:
         UserError: the folder is not a PEFT LoRA adapter, or its targets, rank, alpha, kind or shapes differ from
@@ -213,7 +235,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, *, model_family
                     f"{weights_file}: {hf_name}.{peft_name} has shape {tuple(tensor.shape)}, the model expects "
                     f"{tuple(target.shape)}"
                 )
-            target.copy_(tensor)
+            copy_full_(target, tensor)  # under FSDP2, this rank's rows only
 
 
 def _merge(weight: torch.Tensor, params: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
