@@ -4,12 +4,13 @@
 #
 #   bash benchmarks/gpu/fetch_wheels.sh [DEST]        # default DEST: benchmarks/gpu/wheels (ignored by git)
 #
-# PYTHON_VERSION (default 3.11) and PLATFORM (default manylinux2014_x86_64) name the GPU machine's interpreter, so
-# that the version-specific wheel (multiprocess, py311) fits it rather than this machine.
+# PYTHON_VERSION (default 3.12) and PLATFORM (default manylinux2014_x86_64) name the GPU machine's interpreter, so
+# that the version-specific wheel (multiprocess) fits it rather than this machine; PYTHON_VERSION=3.11 for a
+# --dry-run here.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dest="${1:-benchmarks/gpu/wheels}"
-python_version="${PYTHON_VERSION:-3.11}"
+python_version="${PYTHON_VERSION:-3.12}"
 platform="${PLATFORM:-manylinux2014_x86_64}"
 mkdir -p "$dest"
 
