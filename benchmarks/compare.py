@@ -267,6 +267,21 @@ def read_probe(prefix: Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[
     return {}, {}, []
 
 
+def clear_previous(out: Path) -> None:
+    """Remove what an earlier run left at ``out``: its outputs, probe files and log."""
+    for old in [out, *out.parent.glob(f"{out.name}.*")]:
+        shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+
+
+def run_announced(label: str, procs: dict[str, list[Any]], *, interleave: bool) -> dict[str, tuple[int, Any, float]]:
+    """:func:`run_together`, saying what runs and, once all have ended, how long it took."""
+    print(f"  {label} {'interleaved' if interleave else 'one after another'} ...", end=" ", flush=True)
+    started = time.perf_counter()
+    ended = run_together(procs, interleave=interleave)
+    print(f"{time.perf_counter() - started:.0f} s", flush=True)
+    return ended
+
+
 def run_together(procs: dict[str, list[Any]], *, interleave: bool) -> dict[str, tuple[int, Any, float]]:
     """Run training processes to the end: ``{name: [cmd, env, cwd, log_path]}`` -> ``{name: (exit code, rusage,
     wall s)}``.
@@ -704,23 +719,19 @@ def run_ladder(job: Job, *, work: Path, env: dict[str, str], interleave: bool, w
     rungs = [rung for rung in LADDER if job.device == "cuda" or not rung.cuda_only]
     procs: dict[str, list[Any]] = {}
     jobs: dict[str, Job] = {}
+    outs: dict[str, Path] = {}
     overrides: list[str] = []
     for i, rung in enumerate(rungs):
         overrides += rung.overrides
         jobs[rung.name] = replace(job, ours_overrides=tuple(overrides))
-        out = work / f"{job.method}_rung{i}"
-        for old in [out, *work.glob(f"{out.name}.*")]:
-            shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+        out = outs[rung.name] = work / f"{job.method}_rung{i}"
+        clear_previous(out)
         rung_env = {**env, **probe_env(out, cuda=job.device == "cuda", pause=interleave)}
         procs[rung.name] = [ours_command(jobs[rung.name], out), rung_env, work, work / f"{out.name}.log"]
-    print(f"  {job.method} ladder: {len(rungs)} rungs {'interleaved' if interleave else 'one after another'} ...",
-          end=" ", flush=True)
-    started = time.perf_counter()
-    ended = run_together(procs, interleave=interleave)
-    print(f"{time.perf_counter() - started:.0f} s", flush=True)
+    ended = run_announced(f"{job.method} ladder: {len(rungs)} rungs", procs, interleave=interleave)
     results = []
-    for i, rung in enumerate(rungs):
-        out = work / f"{job.method}_rung{i}"
+    for rung in rungs:
+        out = outs[rung.name]
         exit_code, usage, wall_s = ended[rung.name]
         result = read_result("ours", job=jobs[rung.name], out=out, exit_code=exit_code, usage=usage, wall_s=wall_s,
                              warmup=warmup, interleaved=interleave)
@@ -846,8 +857,7 @@ def main() -> None:
         skipped: dict[str, Result] = {}
         for tool in ("ours", *args.peers):
             out = work / f"{method}_{tool}"
-            for old in [out, *work.glob(f"{out.name}.*")]:  # a previous run's outputs, probe files and log
-                shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+            clear_previous(out)
             if tool == "ours":
                 cmd, env = ours_command(job, out), env_with(args.ours_pythonpath)
             elif tool == "torchtune":
@@ -861,11 +871,7 @@ def main() -> None:
                 cmd, env = transformers_command(job, out), env_with()
             env.update(probe_env(out, cuda=not cpu, pause=interleave))
             procs[tool] = [cmd, env, work, work / f"{out.name}.log"]
-        print(f"  {method}: {', '.join(procs)} {'interleaved' if interleave else 'one after another'} ...",
-              end=" ", flush=True)
-        started = time.perf_counter()
-        ended = run_together(procs, interleave=interleave)
-        print(f"{time.perf_counter() - started:.0f} s", flush=True)
+        ended = run_announced(f"{method}: {', '.join(procs)}", procs, interleave=interleave)
         runs = []
         for tool in ("ours", *args.peers):
             out = work / f"{method}_{tool}"
