@@ -1,4 +1,5 @@
-"""Launching a test's worker script on several local processes with torchrun (gloo, CPU), bounded in time."""
+"""Launching from tests, bounded in time: the `tune` command, and a worker script on several local processes with
+torchrun (gloo, CPU)."""
 
 import os
 import socket
@@ -20,13 +21,32 @@ def free_port() -> int:
 def run_workers(script: str | Path, *args: str, nproc: int = 2, timeout_s: float = 180) -> subprocess.CompletedProcess:
     """Run ``python script *args`` on ``nproc`` processes under ``torch.distributed.run`` on a free port.
 
-    One thread per process (two processes share this machine's two cores); the repository first on the import path,
-    so workers import this checkout's ``toolkit`` and ``tests``; output is captured. A worker that hangs fails the
-    test after ``timeout_s`` (``subprocess.TimeoutExpired``) instead of stalling the suite.
+    The environment is :func:`_env`'s; output is captured. A worker that hangs fails the test after ``timeout_s``
+    (``subprocess.TimeoutExpired``) instead of stalling the suite.
     """
-    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
          "--master_port", str(free_port()), str(script), *args],
-        capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path},
+        capture_output=True, text=True, timeout=timeout_s, env=_env(),
     )
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """One thread per process (two processes share this machine's two cores), and this checkout's ``toolkit`` and
+    ``tests`` first on the import path."""
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, **(extra or {})}
+
+
+def run_tune(
+    *args: str, timeout_s: float = 240, env: dict[str, str] | None = None, check: bool = False
+) -> subprocess.CompletedProcess:
+    """Run ``tune *args`` in a subprocess, output captured; ``env`` adds variables; with ``check``, a non-zero exit
+    fails the test with the end of its stderr."""
+    result = subprocess.run(
+        [sys.executable, "-m", "toolkit.cli.main", *args], capture_output=True, text=True, timeout=timeout_s,
+        env=_env(env),
+    )
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result

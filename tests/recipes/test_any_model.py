@@ -2,13 +2,13 @@
 Face folder (here a tiny Qwen2 that `transformers` writes, with a BPE tokenizer the test trains)."""
 
 import json
-import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.torchrun import run_tune
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -19,13 +19,7 @@ FAST = [
 ]
 
 
-def tune(*args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "toolkit.cli.main", *args], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+tune = partial(run_tune, timeout_s=300, check=True)
 
 
 @pytest.fixture(scope="module")

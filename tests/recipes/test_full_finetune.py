@@ -1,14 +1,13 @@
 """The full_finetune recipe end to end through `tune run`, on 1 and 2 CPU processes."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.torchrun import run_tune as tune
 
 # A few steps of the demo on a small slice of its data: seconds per run. Held-out evaluation is skipped
 # (eval_tasks=null) except where a test needs it.
@@ -16,13 +15,6 @@ FAST = [
     "max_steps=4", "dataset.num_samples=256", "progress_bar=false", "~eval_tasks",
     "batch_size=8", "micro_batch_size=2",
 ]
-
-
-def tune(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "toolkit.cli.main", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
 
 
 def losses(output_dir: Path) -> list[float]:

@@ -2,13 +2,13 @@
 DDP, and exports that load in `peft` and `transformers`."""
 
 import json
-import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.torchrun import run_tune
 
 FAST = [
     "max_steps=4", "dataset.num_samples=256", "dataset.word_len=[2,8]", "progress_bar=false", "~eval_tasks",
@@ -16,13 +16,7 @@ FAST = [
 ]
 
 
-def tune(*args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "toolkit.cli.main", *args], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+tune = partial(run_tune, timeout_s=300, check=True)
 
 
 def losses(out: Path) -> list[float]:

@@ -6,15 +6,15 @@ rounded in another order, so there the losses agree to fp32 rounding (rtol 1e-5,
 """
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.torchrun import run_tune
 
 FAST = [
     "max_steps=8", "dataset.num_samples=256", "progress_bar=false", "~eval_tasks", "batch_size=8",
@@ -22,14 +22,9 @@ FAST = [
 ]
 
 
-def tune(*args: str, fault: str | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("TUNE_INJECT_FAULT", None)
-    if fault:
-        env["TUNE_INJECT_FAULT"] = fault
-    return subprocess.run(
-        [sys.executable, "-m", "toolkit.cli.main", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+def tune(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    # An empty TUNE_INJECT_FAULT injects nothing (also overriding one set in the test's own environment).
+    return run_tune(*args, env={"TUNE_INJECT_FAULT": fault or ""})
 
 
 def run(

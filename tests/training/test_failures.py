@@ -1,26 +1,22 @@
 """Bad data-parallel settings stop before training with one line; a crashing rank is reported, not a hang."""
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.torchrun import run_tune
 from toolkit.errors import UserError
 from toolkit.training import parallel_dims, precision_policy
 
-REPO = Path(__file__).resolve().parents[2]
 FAST = ["max_steps=2", "dataset.num_samples=64", "progress_bar=false", "~eval_tasks", "batch_size=4", "micro_batch_size=2"]
 
 
 def tune_run(tmp_path: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "toolkit.cli.main", "run", "--nproc_per_node", str(nproc), "full_finetune_distributed",
-         "--config", "demo", f"output_dir={tmp_path}", *FAST, *args],
-        capture_output=True, text=True, timeout=180, env=env,
+    return run_tune(
+        "run", "--nproc_per_node", str(nproc), "full_finetune_distributed", "--config", "demo",
+        f"output_dir={tmp_path}", *FAST, *args, timeout_s=180,
     )
 
 
@@ -110,14 +106,11 @@ def test_held_out_evaluation_under_zero3_matches_ddp(tmp_path):
     lines = {}
     for strategy in ("ddp", "zero3"):
         out = tmp_path / strategy
-        result = subprocess.run(
-            [sys.executable, "-m", "toolkit.cli.main", "run", "--nproc_per_node", "2", "full_finetune_distributed",
-             "--config", "demo", f"output_dir={out}", "max_steps=2", "dataset.num_samples=64", "progress_bar=false",
-             "batch_size=4", "micro_batch_size=2", "eval_tasks.num_samples=6", "dist_timeout_s=60",
-             f"data_parallel={strategy}"],
-            capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        result = run_tune(
+            "run", "--nproc_per_node", "2", "full_finetune_distributed", "--config", "demo", f"output_dir={out}",
+            "max_steps=2", "dataset.num_samples=64", "progress_bar=false", "batch_size=4", "micro_batch_size=2",
+            "eval_tasks.num_samples=6", "dist_timeout_s=60", f"data_parallel={strategy}", timeout_s=180, check=True,
         )
-        assert result.returncode == 0, result.stderr[-2000:]
         lines[strategy] = [line for line in result.stdout.splitlines() if line.startswith("held-out accuracy")]
         assert len(lines[strategy]) == 2 and all(line.endswith("/6)") for line in lines[strategy])
     assert lines["zero3"] == lines["ddp"]

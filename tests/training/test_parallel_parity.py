@@ -7,9 +7,6 @@ gradient differences on tiny-gradient entries into larger relative update differ
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from tests.torchrun import run_tune
 from toolkit.data import GlobalBatchSampler, demo_dataset, padded_collate
 from toolkit.models.llama3 import llama3_demo
 from toolkit.tokenizers import byte_tokenizer
@@ -30,11 +28,7 @@ COMMON = [
 
 def run(out: Path, *args: str, nproc: int | None = None) -> list[float]:
     launch = ["--nproc_per_node", str(nproc), "full_finetune_distributed"] if nproc else ["full_finetune_single_device"]
-    result = subprocess.run(
-        [sys.executable, "-m", "toolkit.cli.main", "run", *launch, "--config", "demo", f"output_dir={out}", *COMMON, *args],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_tune("run", *launch, "--config", "demo", f"output_dir={out}", *COMMON, *args, timeout_s=300, check=True)
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
