@@ -5,6 +5,22 @@ non-zero exit. Raise it for bad input: config typos, missing files, malformed ro
 Programming errors stay ordinary exceptions so that their traceback reaches the developer.
 """
 
+import json
+from pathlib import Path
+from typing import Any
+
 
 class UserError(Exception):
     """A problem with the user's input, reported as a single actionable line."""
+
+
+def read_json(path: Path) -> Any:
+    """The contents of the JSON file ``path``, which the user supplied (a config, an adapter's settings...).
+
+    Raises:
+        UserError: the file is not valid JSON; the message names it and where the parse failed.
+    """
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e})") from None

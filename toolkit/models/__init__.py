@@ -7,7 +7,6 @@ this package, so a new family needs no registration.
 """
 
 import importlib
-import json
 import pkgutil
 from pathlib import Path
 from types import ModuleType
@@ -15,7 +14,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from toolkit.errors import UserError
+from toolkit.errors import UserError, read_json
 from toolkit.models._decoder import LinearFactory, plain_linear
 from toolkit.models._lora import lora_builder, qlora
 
@@ -43,10 +42,7 @@ def read_hf_config(path: str | Path) -> tuple[dict, str]:
     config_file = Path(path).expanduser() / "config.json"
     if not config_file.is_file():
         raise UserError(f"{config_file}: not found; a Hugging Face model folder (with config.json) is needed")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{config_file}: not valid JSON ({e})") from None
+    config = read_json(config_file)
     model_type = config.get("model_type")
     owners = hf_model_types()
     if model_type not in owners:

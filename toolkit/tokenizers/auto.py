@@ -1,10 +1,9 @@
 """Pick a model's tokenizer from the files of its Hugging Face folder."""
 
-import json
 import re
 from pathlib import Path
 
-from toolkit.errors import UserError
+from toolkit.errors import UserError, read_json
 from toolkit.tokenizers.chat_templates import ChatFormat
 from toolkit.tokenizers.hf_json import TokenizerJSONEngine, qwen2_5_tokenizer, qwen3_tokenizer
 from toolkit.tokenizers.model_tokenizer import ModelTokenizer
@@ -24,10 +23,7 @@ def _read_json(path: Path) -> dict:
     # A missing file (or one that is not an object) says nothing; a broken one is the user's to fix.
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e})") from None
+    data = read_json(path)
     return data if isinstance(data, dict) else {}
 
 

@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from toolkit.errors import UserError
+from toolkit.errors import UserError, read_json
 from toolkit.modules._dtensor import copy_full_
 from toolkit.modules.peft import DoRALinear, adapter_modules, init_adapters, is_adapter_key
 from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _TOKENIZER_FILES, _weight_files, load_model_family
@@ -137,10 +137,7 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, di
     for file in (config_file, weights_file):
         if not file.is_file():
             raise UserError(f"{file}: missing; is {adapter_dir} a PEFT adapter folder?")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{config_file}: not valid JSON ({e})") from None
+    config = read_json(config_file)
     unsupported = {
         "peft_type": (config.get("peft_type"), "LORA"),
         "bias": (config.get("bias", "none"), "none"),
