@@ -4,20 +4,16 @@ misspelled task stops with one line."""
 
 import json
 import math
-import os
 import re
-import runpy
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from toolkit.config import apply_overrides, load_config, validate
+from tests.launch import run_recipe_here, run_tune
 from toolkit.errors import UserError
 from toolkit.generation import generate
-from toolkit.paths import configs_dir, recipes_dir
 from toolkit.tokenizers import byte_tokenizer
 from toolkit.training import HFCheckpointer
 
@@ -33,10 +29,7 @@ TEXTS = ["A short text.", "A text longer than the model's 64 positions, " * 3]
 
 def run_eval(out: Path, *overrides: str) -> dict:
     """The eval recipe's ``main`` on the demo config, in this process; returns ``eval.json``."""
-    cfg = load_config(configs_dir() / "eval" / "demo.yaml")
-    apply_overrides(cfg, [f"output_dir={out}", *HARNESS_ONLY, *overrides])
-    validate(cfg)
-    runpy.run_path(str(recipes_dir() / "eval.py"))["main"](cfg)
+    run_recipe_here("eval", "demo", f"output_dir={out}", *HARNESS_ONLY, *overrides)
     return json.loads((out / "eval.json").read_text())
 
 
@@ -124,15 +117,11 @@ def test_two_processes_report_what_one_does(setup, tmp_path, data_parallel):
     # ddp: whole copies, each process scores and generates for its share of the requests. zero3: FSDP2, every
     # forward a collective: shares of the scoring padded to the same number of batches, every answer generated on
     # both processes.
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "toolkit.cli.main", "run", "eval_distributed", "--nproc_per_node", "2", "--config",
-            "demo", f"output_dir={tmp_path}", f"data_parallel={data_parallel}", *HARNESS_ONLY, *setup["overrides"],
-        ],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+    run_tune(
+        "run", "eval_distributed", "--nproc_per_node", "2", "--config", "demo", f"output_dir={tmp_path}",
+        f"data_parallel={data_parallel}", *HARNESS_ONLY, *setup["overrides"],
+        timeout_s=300, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, check=True,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     two = json.loads((tmp_path / "eval.json").read_text())["lm_eval"]
     one = setup["report"]["lm_eval"]
     assert two.keys() == one.keys()

@@ -8,7 +8,7 @@ Run as a script under torchrun, this file is the two-process worker of ``test_ch
 import pytest
 import torch
 
-from tests.torchrun import run_workers
+from tests.launch import run_workers
 from toolkit.models.llama3 import llama3
 
 DIMS = dict(vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64, max_seq_len=64)

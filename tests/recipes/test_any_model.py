@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.torchrun import run_tune
+from tests.launch import run_tune
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -3,18 +3,15 @@ LoRA adapter loads on its base."""
 
 import json
 import math
-import runpy
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from toolkit.config import apply_overrides, load_config, validate
+from tests.launch import run_recipe_here, run_tune
 from toolkit.errors import UserError
-from toolkit.paths import configs_dir, recipes_dir
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_lora_finetune import tune  # noqa: E402  (`tune ...` in a new process; fails the test on an error)
+tune = partial(run_tune, timeout_s=300, check=True)  # `tune ...` in a new process; fails the test on an error
 
 # The demo restricted to one task family (upper-casing), which the demo model learns within 150 steps (all four
 # families together take well over 300 steps on a CPU), and 100 held-out samples for both measures. An answer is
@@ -39,10 +36,7 @@ def evaluate(out: Path, *overrides: str, recipe: str = "eval") -> dict:
 
 def evaluate_here(out: Path, *overrides: str) -> dict:
     """The eval recipe's ``main`` on the demo config, in this process (no interpreter start: faster)."""
-    cfg = load_config(configs_dir() / "eval" / "demo.yaml")
-    apply_overrides(cfg, [f"output_dir={out}", *EVAL, *overrides])
-    validate(cfg)
-    runpy.run_path(str(recipes_dir() / "eval.py"))["main"](cfg)
+    run_recipe_here("eval", "demo", f"output_dir={out}", *EVAL, *overrides)
     return json.loads((out / "eval.json").read_text())
 
 

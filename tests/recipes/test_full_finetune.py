@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.torchrun import run_tune as tune
+from tests.launch import run_tune as tune
 
 # A few steps of the demo on a small slice of its data: seconds per run. Held-out evaluation is skipped
 # (eval_tasks=null) except where a test needs it.

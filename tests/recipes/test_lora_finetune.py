@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.torchrun import run_tune
+from tests.launch import run_tune
 
 FAST = [
     "max_steps=4", "dataset.num_samples=256", "dataset.word_len=[2,8]", "progress_bar=false", "~eval_tasks",

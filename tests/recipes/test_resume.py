@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.torchrun import run_tune
+from tests.launch import run_tune
 
 FAST = [
     "max_steps=8", "dataset.num_samples=256", "progress_bar=false", "~eval_tasks", "batch_size=8",

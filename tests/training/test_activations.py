@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
-from tests.torchrun import run_workers
+from tests.launch import run_workers
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3_1_8b, llama3_demo, lora_llama3_demo, qlora_llama3_demo
 from toolkit.modules.peft import get_adapter_params, set_trainable_params

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.torchrun import run_workers
+from tests.launch import run_workers
 from toolkit.training import HFCheckpointer
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.torchrun import run_tune
+from tests.launch import run_tune
 from toolkit.errors import UserError
 from toolkit.training import parallel_dims, precision_policy
 

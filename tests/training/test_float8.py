@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.torchrun import run_workers
+from tests.launch import run_workers
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3_demo, lora_llama3_demo
 from toolkit.training import apply_float8, check_float8_device

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.torchrun import free_port
+from tests.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Tiny and fast; words of 2 to 8 letters so that a wrong loss normalization across nodes would show.

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tests.torchrun import run_tune
+from tests.launch import run_tune
 from toolkit.data import GlobalBatchSampler, demo_dataset, padded_collate
 from toolkit.models.llama3 import llama3_demo
 from toolkit.tokenizers import byte_tokenizer

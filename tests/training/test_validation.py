@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.torchrun import run_workers
+from tests.launch import run_workers
 from toolkit.data import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.errors import UserError
 from toolkit.training.validation import ValidationSampler, validation_loss
