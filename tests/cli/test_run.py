@@ -157,6 +157,16 @@ def test_the_rank_that_crashed_is_named_before_the_ranks_that_lost_it(tmp_path, 
     assert "rank 2" not in line
 
 
+def test_ranks_stopped_without_an_error_of_their_own_are_named_as_killed(tmp_path, capsys) -> None:
+    from toolkit.cli._run import _report_failure
+
+    # Every rank was stopped by a signal from outside and none recorded an error: all are listed, as killed.
+    assert _report_failure({0: _failure(tmp_path, 0, -signal.SIGTERM, None)}) == 1
+    assert one_line(capsys.readouterr().err) == (
+        "tune: error: rank 0 was killed by SIGTERM (error file: none written); see that rank's output above"
+    )
+
+
 def test_a_user_error_recorded_before_sigterm_is_shown(tmp_path, capsys) -> None:
     from toolkit.cli._run import _report_failure
     from toolkit.config._recipe import USER_ERROR_KEY

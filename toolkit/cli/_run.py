@@ -136,8 +136,7 @@ def _message(failure: Any) -> str:
 
 
 def _describe(rank: int, failure: Any) -> str:
-    stopped = failure.exitcode == -signal.SIGTERM
-    if stopped:
+    if failure.exitcode == -signal.SIGTERM and _recorded(failure):  # it raised, then torchrun stopped it
         what = "failed, and was stopped by the launcher while exiting"
     elif failure.exitcode < 0:
         what = f"was killed by {failure.signal_name()}"
