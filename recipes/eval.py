@@ -41,6 +41,7 @@ from toolkit.training import (
     parallel_dims,
     parallelize,
     precision_policy,
+    resolve_flex_attention,
     set_seed,
 )
 from toolkit.training.peft import fill_adapter_model
@@ -133,9 +134,12 @@ def evaluate(cfg: DictConfig) -> None:
             dataset,
             batch_size=cfg.micro_batch_size,
             sampler=ValidationSampler(len(dataset), rank=env.rank, world_size=env.world_size),
-            collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id),
+            collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False),  # masks: on the device
         )
-        results.update(validation_loss(model, loader, device=env.device, autocast=autocast))
+        # As in training: FlexAttention block masks for packed documents and soft-capped scores on CUDA.
+        flex_attention = resolve_flex_attention(cfg.get("flex_attention", "auto"), env.device)
+        results.update(validation_loss(model, loader, device=env.device, autocast=autocast,
+                                       flex_attention=flex_attention))
 
     # --- Generation tasks: greedy decoding, exact match ----------------------------------------------------------
     if cfg.get("eval_tasks"):

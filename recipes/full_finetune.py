@@ -54,6 +54,7 @@ from toolkit.training import (
     parallelize,
     plan_parallelism,
     precision_policy,
+    resolve_flex_attention,
     set_seed,
     shard_optimizer_state,
     start_run,
@@ -84,6 +85,8 @@ def train(cfg: DictConfig) -> None:
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights
     with torch.device("meta"):
         model = instantiate(cfg.model)
+    # FlexAttention block masks for packed documents and soft-capped scores (auto: on CUDA; SDPA otherwise).
+    flex_attention = resolve_flex_attention(cfg.get("flex_attention", "auto"), env.device)
     # `auto` (data_parallel, micro_batch_size) is resolved from a memory estimate: the least-communicating strategy
     # that fits the device, then the largest micro batch that fits; the global batch never changes.
     plan = plan_parallelism(
@@ -92,6 +95,7 @@ def train(cfg: DictConfig) -> None:
         world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
         activation_offloading=cfg.activation_offloading, optimizer_in_backward=cfg.get("optimizer_in_backward", False),
+        flex_attention=flex_attention,
     )
     accum_steps = plan.accumulation_steps
     dims = parallel_dims(
@@ -140,7 +144,7 @@ def train(cfg: DictConfig) -> None:
         dataset,
         batch_size=plan.micro_batch_size,
         sampler=sampler,
-        collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id),
+        collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False),  # masks: on the device
     )
     # Validation: every rank scores a disjoint slice of the whole set; the loss is exact on any number of ranks.
     val_loader = None
@@ -150,7 +154,7 @@ def train(cfg: DictConfig) -> None:
             val_dataset,
             batch_size=plan.micro_batch_size,
             sampler=ValidationSampler(len(val_dataset), rank=env.rank, world_size=env.world_size),
-            collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id),
+            collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False),  # masks: on the device
         )
     total_steps = cfg.epochs * sampler.steps_per_epoch
     if cfg.max_steps is not None:
@@ -207,6 +211,7 @@ def train(cfg: DictConfig) -> None:
         result = forward_backward(
             model, micro_batches, device=env.device, data_parallel_size=env.world_size,
             autocast=autocast, grad_scaler=grad_scaler, loss_fn=loss_fn, num_output_chunks=cfg.get("loss_chunks"),
+            flex_attention=flex_attention,
         )
         forward_backward_s = time.perf_counter() - start
         grad_norm = optimizer_step(model, optimizer, max_grad_norm=cfg.clip_grad_norm, grad_scaler=grad_scaler)
@@ -224,7 +229,9 @@ def train(cfg: DictConfig) -> None:
         ))
         profiler.step()
         if val_loader is not None and cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
-            log.log({"step": step, **validation_loss(model, val_loader, device=env.device, autocast=autocast)})
+            log.log({"step": step, **validation_loss(
+                model, val_loader, device=env.device, autocast=autocast, flex_attention=flex_attention
+            )})
         if checkpoints.due(step, total_steps):
             checkpoints.save(step, state, config=cfg, strategy=dims.strategy)
         inject_fault("after_step", step=step, rank=env.rank)  # a testing hook: see toolkit.training.debug

@@ -21,6 +21,7 @@ from toolkit.data import (
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3
 from toolkit.tokenizers import byte_tokenizer
+from toolkit.training import batch_attention_mask
 
 
 @pytest.mark.parametrize("strategy", ["best_fit", "in_order"])
@@ -126,6 +127,10 @@ def test_packed_batch_matches_documents_run_alone(tmp_path: Path) -> None:
     with torch.no_grad():
         logits = model(batch["tokens"], mask=batch["mask"], input_pos=batch["input_pos"])
         packed_loss = _per_token_loss(logits, batch["labels"])
+        # FlexAttention's block masks (on CUDA, the recipes' default) give the same losses (forward only on CPU).
+        flex = batch_attention_mask(batch, flex_attention=True)
+        flex_loss = _per_token_loss(model(batch["tokens"], mask=flex, input_pos=batch["input_pos"]), batch["labels"])
+        torch.testing.assert_close(flex_loss, packed_loss, rtol=0, atol=1e-5)
         leaky_loss = _per_token_loss(model(batch["tokens"]), batch["labels"])
 
         seen = []

@@ -111,6 +111,49 @@ def test_activation_formula_matches_saved_tensors(family: str, dtype: str) -> No
     assert expected == pytest.approx(measured, rel=TOLERANCE[family])
 
 
+def test_flex_attention_saves_no_scores_for_softcapped_layers() -> None:
+    # Under FlexAttention a soft-capped layer saves what an SDPA layer saves: as if it had no soft-cap.
+    def estimate(flex: bool, **overrides) -> int:
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = gemma2(**(dict(
+                vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, embed_dim=128,
+                intermediate_dim=256, max_seq_len=4096, query_pre_attn_scalar=32, sliding_window=32,
+            ) | overrides))
+        return activation_bytes(model, micro_batch_size=2, seq_len=4096, dtype="bf16", flex_attention=flex)
+
+    uncapped = estimate(False, attn_logit_softcap=None)
+    assert estimate(True) == uncapped == estimate(True, attn_logit_softcap=None)
+    assert estimate(False) > 10 * uncapped  # explicit scores: n_h x s per token and layer, 4096 here
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_attention_formula_matches_saved_tensors_on_cuda() -> None:
+    # Compiled FlexAttention's saved tensors (q, k, v, output, logsumexp) for Gemma 2's soft-capped layers.
+    from toolkit.modules import DocumentMasks
+
+    model = _model("gemma2", "bf16").cuda()
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda")
+    masks = DocumentMasks(None, seq_len=SEQ, device=tokens.device)
+    model(tokens, mask=masks)  # compile outside the measurement
+    state = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in state:
+            saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens, mask=masks)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens.reshape(-1), reduction="sum")
+    del loss, logits
+    expected = activation_bytes(model, micro_batch_size=BATCH, seq_len=SEQ, dtype="bf16", flex_attention=True)
+    expected += BATCH * SEQ * VOCAB * (4 + 2)  # the loss's fp32 log-probabilities and the logits' tanh
+    assert expected == pytest.approx(sum(saved.values()), rel=TOLERANCE["gemma2"])
+
+
 class _LiveStorages(TorchDispatchMode):
     """Every storage ops create, as a timeline of allocations and frees (a CPU stand-in for CUDA's allocator
     statistics)."""

@@ -14,6 +14,7 @@ def padded_collate(
     pad_id: int,
     ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
     pad_to_multiple_of: int = 1,
+    attention_mask: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Right-pads ``{"tokens", "labels"}`` samples into tensors; packed samples also get their attention mask.
 
@@ -24,12 +25,16 @@ def padded_collate(
         ignore_index: fills ``labels`` past each sample's end, so padding is never a target.
         pad_to_multiple_of: round the padded length up to a multiple of this (steadier shapes for kernels and
             ``torch.compile``).
+        attention_mask: add the dense mask of packed batches; ``False`` leaves it to the trainer, which builds it
+            (or a FlexAttention block mask) on the device from ``input_pos``
+            (:func:`toolkit.training.batch_attention_mask`).
 
     Returns:
         ``{"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}`` with ``s`` the longest sample rounded up.
-        If any sample has ``input_pos``, also ``"input_pos": LongTensor[b, s]`` and ``"mask": BoolTensor[b, s,
-        s]`` (True where attention is allowed: causal and within a document). A sample without ``input_pos``
-        counts as one document, and the padding of each row as one more, so no row of the mask is empty.
+        If any sample has ``input_pos``, also ``"input_pos": LongTensor[b, s]`` and, with ``attention_mask``,
+        ``"mask": BoolTensor[b, s, s]`` (True where attention is allowed: causal and within a document). A sample
+        without ``input_pos`` counts as one document, and the padding of each row as one more, so no row of the
+        mask is empty.
     """
     if not batch:
         raise ValueError("padded_collate got an empty batch")
@@ -60,7 +65,8 @@ def padded_collate(
             # The padding starts a document of its own: it attends only to itself, and no token to it.
             input_pos[i, n:] = torch.arange(seq_len - n)
         out["input_pos"] = input_pos
-        out["mask"] = packed_attention_mask(input_pos)  # [b, s, s]
+        if attention_mask:
+            out["mask"] = packed_attention_mask(input_pos)  # [b, s, s]
     return out
 
 

@@ -3,7 +3,8 @@
 Each builder reads its source once, tokenizes every row (checking it), and caches the result on disk (see
 :mod:`toolkit.data.store`); the dataset then serves samples by slicing memory-mapped arrays. Samples follow the
 label convention of :mod:`toolkit.data`; packed samples (``packed=True``) add ``input_pos`` (see
-:mod:`toolkit.data.packing`), and :func:`~toolkit.data.padded_collate` turns those into the attention mask.
+:mod:`toolkit.data.packing`), from which the per-document attention mask is made (by
+:func:`~toolkit.data.padded_collate`, or on the device by :func:`toolkit.training.batch_attention_mask`).
 """
 
 import copy

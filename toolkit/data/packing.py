@@ -2,9 +2,9 @@
 
 A packed sample is several documents laid end to end. Its ``input_pos`` restarts at 0 at each document, which
 is all the model needs: rotary embeddings take positions from it, and :func:`packed_attention_mask` derives from
-it a block-diagonal causal mask, so every document is computed exactly as if it were alone. Labels are each
-document's own shifted labels, so the label of a document's last token is the ignore index and no loss crosses a
-boundary.
+it a block-diagonal causal mask (:class:`toolkit.modules.DocumentMasks`: the same as FlexAttention block masks),
+so every document is computed exactly as if it were alone. Labels are each document's own shifted labels, so the
+label of a document's last token is the ignore index and no loss crosses a boundary.
 """
 
 from bisect import bisect_left, insort

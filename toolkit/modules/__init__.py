@@ -1,6 +1,6 @@
 """Model building blocks: attention, position embeddings, norms, feed-forward, the decoder, the KV cache."""
 
-from toolkit.modules.attention import GroupedQueryAttention
+from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
 from toolkit.modules.feed_forward import FeedForward
 from toolkit.modules.kv_cache import KVCache
 from toolkit.modules.position_embeddings import Llama3RopeScaling, RotaryPositionalEmbeddings
@@ -8,6 +8,7 @@ from toolkit.modules.rms_norm import RMSNorm
 from toolkit.modules.transformer import TransformerDecoder, TransformerDecoderLayer
 
 __all__ = [
+    "DocumentMasks",
     "FeedForward",
     "GroupedQueryAttention",
     "KVCache",

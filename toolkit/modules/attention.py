@@ -1,8 +1,14 @@
-"""Grouped-query attention (Ainslie et al., 2023, https://arxiv.org/abs/2305.13245) on PyTorch's SDPA."""
+"""Grouped-query attention (Ainslie et al., 2023, https://arxiv.org/abs/2305.13245) on PyTorch's SDPA, or on
+FlexAttention (https://pytorch.org/blog/flexattention/) for packed documents, sliding windows and soft-capping."""
+
+import functools
+import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from toolkit.modules.kv_cache import KVCache
 
@@ -60,13 +66,14 @@ class GroupedQueryAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        self._flex_score_mod = None if logit_softcap is None else _softcap_score_mod(logit_softcap)
         self.kv_cache: KVCache | None = None
 
     def forward(
         self,
         x: torch.Tensor,
         *,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
         input_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend over ``x`` (``[b, s, d]``).
@@ -74,7 +81,9 @@ class GroupedQueryAttention(nn.Module):
         Args:
             x: input hidden states.
             mask: boolean ``[b, s, s_kv]`` or ``[s, s_kv]``, True where attention is allowed; ``None`` means
-                causal (or, with a KV cache, causal over the cached positions).
+                causal (or, with a KV cache, causal over the cached positions). A FlexAttention ``BlockMask``
+                (from :class:`DocumentMasks`, this layer's sliding window already in it) computes the attention
+                with ``flex_attention`` instead of SDPA; not with a KV cache.
             input_pos: positions of ``x``'s tokens (``[s]`` or ``[b, s]``); required with a KV cache.
         """
         b, s, _ = x.shape
@@ -88,6 +97,15 @@ class GroupedQueryAttention(nn.Module):
         if self.pos_embeddings is not None:
             q = self.pos_embeddings(q, input_pos)
             k = self.pos_embeddings(k, input_pos)
+
+        if isinstance(mask, BlockMask):
+            if self.kv_cache is not None:
+                raise ValueError("a FlexAttention block mask is for training and scoring, not for a KV cache")
+            out = _flex_attention(q.device)(
+                q, k, v, score_mod=self._flex_score_mod, block_mask=mask, scale=self.softmax_scale,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )  # [b, n_h, s, h_d]
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
         is_causal = mask is None
         if self.kv_cache is not None:
@@ -140,3 +158,91 @@ class GroupedQueryAttention(nn.Module):
         scores = scores.masked_fill(~mask, float("-inf"))
         # The softmax runs in float32 whatever the compute dtype, as in Gemma 2's reference code.
         return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v  # [b, n_h, s, h_d]
+
+
+class DocumentMasks:
+    """Causal attention within each row's documents, as FlexAttention block masks, one per sliding window.
+
+    A packed row holds several documents, and a token may attend only to itself and earlier tokens of its own
+    document. SDPA can take that only as a dense ``[b, s, s]`` mask, which rules out its flash kernel and computes
+    every block of scores, masked or not; ``flex_attention`` takes a block mask and skips the blocks that are masked
+    whole. It also applies Gemma 2's score soft-cap inside the kernel, where SDPA cannot, so those layers need not
+    materialize their scores.
+
+    Pass it as the decoder's ``mask``: :class:`~toolkit.modules.TransformerDecoder` asks it for each layer's mask
+    with :meth:`for_layer`. A block mask is built on first use, for each sliding window the layers have, and
+    shared by every layer with that window. Rows without documents (``document_ids=None``) in a layer with neither
+    window nor soft-cap get ``None``: SDPA's causal (flash) kernel, which is faster than FlexAttention there.
+
+    FlexAttention runs compiled on CUDA (``torch.compile(flex_attention)``). On CPU PyTorch runs it unfused and
+    has no backward for it, so it serves there only for scoring without gradients (and for tests).
+
+    Args:
+        document_ids: ``[b, s]`` the document of each position (0, 1, ... within a row; see
+            :func:`toolkit.data.packing.document_ids`), or ``None``: every row is one document.
+        seq_len: positions per row.
+        device: where the block masks live (that of the activations).
+    """
+
+    def __init__(self, document_ids: torch.Tensor | None, *, seq_len: int, device: torch.device) -> None:
+        if document_ids is not None and document_ids.shape[-1] != seq_len:
+            raise ValueError(f"document_ids cover {document_ids.shape[-1]} positions, not seq_len={seq_len}")
+        self.document_ids = document_ids
+        self.seq_len = seq_len
+        self.device = torch.device(device)
+        self._block_masks: dict[int | None, BlockMask] = {}
+
+    def for_layer(self, attention: "GroupedQueryAttention") -> BlockMask | None:
+        """The mask for a layer whose attention is ``attention``: a block mask, or ``None`` for plain causal."""
+        if self.document_ids is None and attention.sliding_window is None and attention.logit_softcap is None:
+            return None
+        return self.block_mask(attention.sliding_window)
+
+    def block_mask(self, sliding_window: int | None = None) -> BlockMask:
+        """The block mask: causal, within a document, and within ``sliding_window`` positions (itself included)."""
+        if sliding_window not in self._block_masks:
+            docs = self.document_ids
+
+            def allowed(b, h, q_idx, kv_idx):
+                keep = kv_idx <= q_idx
+                if docs is not None:
+                    keep = keep & (docs[b, q_idx] == docs[b, kv_idx])
+                if sliding_window is not None:
+                    keep = keep & (q_idx - kv_idx < sliding_window)
+                return keep
+
+            batch = None if docs is None else docs.shape[0]
+            self._block_masks[sliding_window] = create_block_mask(
+                allowed, batch, None, self.seq_len, self.seq_len, device=self.device
+            )
+        return self._block_masks[sliding_window]
+
+
+def _softcap_score_mod(cap: float) -> Callable:
+    """Gemma 2's soft-cap as a FlexAttention score modification: ``cap * tanh(score / cap)`` on the scaled scores."""
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return softcap
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable:
+    # Compiled once per process and shape: fused kernels that skip masked blocks (uncompiled, FlexAttention
+    # materializes every score). A static shape: packed rows all have the pack's length.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_attention(device: torch.device) -> Callable:
+    if torch.compiler.is_compiling():
+        return flex_attention  # inside a compiled layer: traced into its graph and fused there
+    if device.type != "cpu":
+        return _compiled_flex_attention()
+
+    def unfused(*args, **kwargs):  # CPU: scoring without gradients and tests; speed is not the point there
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(*args, **kwargs)
+
+    return unfused

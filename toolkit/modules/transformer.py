@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.modules.attention import GroupedQueryAttention
+from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
 from toolkit.modules.kv_cache import KVCache
 
 
@@ -76,7 +76,8 @@ class TransformerDecoder(nn.Module):
 
         Args:
             tokens: token ids ``[b, s]``.
-            mask: attention mask, as in the attention layer.
+            mask: attention mask, as in the attention layer, or :class:`~toolkit.modules.attention.DocumentMasks`,
+                which gives each layer its FlexAttention block mask.
             input_pos: positions, as in the attention layer.
             num_output_chunks: return a list of this many logit tensors ``[b, s_i, vocab]`` that split the sequence
                 in order (``torch.tensor_split`` sizes, so any count works; chunks past the sequence's end are
@@ -87,7 +88,8 @@ class TransformerDecoder(nn.Module):
         """
         h = self.embed_tokens(tokens)  # [b, s, d]
         for layer in self.layers:
-            h = layer(h, mask=mask, input_pos=input_pos)
+            layer_mask = mask.for_layer(_attention_of(layer)) if isinstance(mask, DocumentMasks) else mask
+            h = layer(h, mask=layer_mask, input_pos=input_pos)
         h = self.norm(h)
         if num_output_chunks is None:
             return self.compute_logits(h)
@@ -123,3 +125,8 @@ class TransformerDecoder(nn.Module):
         """Remove the KV caches (training must not run with them)."""
         for layer in self.layers:
             layer.self_attn.kv_cache = None
+
+
+def _attention_of(layer: nn.Module) -> GroupedQueryAttention:
+    # Found by type, through whatever wraps the layer (activation checkpointing, torch.compile, FSDP2).
+    return next(m for m in layer.modules() if isinstance(m, GroupedQueryAttention))

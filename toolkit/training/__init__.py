@@ -7,6 +7,7 @@ from toolkit.training.activations import (
     apply_activation_checkpointing,
     apply_activation_offloading,
 )
+from toolkit.training.attention import batch_attention_mask, resolve_flex_attention
 from toolkit.training.checkpointing import (
     HFCheckpointer,
     gather_full_state_dict,
@@ -57,7 +58,6 @@ from toolkit.training.step import StepResult, forward_backward, global_batches, 
 from toolkit.training.validation import ValidationSampler, validation_loss
 
 __all__ = [
-    "STRATEGIES",
     "ActivationOffloader",
     "DistributedEnv",
     "HFCheckpointer",
@@ -67,6 +67,7 @@ __all__ = [
     "ParallelDims",
     "ParallelPlan",
     "PrecisionPolicy",
+    "STRATEGIES",
     "StepCheckpointer",
     "StepProfiler",
     "StepResult",
@@ -80,12 +81,13 @@ __all__ = [
     "apply_float8",
     "apply_fsdp",
     "barrier",
+    "batch_attention_mask",
     "breakpoint_on_rank",
     "check_float8_device",
     "check_optimizer_in_backward",
-    "clip_grad_norm",
     "choose_strategy",
     "chunked_cross_entropy_sum",
+    "clip_grad_norm",
     "compile_model",
     "cosine_with_warmup",
     "cross_entropy_sum",
@@ -112,11 +114,12 @@ __all__ = [
     "optimizer_step",
     "parallel_dims",
     "parallelize",
-    "plan_parallelism",
     "peak_memory_gib",
+    "plan_parallelism",
     "precision_policy",
     "prepare_output_dir",
     "rank_stats",
+    "resolve_flex_attention",
     "set_seed",
     "shard_optimizer_state",
     "start_run",

@@ -176,7 +176,7 @@ def _norm_bytes_per_token(norm: nn.Module, *, embed_dim: int, compute: int, auto
 
 
 def _layer_activation_bytes_per_token(
-    layer: nn.Module, *, embed_dim: int, seq_len: int, compute: int, autocast: bool
+    layer: nn.Module, *, embed_dim: int, seq_len: int, compute: int, autocast: bool, flex_attention: bool = False
 ) -> int:
     """Bytes one decoder layer saves for backward per token (the formula of :func:`activation_bytes`)."""
     attn, mlp, d, c = layer.self_attn, layer.mlp, embed_dim, compute
@@ -196,7 +196,7 @@ def _layer_activation_bytes_per_token(
         total += (4 + c) * q_dim + 4 * n_h
     if attn.k_norm is not None:
         total += (4 + c) * kv_dim + 4 * n_kv
-    if attn.logit_softcap is not None:
+    if attn.logit_softcap is not None and not flex_attention:
         # Explicit attention (Gemma 2) instead of SDPA's logsumexp: repeated k and v, then per query and head
         # the scores' tanh, the fp32 softmax and its cast (masks of size s x s per layer are not counted).
         cast = c if c != 4 else 0  # the softmax's cast back to the compute dtype, a no-op in fp32
@@ -207,7 +207,8 @@ def _layer_activation_bytes_per_token(
 
 
 def _activations_per_token(
-    model: nn.Module, *, seq_len: int, dtype: str, activation_checkpointing: bool | int, autocast: bool
+    model: nn.Module, *, seq_len: int, dtype: str, activation_checkpointing: bool | int, autocast: bool,
+    flex_attention: bool = False,
 ) -> tuple[list[int], int, int]:
     """Bytes per token that :func:`activation_bytes` adds up: what each layer keeps from its forward to its
     backward, what a checkpointed layer holds again while it is recomputed (the largest), and what the model keeps
@@ -216,7 +217,9 @@ def _activations_per_token(
     autocast = autocast and _precision(dtype).stored != compute
     d = model.embed_tokens.embedding_dim
     full = [
-        _layer_activation_bytes_per_token(layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast)
+        _layer_activation_bytes_per_token(
+            layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast, flex_attention=flex_attention
+        )
         for layer in model.layers
     ]
     checkpointed = set(checkpointed_layers(len(full), checkpoint_interval(activation_checkpointing)))
@@ -236,6 +239,7 @@ def activation_bytes(
     activation_checkpointing: bool | int = False,
     activation_offloading: bool = False,
     autocast: bool = False,
+    flex_attention: bool = False,
 ) -> int:
     """Bytes autograd keeps for backward on the device after one forward pass, without the logits (see
     :func:`logits_bytes`).
@@ -277,9 +281,12 @@ def activation_bytes(
         activation_offloading: the layers' saved tensors are kept in host memory (see
             :func:`offloaded_activation_bytes` for how much).
         autocast: mixed precision through ``torch.autocast`` rather than low-precision parameters.
+        flex_attention: attention runs on FlexAttention, which soft-caps scores inside its kernel: soft-capped
+            layers save what SDPA layers do, not their scores.
     """
     kept, recomputed, head = _activations_per_token(
-        model, seq_len=seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing, autocast=autocast
+        model, seq_len=seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing, autocast=autocast,
+        flex_attention=flex_attention,
     )
     layers = sum(sorted(kept)[-2:]) if activation_offloading else sum(kept)
     return micro_batch_size * seq_len * (layers + recomputed + head)
@@ -293,11 +300,13 @@ def offloaded_activation_bytes(
     dtype: str = "bf16-mixed",
     activation_checkpointing: bool | int = False,
     autocast: bool = False,
+    flex_attention: bool = False,
 ) -> int:
     """Host memory that activation offloading fills: every layer's saved tensors (with checkpointing, only the
     checkpointed layers' inputs and the other layers' tensors). Arguments as in :func:`activation_bytes`."""
     kept, _, _ = _activations_per_token(
-        model, seq_len=seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing, autocast=autocast
+        model, seq_len=seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing, autocast=autocast,
+        flex_attention=flex_attention,
     )
     return micro_batch_size * seq_len * sum(kept)
 
@@ -388,6 +397,7 @@ def estimate_memory(
     optimizer_in_backward: bool = False,
     shard_size: int | None = None,
     gradient_accumulation_steps: int = 1,
+    flex_attention: bool = False,
 ) -> MemoryEstimate:
     """Per-device memory of one training step of ``model`` under ``strategy`` (see the module docstring).
 
@@ -428,6 +438,7 @@ def estimate_memory(
         optimizer_in_backward: each parameter steps as soon as its gradient is ready, which is then freed.
         shard_size: HSDP's shard group size (default ``world_size // num_nodes``).
         gradient_accumulation_steps: micro-steps per optimizer step.
+        flex_attention: attention on FlexAttention (see :func:`activation_bytes`).
 
     Raises:
         UserError: an unknown strategy, dtype or optimizer, ``cpu_offload`` without sharding, or a world size the
@@ -508,7 +519,7 @@ def estimate_memory(
             grad_elems = math.ceil(fraction * max(t.numel() for t in params) / per_rank)
     activations = dict(
         micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype,
-        activation_checkpointing=activation_checkpointing, autocast=autocast,
+        activation_checkpointing=activation_checkpointing, autocast=autocast, flex_attention=flex_attention,
     )
     host = offloaded_activation_bytes(model, **activations) if activation_offloading else 0
     grad_bytes, opt_bytes = p * grad_elems, int(_STATE_ELEMENT_BYTES.get(optimizer, p) * states * opt_elems)
@@ -575,6 +586,7 @@ def choose_strategy(
     optimizer_in_backward: bool = False,
     gradient_accumulation_steps: int = 1,
     headroom: float = 0.9,
+    flex_attention: bool = False,
 ) -> tuple[str, MemoryEstimate, str]:
     """The cheapest strategy (order: :func:`candidate_strategies`) whose estimate fits ``headroom`` of the device.
 
@@ -609,6 +621,7 @@ def choose_strategy(
             optimizer=optimizer,
             optimizer_in_backward=optimizer_in_backward,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            flex_attention=flex_attention,
         )
         if estimate.total <= usable:
             rejected = "".join(f"; {e.label} would need {format_bytes(e.total)}" for e in estimates)
@@ -689,6 +702,7 @@ def plan_parallelism(
     activation_offloading: bool = False,
     optimizer_in_backward: bool = False,
     headroom: float = 0.9,
+    flex_attention: bool = False,
 ) -> ParallelPlan:
     """Resolve ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory estimate.
 
@@ -702,6 +716,7 @@ def plan_parallelism(
         strategy, cpu_offload, batch_size, micro_batch_size, max_seq_len, dtype, activation_checkpointing,
             activation_offloading, optimizer_in_backward: as in the config (offloading is counted as on a GPU: on
             the CPU, where it does nothing, host and device memory are the same).
+        flex_attention: attention on FlexAttention (:func:`~toolkit.training.resolve_flex_attention`).
         device: this rank's device; its memory is used on CUDA.
         device_memory_gb: the memory to plan for where the device does not say (CPU), in GiB.
         world_size, local_world_size: the job's shape.
@@ -730,7 +745,7 @@ def plan_parallelism(
     num_nodes = max(1, world_size // max(1, local_world_size))
     common = dict(world_size=world_size, max_seq_len=max_seq_len, dtype=dtype,
                   activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
-                  optimizer_in_backward=optimizer_in_backward)
+                  optimizer_in_backward=optimizer_in_backward, flex_attention=flex_attention)
     micro = 1 if auto_batch else micro_batch_size
     steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=world_size)
     reasons = []

@@ -10,6 +10,7 @@ from torch.optim import Optimizer
 
 from toolkit.data import GlobalBatchSampler
 
+from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import cross_entropy_sum, gradient_scale, start_global_token_count
 from toolkit.training.optim import OptimizerInBackward
@@ -41,6 +42,7 @@ def forward_backward(
     grad_scaler: torch.amp.GradScaler | None = None,
     loss_fn: Callable[..., torch.Tensor] = cross_entropy_sum,
     num_output_chunks: int | None = None,
+    flex_attention: bool = False,
 ) -> StepResult:
     """Accumulate the gradients of one global batch's share on this rank.
 
@@ -61,6 +63,7 @@ def forward_backward(
             of logit chunks (:func:`~toolkit.training.loss.chunked_cross_entropy_sum`).
         num_output_chunks: have the model return its logits in this many sequence chunks, so that the loss never
             holds them whole in float32 (``None``: one tensor).
+        flex_attention: attend with FlexAttention block masks (:func:`~toolkit.training.resolve_flex_attention`).
     """
     output_kwargs = {} if num_output_chunks is None else {"num_output_chunks": num_output_chunks}
     # The global token count travels during the first forward; it is waited for before the first backward.
@@ -73,8 +76,9 @@ def forward_backward(
         num_positions += mb["tokens"].numel()
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             with autocast or contextlib.nullcontext():
-                # Packed batches carry a per-document attention mask and positions that restart per document.
-                logits = model(mb["tokens"], mask=mb.get("mask"), input_pos=mb.get("input_pos"), **output_kwargs)
+                # Packed batches carry positions that restart per document; attention stays within each document.
+                mask = batch_attention_mask(mb, flex_attention=flex_attention)
+                logits = model(mb["tokens"], mask=mask, input_pos=mb.get("input_pos"), **output_kwargs)
             micro_loss = loss_fn(logits, mb["labels"])
             del logits  # the backward frees the logits (chunk by chunk) as it uses them
             if scale is None:

@@ -20,6 +20,7 @@ from torch.utils.data import Sampler
 
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.errors import UserError
+from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import cross_entropy_sum
 from toolkit.training.parallel import unwrap
@@ -77,6 +78,7 @@ def validation_loss(
     *,
     device: torch.device,
     autocast: contextlib.AbstractContextManager | None = None,
+    flex_attention: bool = False,
 ) -> dict[str, float | int]:
     """Mean token cross-entropy of ``model`` over every batch of every rank's ``loader``.
 
@@ -93,6 +95,7 @@ def validation_loss(
             ``CROSS_ENTROPY_IGNORE_INDEX``), optional ``mask`` and ``input_pos``, as ``padded_collate`` makes.
         device: where the model is.
         autocast: forward-pass context (mixed precision without FSDP2).
+        flex_attention: attend with FlexAttention block masks, as in training.
 
     Returns:
         ``{"val_loss": sum / count, "val_perplexity": exp(val_loss), "val_tokens": count}`` over all ranks.
@@ -114,7 +117,8 @@ def validation_loss(
             batch = next(batches, None)
             batch = idle_batch if batch is None else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with autocast or contextlib.nullcontext():
-                logits = plain(batch["tokens"], mask=batch.get("mask"), input_pos=batch.get("input_pos"))
+                mask = batch_attention_mask(batch, flex_attention=flex_attention)
+                logits = plain(batch["tokens"], mask=mask, input_pos=batch.get("input_pos"))
             sums[0] += cross_entropy_sum(logits, batch["labels"]).double()
             sums[1] += (batch["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum()
     finally:
