@@ -13,8 +13,11 @@ Before: ``bash benchmarks/gpu/fetch_wheels.sh`` where PyPI is reachable (README.
    ours keeps the machine's torchao where there is one.
 2. ``pytest -m gpu`` (tests that need a GPU; exit code 5, none selected, is reported, not a failure).
 3. ``benchmarks/compare.py --device cuda`` for Llama 3.2 1B and 3B full fine-tuning and Llama 3.1 8B LoRA and QLoRA,
-   random weights, everything under ``/dev/shm`` (removed after each shape).
-4. ``results.md`` (and ``results.json``) in ``--results``: one row per tool and the ratio lines.
+   random weights, everything under ``/dev/shm`` (removed after each shape). Then, budget permitting,
+   ``benchmarks/attention.py``: packed rows on SDPA with a dense mask against FlexAttention block masks, in Llama 3.1
+   8B's attention layer.
+4. ``results.md`` (and ``results.json``) in ``--results``: one row per tool, the ratio lines and the attention
+   table.
 
 ``--dry-run`` does the same on CPU with the tiny shapes, a few steps and short sequences, into ``/tmp``.
 """
@@ -37,6 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 COMPARE = REPO / "benchmarks" / "compare.py"
+ATTENTION = REPO / "benchmarks" / "attention.py"
 OURS_WHEEL = "tunekit"
 # Wheels of packages ours needs too: added to ours' folder when this interpreter cannot import them.
 SHARED = {"omegaconf": "omegaconf", "torchao": "torchao"}
@@ -131,7 +135,9 @@ def device_name(dry_run: bool) -> str:
     return f"{torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
 
 
-def write_table(results: Path, runs: list[dict], versions: dict[str, str], *, device: str, pytest_status: str) -> str:
+def write_table(
+    results: Path, runs: list[dict], versions: dict[str, str], *, device: str, pytest_status: str, attention: list[str]
+) -> str:
     """Markdown: the setup, one row per tool and method, then the ratio lines."""
     lines = [
         f"# compare.py on {device}",
@@ -158,6 +164,7 @@ def write_table(results: Path, runs: list[dict], versions: dict[str, str], *, de
                     f"{_num(r['first_loss'], '.4f')} | {r['note']} |"
                 )
     lines += ["", *(f"    {run['shape']}: {line}" for run in runs for line in run.get("ratio_lines", []))]
+    lines += ["", "## Packed rows: attention kernels (benchmarks/attention.py)", "", *attention]
     text = "\n".join(lines) + "\n"
     (results / "results.md").write_text(text)
     (results / "results.json").write_text(json.dumps({"versions": versions, "runs": runs}, indent=1))
@@ -225,7 +232,17 @@ def main() -> None:
         runs.append(run)
         log(f"{shape}: {run['status']} ({time.monotonic() - started:.0f} s so far)")
 
-    table = write_table(args.results, runs, versions, device=device_name(args.dry_run), pytest_status=pytest_status)
+    attention = [f"not run: {left()} s of --budget left"]
+    attention_cmd = [sys.executable, str(ATTENTION), *(["--device", "cpu", "--shape", "tiny"] if args.dry_run else
+                                                       ["--device", "cuda", "--shape", "8b"])]
+    if left() >= 60:
+        code = run_logged(attention_cmd, log_path=args.results / "attention.log", timeout=min(90, left()),
+                          env={**os.environ, "PYTHONPATH": str(ours)})
+        attention = [line for line in (args.results / "attention.log").read_text().splitlines()
+                     if line.startswith(("attention layer", "|"))] if code == 0 else [f"FAILED (exit {code})"]
+
+    table = write_table(args.results, runs, versions, device=device_name(args.dry_run), pytest_status=pytest_status,
+                        attention=attention)
     print("\n" + table)
     log(f"done in {time.monotonic() - started:.0f} s; {args.results / 'results.md'}")
     if any(run["status"] != "ok" for run in runs):
