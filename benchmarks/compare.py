@@ -35,7 +35,9 @@ What is the same for all three:
 * **Step**: batch ``--batch-size`` in one micro-batch (no accumulation), AdamW (``fused=True``, lr 1e-4, betas
   (0.9, 0.95), no weight decay), gradient norm clipped at 1.0, cosine schedule without warmup, fp32 on CPU and
   bf16 parameters on CUDA (no autocast), activation checkpointing off on CPU and as ``--activation-checkpointing``
-  says on CUDA (on for the 8B shapes), no ``torch.compile``. Ours and torchtune compute the output projection and
+  says on CUDA (on for the 8B shapes), ``torch.compile`` in ours and torchtune as ``--compile`` says (on CUDA: each
+  tool's best setting, as torchtune's own GPU numbers are taken; off on CPU; the transformers loop runs eagerly,
+  as the Hugging Face numbers in issue 8 were). Ours and torchtune compute the output projection and
   the loss in ``--loss-chunks`` (8) chunks of the sequence, so the float32 logits never exist whole (ours
   ``loss_chunks``, 8 in its real-model configs; torchtune ``CEWithChunkedOutputLoss``, 8 in its configs); the
   transformers loop computes them whole, its default. ``--loss-chunks 0``: whole logits in all three.
@@ -158,6 +160,7 @@ class Job:
     data: str
     tokenizer: str
     ours_overrides: tuple[str, ...] = ()  # more config overrides for our recipe (the ladder's techniques)
+    compile: bool = False  # torch.compile in ours and torchtune (the transformers loop runs eagerly)
 
     @property
     def shape(self) -> Shape:
@@ -411,7 +414,7 @@ def ours_command(job: Job, out: Path) -> list[str]:
         f"optimizer.lr={LR}", f"optimizer.betas=[{BETAS[0]},{BETAS[1]}]", "optimizer.weight_decay=0.0",
         "optimizer.fused=true", "lr_scheduler.warmup_steps=0", "lr_scheduler.min_lr_ratio=0.0",
         "clip_grad_norm=1.0", f"activation_checkpointing={str(job.activation_checkpointing).lower()}",
-        f"loss_chunks={job.loss_chunks or 'null'}", "compile=false",
+        f"loss_chunks={job.loss_chunks or 'null'}", f"compile={str(job.compile).lower()}",
         "log_every_n_steps=1", "save_every_n_steps=null",
     ]
     if lora:
@@ -469,7 +472,7 @@ def torchtune_config(job: Job, out: Path, special_tokens: str) -> dict[str, Any]
         "loss": ({"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss", "num_output_chunks": job.loss_chunks}
                  if job.loss_chunks else {"_component_": "torch.nn.CrossEntropyLoss"}),
         "clip_grad_norm": 1.0,
-        "compile": False,
+        "compile": job.compile,
         "device": job.device,
         "dtype": job.dtype,
         "enable_activation_checkpointing": job.activation_checkpointing,
@@ -774,6 +777,9 @@ def main() -> None:
                         help="ours and torchtune: output and loss in N chunks (0: whole logits)")
     parser.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto",
                         help="auto: on for the 8B shape, off otherwise")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="torch.compile in ours and torchtune (auto: on cuda, each tool's best setting; off on "
+                             "cpu, where compiling takes longer than the run)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="checkpoints, data and outputs (default: a temporary folder, /dev/shm on cuda)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
@@ -805,6 +811,7 @@ def main() -> None:
     steps = args.steps or (30 if cpu else 15)
     warmup = args.warmup if args.warmup is not None else 5
     ac = big if args.activation_checkpointing == "auto" else args.activation_checkpointing == "on"
+    compile_ = not cpu if args.compile == "auto" else args.compile == "on"
     dtype = "fp32" if cpu else "bf16"
     interleave = cpu if args.interleave == "auto" else args.interleave == "on"
     if steps <= warmup + 1:
@@ -848,7 +855,7 @@ def main() -> None:
     results: dict[str, list[Result]] = {}
     for method in methods:
         job = Job(method, shape_name, args.device, dtype, batch_size, seq_len, steps, ac, args.loss_chunks,
-                  str(checkpoint), str(data), str(ranks))
+                  str(checkpoint), str(data), str(ranks), compile=compile_)
         if args.ladder:
             results[method] = run_ladder(job, work=work, env=env_with(args.ours_pythonpath), interleave=interleave,
                                          warmup=warmup, keep=args.keep)
@@ -913,7 +920,7 @@ def main() -> None:
         args.json_out.write_text(json.dumps(
             {"shape": shape_name, "device": args.device, "dtype": dtype, "batch_size": batch_size,
              "seq_len": seq_len, "steps": steps, "activation_checkpointing": ac, "loss_chunks": args.loss_chunks,
-             "results": {m: [asdict(r) for r in runs] for m, runs in results.items()}}, indent=1))
+             "compile": compile_, "results": {m: [asdict(r) for r in runs] for m, runs in results.items()}}, indent=1))
     if not args.keep and args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     print()
