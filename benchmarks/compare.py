@@ -143,6 +143,44 @@ SHAPES = {
 }
 
 
+def matmul_flops_per_token(shape: Shape, method: str) -> float:
+    """Issue 8's count of model FLOPs per token position: 6 per trainable matmul weight (forward, input gradient,
+    weight gradient) and 4 per frozen one (no weight gradient), so ``6N`` for full fine-tuning and
+    ``4N + 6N_lora`` for LoRA and QLoRA; attention scores are not counted. ``N`` is every weight that multiplies
+    activations: the layers' projections and the output projection (a tied embedding, counted once); an untied
+    input embedding is a lookup. Checked against the issue's table: 3.21e9 weights for the 3B shape, 1.24e9 for 1B,
+    7.50e9 for 8B (8.03e9 parameters less its 0.53e9 embedding)."""
+    d, hd = shape.embed_dim, shape.embed_dim // shape.num_heads
+    kv = shape.num_kv_heads * hd
+    per_layer = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
+                 "gate_proj": (d, shape.intermediate_dim), "up_proj": (d, shape.intermediate_dim),
+                 "down_proj": (shape.intermediate_dim, d)}
+    weights = shape.num_layers * sum(i * o for i, o in per_layer.values()) + shape.vocab_size * d
+    if method == "full":
+        return 6.0 * weights
+    adapters = shape.num_layers * sum(LORA_RANK * (i + o) for name, (i, o) in per_layer.items()
+                                      if name in HF_LORA_MODULES)
+    return 4.0 * weights + 6.0 * adapters
+
+
+def measure_matmul_rate() -> float:
+    """The GPU's dense bf16 matmul rate in FLOP/s: 20 products of 8192 x 8192 matrices, after 3 to warm up."""
+    import torch
+
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    rate = 2 * 8192**3 * 20 / (time.perf_counter() - start)
+    del a, b
+    torch.cuda.empty_cache()
+    return rate
+
+
 @dataclass(frozen=True)
 class Job:
     """One comparison: everything the three tools must agree on."""
@@ -567,6 +605,7 @@ class Result:
     first_loss: float | None = None
     last_loss: float | None = None
     wall_s: float | None = None
+    mfu: float | None = None  # GPU: model FLOPs per second (matmul_flops_per_token) over the measured matmul rate
     note: str = ""
 
 
@@ -793,6 +832,9 @@ def main() -> None:
     parser.add_argument("--torchtune-pythonpath", default=None, help="prepended to PYTHONPATH for torchtune runs")
     parser.add_argument("--ours-pythonpath", default=str(REPO), help="prepended to PYTHONPATH for our runs")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the matmul rate MFU is taken against (default on cuda: the bf16 rate, measured here "
+                             "at the start; on cpu no MFU unless given)")
     parser.add_argument("--_transformers-worker", dest="transformers_worker", help=argparse.SUPPRESS)
     parser.add_argument("--_make-checkpoint", dest="make_checkpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -817,6 +859,7 @@ def main() -> None:
     if steps <= warmup + 1:
         parser.error("--steps must exceed --warmup + 1")
 
+    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None if cpu else measure_matmul_rate()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="tunekit-compare-", dir=None if cpu else "/dev/shm"))
     work.mkdir(parents=True, exist_ok=True)
     torchtune_python = None
@@ -899,16 +942,26 @@ def main() -> None:
         if not args.keep and args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
         return
+    for method, runs in results.items():
+        for r in runs:
+            if peak_flops and r.step_ms:
+                positions = batch_size * seq_len  # every position runs forward and backward, the last one too
+                r.mfu = matmul_flops_per_token(SHAPES[shape_name], method) * positions / (r.step_ms / 1e3) / peak_flops
+    if peak_flops:
+        print(f"MFU: issue 8's model FLOPs per token (6N full, 4N + 6N_lora LoRA/QLoRA; N the matmul weights) x "
+              f"{batch_size} x {seq_len} positions per step / step time, over {peak_flops / 1e12:.4g} TFLOP/s "
+              f"({'--peak-tflops' if args.peak_tflops else 'bf16 matmul rate measured here'})\n")
     columns = ["method", "tool", "tokens/s", "step ms", "CPU s/step", f"peak {'RSS' if cpu else 'GPU alloc'} GiB",
                "training GiB", "above torch GiB", "own log tokens/s", "process RSS GiB", "loss step 1",
-               f"loss step {steps}", "split ms: fwd+bwd / data / rest", "note"]
+               f"loss step {steps}", "split ms: fwd+bwd / data / rest", "note"] + (["MFU"] if peak_flops else [])
     print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
     for method, runs in results.items():
         for r in runs:
+            mfu = [fmt(r.mfu and 100 * r.mfu, ".1f") + ("%" if r.mfu else "")] if peak_flops else []
             cells = [method, r.tool, fmt(r.tokens_per_s, ".0f"), fmt(r.step_ms, ".1f"), fmt(r.cpu_s, ".3f"),
                      fmt(r.memory_gib, ".3f"), fmt(r.training_gib, ".3f"), fmt(r.above_torch_gib, ".3f"),
                      fmt(r.own_tokens_per_s, ".0f"), fmt(r.process_rss_gib, ".3f"), fmt(r.first_loss, ".5f"),
-                     fmt(r.last_loss, ".5f"), r.split or "-", r.note]
+                     fmt(r.last_loss, ".5f"), r.split or "-", r.note, *mfu]
             print("| " + " | ".join(cells) + " |")
     print("\nBy CPU time per step (ours / theirs throughput) and by memory grown after the first forward pass:")
     for method, runs in results.items():
@@ -920,7 +973,7 @@ def main() -> None:
         args.json_out.write_text(json.dumps(
             {"shape": shape_name, "device": args.device, "dtype": dtype, "batch_size": batch_size,
              "seq_len": seq_len, "steps": steps, "activation_checkpointing": ac, "loss_chunks": args.loss_chunks,
-             "compile": compile_, "results": {m: [asdict(r) for r in runs] for m, runs in results.items()}}, indent=1))
+             "compile": compile_, "peak_flops": peak_flops, "results": {m: [asdict(r) for r in runs] for m, runs in results.items()}}, indent=1))
     if not args.keep and args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     print()

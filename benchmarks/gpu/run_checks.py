@@ -56,10 +56,10 @@ GPU_RUNS = [
     ("llama3_1_8b", ["lora", "qlora"], _GPU_STEPS, 330),
 ]
 # The tiny shapes have the 1B/3B layout (tied embeddings) and the 8B one; the first runs one tool after another and
-# compiled as on a GPU, the second interleaved as on CPU.
+# compiled as on a GPU (with MFU against a stated rate), the second interleaved as on CPU.
 _FEW_STEPS = ["--steps", "6", "--warmup", "2", "--batch-size", "2", "--seq-len", "64"]
 DRY_RUNS = [
-    ("tiny", ["full"], [*_FEW_STEPS, "--interleave", "off", "--compile", "on"], 300),
+    ("tiny", ["full"], [*_FEW_STEPS, "--interleave", "off", "--compile", "on", "--peak-tflops", "0.1"], 300),
     ("tiny_untied", ["lora", "qlora"], _FEW_STEPS, 400),
 ]
 
@@ -148,13 +148,13 @@ def write_table(
         *(f"- {name}: {version}" for name, version in versions.items()),
         f"- pytest -m gpu: {pytest_status}",
         "",
-        "| shape | method | batch x seq | AC | compile | tool | tokens/s | step ms | peak memory GiB | training GiB "
-        "| loss step 1 | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | method | batch x seq | AC | compile | tool | tokens/s | step ms | MFU | peak memory GiB "
+        "| training GiB | loss step 1 | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         if "results" not in run:
-            lines.append(f"| {run['shape']} | {' '.join(run['methods'])} | | | | | | | | | | {run['status']} |")
+            lines.append(f"| {run['shape']} | {' '.join(run['methods'])} | | | | | | | | | | | {run['status']} |")
             continue
         for method, tools in run["results"].items():
             for r in tools:
@@ -163,9 +163,14 @@ def write_table(
                     f"{'on' if run['activation_checkpointing'] else 'off'} | "
                     f"{'on' if run.get('compile') and r['tool'] != 'transformers' else 'off'} | {r['tool']} | "
                     f"{_num(r['tokens_per_s'], '.0f')} | {_num(r['step_ms'], '.1f')} | "
+                    f"{_num(r.get('mfu') and 100 * r['mfu'], '.1f')} | "
                     f"{_num(r['memory_gib'], '.2f')} | {_num(r['training_gib'], '.2f')} | "
                     f"{_num(r['first_loss'], '.4f')} | {r['note']} |"
                 )
+    peaks = {run["peak_flops"] for run in runs if run.get("peak_flops")}
+    lines += ["", "MFU (%): 6N per token for full fine-tuning, 4N + 6N_lora for LoRA/QLoRA (N: the matmul weights), "
+              "over the bf16 matmul rate compare.py measured: "
+              + (", ".join(f"{p / 1e12:.4g} TFLOP/s" for p in sorted(peaks)) or "-")]
     lines += ["", *(f"    {run['shape']}: {line}" for run in runs for line in run.get("ratio_lines", []))]
     lines += ["", "## Packed rows: attention kernels (benchmarks/attention.py)", "", *attention]
     text = "\n".join(lines) + "\n"
