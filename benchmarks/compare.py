@@ -58,7 +58,10 @@ interleaving, each tool's own throughput log (ours ``metrics.jsonl`` ``tokens_pe
 backward and step; torchtune's ``tokens_per_second_per_gpu``, over the loop iteration). For ours, the table also
 splits the step (``split ms``): forward and backward and the data wait from our recipe's own timers in
 ``metrics.jsonl``, and the rest of the probe's step time (clipping, optimizer, schedule, logging). The table is
-followed by the same ratios computed from CPU time per step and from training GiB.
+followed by the same ratios computed from CPU time per step and from training GiB. On CUDA the table adds **MFU**:
+issue 8's model FLOPs per token (``matmul_flops_per_token``: 6N for full fine-tuning, 4N + 6N_lora for LoRA and
+QLoRA) times the ``batch x seq`` positions of a step, per second of step time, over the bf16 matmul rate measured
+at the start (``--peak-tflops`` states one instead).
 
 On CPU the machine is shared (2 cores here, other jobs come and go), so two things keep the comparison about the
 tools rather than about the load at the minute each ran:
