@@ -211,7 +211,7 @@ def main() -> None:
     pytest_status = "skipped (--skip-pytest)"
     if not args.skip_pytest:
         code = run_logged([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"],
-                          log_path=args.results / "pytest_gpu.log", timeout=min(120, left()))
+                          log_path=args.results / "pytest_gpu.log", timeout=min(180, left()))
         named = {0: "passed", 5: "no test selected (exit 5)", 124: "time limit"}
         pytest_status = named.get(code, f"FAILED (exit {code})")
         log(f"pytest -m gpu: {pytest_status}")
