@@ -42,6 +42,7 @@ from toolkit.training import (
     destroy_distributed,
     flops_per_token,
     forward_backward,
+    fused_by_default,
     global_batches,
     init_distributed,
     init_weights,
@@ -163,9 +164,9 @@ def train(cfg: DictConfig) -> None:
     # --- Optimizer and schedule (after sharding: FSDP2 parameters are DTensors) ---------------------------------
     trainable = [p for p in model.parameters() if p.requires_grad]
     if cfg.get("optimizer_in_backward"):  # one optimizer per parameter, stepped in backward; gradients freed at once
-        optimizer = OptimizerInBackward(trainable, partial(instantiate, cfg.optimizer))
+        optimizer = OptimizerInBackward(trainable, partial(instantiate, fused_by_default(cfg.optimizer)))
     else:
-        optimizer = shard_optimizer_state(instantiate(cfg.optimizer, trainable), dims=dims)
+        optimizer = shard_optimizer_state(instantiate(fused_by_default(cfg.optimizer), trainable), dims=dims)
     lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
 
     # --- Step checkpoints: resume exactly where a run stopped, on any number of processes ----------------------------

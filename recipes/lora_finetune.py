@@ -45,6 +45,7 @@ from toolkit.training import (
     destroy_distributed,
     flops_per_token,
     forward_backward,
+    fused_by_default,
     gather_full_state_dict,
     global_batches,
     init_distributed,
@@ -191,9 +192,9 @@ def train(cfg: DictConfig) -> None:
     # --- Optimizer and schedule (after sharding: FSDP2 parameters are DTensors) ---------------------------------
     trainable = [p for p in model.parameters() if p.requires_grad]
     if cfg.get("optimizer_in_backward"):  # one optimizer per parameter, stepped in backward; gradients freed at once
-        optimizer = OptimizerInBackward(trainable, partial(instantiate, cfg.optimizer))
+        optimizer = OptimizerInBackward(trainable, partial(instantiate, fused_by_default(cfg.optimizer)))
     else:
-        optimizer = shard_optimizer_state(instantiate(cfg.optimizer, trainable), dims=dims)
+        optimizer = shard_optimizer_state(instantiate(fused_by_default(cfg.optimizer), trainable), dims=dims)
     lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
 
     # --- Step checkpoints hold only what trains (adapters, their optimizer state) and the resume state ------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
-from toolkit.data import padded_collate
+from toolkit.data import packed_attention_mask, padded_collate
 from toolkit.errors import UserError
 from toolkit.models.gemma2 import gemma2
 from toolkit.models.llama3 import llama3
@@ -93,6 +93,27 @@ def test_unpacked_rows_with_windows_or_softcap_match_the_sdpa_path(name):
         expected = m(tokens, mask=batch_attention_mask(batch, flex_attention=False))
         got = m(tokens, mask=batch_attention_mask(batch, flex_attention=True))
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma2"])
+def test_heads_too_narrow_for_flex_kernels_get_sdpa_masks(name):
+    # 8 features per head: FlexAttention's GPU kernels need 16, so these layers get the dense mask (or None).
+    torch.manual_seed(0)
+    narrow = {"llama3": lambda: llama3(**(SMALL | {"embed_dim": 32})),
+              "gemma2": lambda: gemma2(**SMALL, head_dim=8, query_pre_attn_scalar=8, sliding_window=37,
+                                       attn_logit_softcap=2.0)}[name]().eval()
+    batch = packed_batch(DOCUMENTS)
+    masks = batch_attention_mask(batch, flex_attention=True)
+    assert all(torch.equal(masks.for_layer(layer.self_attn), packed_attention_mask(batch["input_pos"]))
+               for layer in narrow.layers)
+    with torch.no_grad():
+        expected = narrow(batch["tokens"], mask=batch_attention_mask(batch, flex_attention=False),
+                          input_pos=batch["input_pos"])
+        torch.testing.assert_close(narrow(batch["tokens"], mask=masks, input_pos=batch["input_pos"]), expected,
+                                   atol=0, rtol=0)
+    assert not masks._block_masks
+    unpacked = batch_attention_mask({"tokens": batch["tokens"]}, flex_attention=True)
+    assert all(unpacked.for_layer(layer.self_attn) is None for layer in narrow.layers)
 
 
 def test_plain_causal_layers_keep_sdpa():

@@ -3,6 +3,8 @@
 - ``optimizer_in_backward``: the same AdamW arithmetic per parameter, run from FSDP2's (or autograd's) hook instead
   of after backward, so losses and weights equal the ordinary step's bitwise, on one process and under every
   strategy it supports; its step checkpoints resume exactly and are those of the ordinary step.
+- fused AdamW, the recipes' default for torch's Adam and AdamW: the same steps as torch's per-parameter loop, on
+  FSDP2's shards too.
 - ``torchao.optim.AdamW8bit``: its quantized state, sharded by ZeRO-3, survives a step checkpoint exactly.
 - ``float8``: refused, in one line, without a GPU of compute capability 8.9 or newer; trains like bf16 on one.
 
@@ -13,9 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from test_resume import assert_bitwise_equal, assert_same_run, kill_then_resume, losses, run, tune
+from toolkit.training import fused_by_default
+
+from test_resume import assert_bitwise_equal, assert_same_run, kill_then_resume, losses, run, tune, weights
 
 IN_BACKWARD = ["optimizer_in_backward=true", "clip_grad_norm=null"]
 # 2 processes x 4 sequences: one micro-batch per step, as the step inside backward needs.
@@ -83,6 +88,31 @@ def test_in_backward_refuses_gradient_clipping_in_one_line(tmp_path):
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert "set clip_grad_norm=null or optimizer_in_backward=false" in result.stderr
+
+
+# --- fused AdamW, the recipes' default ----------------------------------------------------------------------------
+
+
+def test_fused_adamw_is_the_default_and_only_adds_the_switch():
+    adamw = OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-3})
+    assert fused_by_default(adamw) == {**adamw, "fused": True} and "fused" not in adamw
+    for kept in ({"_component_": "torch.optim.AdamW", "fused": False}, {"_component_": "torch.optim.Adam", "foreach": True},
+                 {"_component_": "torchao.optim.AdamW8bit"}, {"_component_": "torch.optim.SGD", "lr": 0.1}):
+        assert fused_by_default(OmegaConf.create(kept)) == kept
+
+
+def test_fused_adamw_steps_like_torchs_loop_on_fsdp2_shards(tmp_path):
+    # The recipes' default (fused: one kernel over the DTensor shards) against torch's per-parameter loop: the same
+    # arithmetic in another order, so equal to float32 rounding, which Adam's division by sqrt(v) can amplify where
+    # v is near zero. Measured after 8 steps: 7 of the 885,888 weights differ by more than 1e-7, one by 6.5e-6,
+    # against updates of up to lr = 3e-3 per step; the losses are equal.
+    fused = train(tmp_path / "fused", *ZERO3)
+    loop = train(tmp_path / "loop", *ZERO3, "optimizer.fused=false")
+    assert losses(fused) == pytest.approx(losses(loop), rel=1e-6)
+    fused_weights, loop_weights = weights(fused), weights(loop)
+    assert fused_weights.keys() == loop_weights.keys()
+    for key, value in fused_weights.items():
+        torch.testing.assert_close(value, loop_weights[key], rtol=0, atol=3e-5)
 
 
 # --- torchao's 8-bit AdamW ---------------------------------------------------------------------------------------

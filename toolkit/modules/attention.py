@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 from toolkit.modules.kv_cache import KVCache
 
@@ -160,6 +160,10 @@ class GroupedQueryAttention(nn.Module):
         return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v  # [b, n_h, s, h_d]
 
 
+# tl.dot in FlexAttention's Triton kernels needs at least 16 features per head (PyTorch raises otherwise).
+FLEX_MIN_HEAD_DIM = 16
+
+
 class DocumentMasks:
     """Causal attention within each row's documents, as FlexAttention block masks, one per sliding window.
 
@@ -191,31 +195,48 @@ class DocumentMasks:
         self.seq_len = seq_len
         self.device = torch.device(device)
         self._block_masks: dict[int | None, BlockMask] = {}
+        self._dense: torch.Tensor | None = None
 
-    def for_layer(self, attention: "GroupedQueryAttention") -> BlockMask | None:
-        """The mask for a layer whose attention is ``attention``: a block mask, or ``None`` for plain causal."""
+    def for_layer(self, attention: "GroupedQueryAttention") -> BlockMask | torch.Tensor | None:
+        """The mask for a layer whose attention is ``attention``: a block mask, or ``None`` for plain causal.
+
+        Heads narrower than FlexAttention's GPU kernels take (16 features) get SDPA's masks instead: ``None``
+        without documents, else the dense ``[b, s, s]`` mask of the documents (the layer adds its window).
+        """
         if self.document_ids is None and attention.sliding_window is None and attention.logit_softcap is None:
             return None
+        if attention.head_dim < FLEX_MIN_HEAD_DIM:
+            return None if self.document_ids is None else self.dense()
         return self.block_mask(attention.sliding_window)
+
+    def dense(self) -> torch.Tensor:
+        """The boolean ``[b, s, s]`` mask of the documents, True where attention is allowed (built once)."""
+        if self._dense is None:
+            batch = self.document_ids.shape[0]
+            self._dense = create_mask(self._mask_mod(None), batch, None, self.seq_len, self.seq_len, self.device)[:, 0]
+        return self._dense
 
     def block_mask(self, sliding_window: int | None = None) -> BlockMask:
         """The block mask: causal, within a document, and within ``sliding_window`` positions (itself included)."""
         if sliding_window not in self._block_masks:
-            docs = self.document_ids
-
-            def allowed(b, h, q_idx, kv_idx):
-                keep = kv_idx <= q_idx
-                if docs is not None:
-                    keep = keep & (docs[b, q_idx] == docs[b, kv_idx])
-                if sliding_window is not None:
-                    keep = keep & (q_idx - kv_idx < sliding_window)
-                return keep
-
-            batch = None if docs is None else docs.shape[0]
+            batch = None if self.document_ids is None else self.document_ids.shape[0]
             self._block_masks[sliding_window] = create_block_mask(
-                allowed, batch, None, self.seq_len, self.seq_len, device=self.device
+                self._mask_mod(sliding_window), batch, None, self.seq_len, self.seq_len, device=self.device
             )
         return self._block_masks[sliding_window]
+
+    def _mask_mod(self, sliding_window: int | None) -> Callable:
+        docs = self.document_ids
+
+        def allowed(b, h, q_idx, kv_idx):
+            keep = kv_idx <= q_idx
+            if docs is not None:
+                keep = keep & (docs[b, q_idx] == docs[b, kv_idx])
+            if sliding_window is not None:
+                keep = keep & (q_idx - kv_idx < sliding_window)
+            return keep
+
+        return allowed
 
 
 def _softcap_score_mod(cap: float) -> Callable:

@@ -31,7 +31,7 @@ from toolkit.training.lr_schedulers import cosine_with_warmup
 from toolkit.training.memory import ParallelPlan, choose_strategy, estimate_memory, plan_parallelism
 from toolkit.training.meta_checkpoint import MetaCheckpointer
 from toolkit.training.metrics import MetricsLogger, peak_memory_gib, rank_stats, step_metrics
-from toolkit.training.optim import OptimizerInBackward, check_optimizer_in_backward
+from toolkit.training.optim import OptimizerInBackward, check_optimizer_in_backward, fused_by_default
 from toolkit.training.parallel import (
     STRATEGIES,
     ParallelDims,
@@ -96,6 +96,7 @@ __all__ = [
     "find_resume_checkpoint",
     "flops_per_token",
     "forward_backward",
+    "fused_by_default",
     "gather_full_state_dict",
     "global_batches",
     "global_token_count",

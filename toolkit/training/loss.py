@@ -102,9 +102,9 @@ def start_global_token_count(
     is most of what data parallelism costs when the gradients are small, as LoRA's are).
     """
     local = sum(int((labels != ignore_index).sum()) for labels in label_batches)
-    total = torch.tensor([local], dtype=torch.float64)
     if not dist.is_initialized():
         return lambda: local
+    total = torch.tensor([local], dtype=torch.float64)  # a CPU tensor: gloo's half of the process group carries it
     work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
 
     def wait() -> int:

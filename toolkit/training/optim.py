@@ -1,4 +1,7 @@
-"""The optimizer step inside backward: each parameter is updated as soon as its gradient is ready, and that gradient
+"""Optimizers in the recipes: torch's Adam and AdamW fused by default (:func:`fused_by_default`), and the step inside
+backward.
+
+The optimizer step inside backward: each parameter is updated as soon as its gradient is ready, and that gradient
 is freed at once, so the gradients of the whole model never exist together (their memory, up to 4 bytes per
 trained parameter in fp32, shrinks to one parameter's).
 
@@ -27,8 +30,31 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from omegaconf import DictConfig, open_dict
+
 from toolkit.errors import UserError
 from toolkit.training.parallel import SHARDED_STRATEGIES, ParallelDims
+
+# torch's optimizers with a fused implementation on CUDA and CPU (and every dtype the recipes train in).
+_FUSABLE = {f"torch.optim.{name}" for name in ("Adam", "AdamW", "adam.Adam", "adamw.AdamW")}
+
+
+def fused_by_default(optimizer_cfg: DictConfig) -> DictConfig:
+    """``optimizer_cfg`` with ``fused: true`` added when it builds torch's Adam or AdamW and sets neither ``fused``
+    nor ``foreach``; otherwise unchanged (other optimizers, torchao's 8-bit AdamW among them, have no such switch).
+
+    Fused, the update of all parameters is one kernel (per device and dtype), where torch's default is a
+    multi-tensor loop on CUDA and one loop per parameter on the CPU; the arithmetic is the same. It works under
+    every strategy: plain tensors, DDP, ZeroRedundancyOptimizer (which passes it to the optimizer it wraps) and
+    FSDP2's DTensor shards, also with the step inside backward. ``fused: false`` (or ``foreach``) in the config
+    keeps torch's choice.
+    """
+    if optimizer_cfg.get("_component_") not in _FUSABLE or "fused" in optimizer_cfg or "foreach" in optimizer_cfg:
+        return optimizer_cfg
+    fused = optimizer_cfg.copy()
+    with open_dict(fused):  # (the recipes' configs may be read-only in structure)
+        fused.fused = True
+    return fused
 
 
 class OptimizerInBackward(Optimizer):
