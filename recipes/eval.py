@@ -134,7 +134,9 @@ def evaluate(cfg: DictConfig) -> None:
             dataset,
             batch_size=cfg.micro_batch_size,
             sampler=ValidationSampler(len(dataset), rank=env.rank, world_size=env.world_size),
-            collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False),  # masks: on the device
+            collate_fn=partial(  # masks made on the device; packed batches all get the pack's shape
+                padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.get("max_seq_len")
+            ),
         )
         # As in training: FlexAttention block masks for packed documents and soft-capped scores on CUDA.
         flex_attention = resolve_flex_attention(cfg.get("flex_attention", "auto"), env.device)

@@ -138,6 +138,8 @@ def train(cfg: DictConfig) -> None:
     # --- Data: every rank reads its slice of each global batch, in an order independent of the world size ---------
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer)
+    # Masks are made on the device (FlexAttention's or SDPA's); packed batches all get the pack's shape.
+    collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.max_seq_len)
     sampler = GlobalBatchSampler(
         len(dataset), global_batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size, seed=cfg.seed
     )
@@ -145,7 +147,7 @@ def train(cfg: DictConfig) -> None:
         dataset,
         batch_size=plan.micro_batch_size,
         sampler=sampler,
-        collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False),  # masks: on the device
+        collate_fn=collate,
     )
     # Validation: every rank scores a disjoint slice of the whole set; the loss is exact on any number of ranks.
     val_loader = None
@@ -155,7 +157,7 @@ def train(cfg: DictConfig) -> None:
             val_dataset,
             batch_size=plan.micro_batch_size,
             sampler=ValidationSampler(len(val_dataset), rank=env.rank, world_size=env.world_size),
-            collate_fn=partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False),  # masks: on the device
+            collate_fn=collate,
         )
     total_steps = cfg.epochs * sampler.steps_per_epoch
     if cfg.max_steps is not None:

@@ -34,3 +34,15 @@ def test_bad_batches() -> None:
         padded_collate([{"tokens": [1, 2], "labels": [1]}], pad_id=0)
     with pytest.raises(ValueError, match="pad_to_multiple_of"):
         padded_collate(_batch(), pad_id=0, pad_to_multiple_of=0)
+
+
+def test_packed_batches_are_padded_to_the_pack_size_and_unpacked_ones_are_not() -> None:
+    packed = padded_collate(
+        [{"tokens": [5, 6, 7], "labels": [6, 7, -100], "input_pos": [0, 1, 0]}], pad_id=0, pack_to=6,
+        attention_mask=False,
+    )
+    assert packed["tokens"].tolist() == [[5, 6, 7, 0, 0, 0]] and "mask" not in packed
+    assert packed["labels"].tolist() == [[6, 7, -100, -100, -100, -100]]
+    assert packed["input_pos"].tolist() == [[0, 1, 0, 0, 1, 2]]  # the padding is a document of its own
+    unpacked = padded_collate([{"tokens": [5, 6, 7], "labels": [6, 7, -100]}], pad_id=0, pack_to=6)
+    assert unpacked["tokens"].shape == (1, 3)

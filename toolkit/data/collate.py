@@ -15,6 +15,7 @@ def padded_collate(
     ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
     pad_to_multiple_of: int = 1,
     attention_mask: bool = True,
+    pack_to: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Right-pads ``{"tokens", "labels"}`` samples into tensors; packed samples also get their attention mask.
 
@@ -28,6 +29,10 @@ def padded_collate(
         attention_mask: add the dense mask of packed batches; ``False`` leaves it to the trainer, which builds it
             (or a FlexAttention block mask) on the device from ``input_pos``
             (:func:`toolkit.training.batch_attention_mask`).
+        pack_to: pad packed batches to this many positions (the pack size), so that every packed batch has the
+            same shape: compiled kernels (FlexAttention's among them) are then compiled once, where each new
+            length would compile again, and past torch's recompile limit run unfused. Unpacked batches keep
+            their own length.
 
     Returns:
         ``{"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}`` with ``s`` the longest sample rounded up.
@@ -51,12 +56,15 @@ def padded_collate(
                 "input_pos"
             )
     longest = max(len(sample["tokens"]) for sample in batch)
+    packed = any("input_pos" in sample for sample in batch)
+    if packed and pack_to is not None:
+        longest = max(longest, pack_to)
     seq_len = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     out = {
         "tokens": _pad([s["tokens"] for s in batch], seq_len, pad_id),  # [b, s]
         "labels": _pad([s["labels"] for s in batch], seq_len, ignore_index),  # [b, s]
     }
-    if any("input_pos" in sample for sample in batch):
+    if packed:
         input_pos = torch.arange(seq_len).repeat(len(batch), 1)  # [b, s]
         for i, sample in enumerate(batch):
             n = len(sample["tokens"])
