@@ -39,8 +39,8 @@ Estimate per-device memory (parameters, gradients, optimizer state, activations,
 for every data-parallel strategy, and show the one `data_parallel: auto` picks: the cheapest that fits.
 
 Reads the config keys model, micro_batch_size, max_seq_len, dtype (default bf16-mixed), activation_checkpointing,
-activation_offloading, flex_attention, data_parallel, cpu_offload, hsdp_shard_size, batch_size, optimizer,
-optimizer_in_backward and device_memory_gb. Plans are for GPUs: flex_attention auto counts as on.
+activation_offloading, flex_attention, loss_chunks, data_parallel, cpu_offload, hsdp_shard_size, batch_size,
+optimizer, optimizer_in_backward and device_memory_gb. Plans are for GPUs: flex_attention auto counts as on.
 
 examples:
   tune plan full_finetune --config demo --device-memory-gb 24
@@ -166,6 +166,7 @@ def plan_command(argv: Sequence[str]) -> int:
     optimizer, optimizer_note = _optimizer_name(cfg)
     optimizer_in_backward = bool(cfg.get("optimizer_in_backward", False))
     flex_attention = resolve_flex_attention(cfg.get("flex_attention", "auto"), torch.device("cuda"))
+    loss_chunks = cfg.get("loss_chunks")
 
     with torch.device("meta"):  # shapes only: a 70B model costs nothing
         model = instantiate(cfg.model)
@@ -182,7 +183,7 @@ def plan_command(argv: Sequence[str]) -> int:
             device_memory_gb=memory / _GIB, world_size=world_size, local_world_size=nproc, max_seq_len=max_seq_len,
             dtype=dtype, activation_checkpointing=activation_checkpointing,
             activation_offloading=activation_offloading, optimizer_in_backward=optimizer_in_backward,
-            headroom=args.headroom, flex_attention=flex_attention,
+            headroom=args.headroom, flex_attention=flex_attention, loss_chunks=loss_chunks,
         )
         micro_batch_size = chosen.micro_batch_size
         auto_note = "; ".join(chosen.reasons)
@@ -209,6 +210,7 @@ def plan_command(argv: Sequence[str]) -> int:
         optimizer_in_backward=optimizer_in_backward,
         gradient_accumulation_steps=accumulation,
         flex_attention=flex_attention,
+        loss_chunks=loss_chunks,
     )
     usable = int(args.headroom * memory)
 
@@ -218,7 +220,8 @@ def plan_command(argv: Sequence[str]) -> int:
         f"model: {cfg.model._component_}, {n_params / 1e6:,.2f}M parameters ({n_trainable / 1e6:,.2f}M trainable); "
         f"micro batch {micro_batch_size} x {max_seq_len} tokens, dtype {dtype}, activation checkpointing "
         f"{checkpointing}, offloading {'on' if activation_offloading else 'off'}, "
-        f"flex_attention {'on' if flex_attention else 'off'}, {optimizer}"
+        f"flex_attention {'on' if flex_attention else 'off'}, loss {f'in {loss_chunks} chunks' if loss_chunks else 'whole'}, "
+        f"{optimizer}"
         f"{' stepped inside backward' if optimizer_in_backward else ''}, {accumulation} "
         "accumulation step(s)"
     )

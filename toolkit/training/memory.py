@@ -311,17 +311,31 @@ def offloaded_activation_bytes(
     return micro_batch_size * seq_len * sum(kept)
 
 
-def logits_bytes(model: nn.Module, *, micro_batch_size: int, seq_len: int, dtype: str = "bf16-mixed") -> int:
-    """Peak bytes of the logits and the loss: ``t * vocab * (12 + c)``.
+def logits_bytes(
+    model: nn.Module, *, micro_batch_size: int, seq_len: int, dtype: str = "bf16-mixed", loss_chunks: int | None = None
+) -> int:
+    """Peak bytes of the logits and the loss.
 
-    The recipe holds the logits (``c`` bytes each) through backward; the loss upcasts them and log-softmax saves
-    its fp32 output (4); at the start of backward the fp32 gradients of the log-probabilities and of the logits
-    (4 + 4) exist together with both. Soft-capped logits (Gemma 2) save their tanh as well (``c``).
+    Whole logits: ``t * vocab * (12 + c)``. The caller holds the logits (``c`` bytes each) through backward; the
+    loss upcasts them and log-softmax saves its fp32 output (4); at the start of backward the fp32 gradients of the
+    log-probabilities and of the logits (4 + 4) exist together with both.
+
+    In ``loss_chunks`` chunks (:func:`~toolkit.training.loss.chunked_cross_entropy_sum`): ``t * vocab * (c + f /
+    n)``. Every chunk's logits are kept for backward in the compute dtype, and only one chunk at a time has its
+    float32 log-softmax (forward) or softmax (backward): ``f = 4``, or ``8`` when the chunk is upcast to it first
+    (``c`` of 2). Measured with an allocation tracker to within 1% (``tests/training/test_memory.py``); a
+    trainable output weight also has a transient copy of its gradient per chunk, which is not counted.
+
+    Soft-capped logits (Gemma 2) save their tanh as well (``c``), in both cases.
     """
     compute = _precision(dtype).compute
     vocab = model.embed_tokens.num_embeddings
-    per_logit = 12 + compute + (compute if getattr(model, "final_logit_softcap", None) else 0)
-    return micro_batch_size * seq_len * vocab * per_logit
+    softcap = compute if getattr(model, "final_logit_softcap", None) else 0
+    tokens_x_vocab = micro_batch_size * seq_len * vocab
+    if not loss_chunks:
+        return tokens_x_vocab * (12 + compute + softcap)
+    one_chunk = 4 if compute == 4 else 8
+    return tokens_x_vocab * (compute + softcap) + math.ceil(tokens_x_vocab * one_chunk / loss_chunks)
 
 
 # --- Parameters, sharding and the estimate -----------------------------------------------------------------------
@@ -398,6 +412,7 @@ def estimate_memory(
     shard_size: int | None = None,
     gradient_accumulation_steps: int = 1,
     flex_attention: bool = False,
+    loss_chunks: int | None = None,
 ) -> MemoryEstimate:
     """Per-device memory of one training step of ``model`` under ``strategy`` (see the module docstring).
 
@@ -439,6 +454,7 @@ def estimate_memory(
         shard_size: HSDP's shard group size (default ``world_size // num_nodes``).
         gradient_accumulation_steps: micro-steps per optimizer step.
         flex_attention: attention on FlexAttention (see :func:`activation_bytes`).
+        loss_chunks: the output projection and loss in this many sequence chunks (see :func:`logits_bytes`).
 
     Raises:
         UserError: an unknown strategy, dtype or optimizer, ``cpu_offload`` without sharding, or a world size the
@@ -537,7 +553,9 @@ def estimate_memory(
         grads=grad_bytes,
         optimizer_state=opt_bytes,
         activations=activation_bytes(model, activation_offloading=activation_offloading, **activations),
-        logits=logits_bytes(model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype),
+        logits=logits_bytes(
+            model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype, loss_chunks=loss_chunks
+        ),
         gathered=gathered,
         host=host,
     )
@@ -587,6 +605,7 @@ def choose_strategy(
     gradient_accumulation_steps: int = 1,
     headroom: float = 0.9,
     flex_attention: bool = False,
+    loss_chunks: int | None = None,
 ) -> tuple[str, MemoryEstimate, str]:
     """The cheapest strategy (order: :func:`candidate_strategies`) whose estimate fits ``headroom`` of the device.
 
@@ -622,6 +641,7 @@ def choose_strategy(
             optimizer_in_backward=optimizer_in_backward,
             gradient_accumulation_steps=gradient_accumulation_steps,
             flex_attention=flex_attention,
+            loss_chunks=loss_chunks,
         )
         if estimate.total <= usable:
             rejected = "".join(f"; {e.label} would need {format_bytes(e.total)}" for e in estimates)
@@ -703,6 +723,7 @@ def plan_parallelism(
     optimizer_in_backward: bool = False,
     headroom: float = 0.9,
     flex_attention: bool = False,
+    loss_chunks: int | None = None,
 ) -> ParallelPlan:
     """Resolve ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory estimate.
 
@@ -717,6 +738,7 @@ def plan_parallelism(
             activation_offloading, optimizer_in_backward: as in the config (offloading is counted as on a GPU: on
             the CPU, where it does nothing, host and device memory are the same).
         flex_attention: attention on FlexAttention (:func:`~toolkit.training.resolve_flex_attention`).
+        loss_chunks: the config's ``loss_chunks`` (see :func:`logits_bytes`).
         device: this rank's device; its memory is used on CUDA.
         device_memory_gb: the memory to plan for where the device does not say (CPU), in GiB.
         world_size, local_world_size: the job's shape.
@@ -745,7 +767,8 @@ def plan_parallelism(
     num_nodes = max(1, world_size // max(1, local_world_size))
     common = dict(world_size=world_size, max_seq_len=max_seq_len, dtype=dtype,
                   activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
-                  optimizer_in_backward=optimizer_in_backward, flex_attention=flex_attention)
+                  optimizer_in_backward=optimizer_in_backward, flex_attention=flex_attention,
+                  loss_chunks=loss_chunks)
     micro = 1 if auto_batch else micro_batch_size
     steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=world_size)
     reasons = []
