@@ -127,7 +127,8 @@ def main() -> None:
     what = "forward + backward" if train else "forward only, no gradients (CPU)"
     print(f"attention layer of {args.shape} ({SHAPES[args.shape]}: d, heads, kv heads, head dim), {dtype}, "
           f"{args.batch_size} x {seq_len} tokens, {documents} documents (mean {mean_doc}); {what}; "
-          f"median of {args.iters} on {torch.cuda.get_device_name(device) if train else 'cpu'}, torch {torch.__version__}")
+          f"median of {args.iters} on {torch.cuda.get_device_name(device) if train else 'cpu'}, "
+          f"torch {torch.__version__}")
     dense_s = results[1][1]
     print("| kernel | ms | peak MiB above inputs | time / dense mask |\n|---|---|---|---|")
     for name, seconds, peak in results:

@@ -976,7 +976,8 @@ def main() -> None:
         args.json_out.write_text(json.dumps(
             {"shape": shape_name, "device": args.device, "dtype": dtype, "batch_size": batch_size,
              "seq_len": seq_len, "steps": steps, "activation_checkpointing": ac, "loss_chunks": args.loss_chunks,
-             "compile": compile_, "peak_flops": peak_flops, "results": {m: [asdict(r) for r in runs] for m, runs in results.items()}}, indent=1))
+             "compile": compile_, "peak_flops": peak_flops,
+             "results": {m: [asdict(r) for r in runs] for m, runs in results.items()}}, indent=1))
     if not args.keep and args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     print()

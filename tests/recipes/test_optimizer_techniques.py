@@ -96,7 +96,8 @@ def test_in_backward_refuses_gradient_clipping_in_one_line(tmp_path):
 def test_fused_adamw_is_the_default_and_only_adds_the_switch():
     adamw = OmegaConf.create({"_component_": "torch.optim.AdamW", "lr": 1e-3})
     assert fused_by_default(adamw) == {**adamw, "fused": True} and "fused" not in adamw
-    for kept in ({"_component_": "torch.optim.AdamW", "fused": False}, {"_component_": "torch.optim.Adam", "foreach": True},
+    for kept in ({"_component_": "torch.optim.AdamW", "fused": False},
+                 {"_component_": "torch.optim.Adam", "foreach": True},
                  {"_component_": "torchao.optim.AdamW8bit"}, {"_component_": "torch.optim.SGD", "lr": 0.1}):
         assert fused_by_default(OmegaConf.create(kept)) == kept
 

@@ -51,7 +51,8 @@ def test_packed_validation_equals_unpacked(tmp_path):
     common = ["dataset.num_samples=64", "device=cpu"]
     unpacked = train(tmp_path / "unpacked", *chat("validation_dataset", source, packed=False), *common)
     packed = train(tmp_path / "packed", *chat("validation_dataset", source, packed=True), *common)
-    scores = [[(r["step"], r["val_loss"], r["val_tokens"]) for r in run if "val_loss" in r] for run in (unpacked, packed)]
+    scores = [[(r["step"], r["val_loss"], r["val_tokens"]) for r in run if "val_loss" in r]
+              for run in (unpacked, packed)]
     assert [s[0] for s in scores[0]] == [2, 4]
     # The same weights (the training data is the demo's, unpacked, in both runs) and the same target tokens; only
     # the batching differs, so the sums agree to float32 rounding (measured within 1e-8 relative).
@@ -77,7 +78,8 @@ def test_flex_attention_trains_like_the_dense_mask_on_cuda(tmp_path):
     # losses agree to about 1e-5 relative (1e-3 allowed: Adam's first steps amplify tiny gradient differences).
     source = conversations(tmp_path / "train.jsonl", 200, seed=2)
     common = [*chat("dataset", source, packed=True), *chat("validation_dataset", source, packed=True), "device=cuda"]
-    runs = [train(tmp_path / name, *common, f"flex_attention={flag}") for name, flag in (("sdpa", False), ("flex", True))]
+    runs = [train(tmp_path / name, *common, f"flex_attention={flag}")
+            for name, flag in (("sdpa", False), ("flex", True))]
     for key in ("loss", "val_loss"):
         sdpa, flex = ([r[key] for r in run if key in r] for run in runs)
         assert flex == pytest.approx(sdpa, rel=1e-3), key

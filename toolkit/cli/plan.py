@@ -220,8 +220,8 @@ def plan_command(argv: Sequence[str]) -> int:
         f"model: {cfg.model._component_}, {n_params / 1e6:,.2f}M parameters ({n_trainable / 1e6:,.2f}M trainable); "
         f"micro batch {micro_batch_size} x {max_seq_len} tokens, dtype {dtype}, activation checkpointing "
         f"{checkpointing}, offloading {'on' if activation_offloading else 'off'}, "
-        f"flex_attention {'on' if flex_attention else 'off'}, loss {f'in {loss_chunks} chunks' if loss_chunks else 'whole'}, "
-        f"{optimizer}"
+        f"flex_attention {'on' if flex_attention else 'off'}, "
+        f"loss {f'in {loss_chunks} chunks' if loss_chunks else 'whole'}, {optimizer}"
         f"{' stepped inside backward' if optimizer_in_backward else ''}, {accumulation} "
         "accumulation step(s)"
     )

@@ -27,10 +27,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+from omegaconf import DictConfig, open_dict
 from torch import nn
 from torch.optim import Optimizer
-
-from omegaconf import DictConfig, open_dict
 
 from toolkit.errors import UserError
 from toolkit.training.parallel import SHARDED_STRATEGIES, ParallelDims
