@@ -5,6 +5,8 @@ passes without gradients: same logits, for packed rows with several documents an
 soft-capping. The gradients are compared on CUDA, in the test marked ``gpu``.
 """
 
+import importlib.util
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -184,15 +186,27 @@ def test_a_kv_cache_refuses_a_block_mask():
         attn(torch.zeros(1, 4, 64), mask=block_mask, input_pos=torch.arange(4))
 
 
-def test_resolve_flex_attention():
-    cpu = torch.device("cpu")
+def test_resolve_flex_attention(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_flex_attention("auto", cpu) is False
-    assert resolve_flex_attention(None, torch.device("cuda")) is True
-    assert resolve_flex_attention(False, torch.device("cuda")) is False
+    assert resolve_flex_attention(False, cuda) is False
     with pytest.raises(UserError, match="CUDA"):
         resolve_flex_attention(True, cpu)
     with pytest.raises(UserError, match="auto, true or false"):
         resolve_flex_attention("yes", cpu)
+    # On CUDA, auto needs what compiles FlexAttention's kernels: Triton (and a C compiler for its launcher).
+    find_spec = importlib.util.find_spec
+    for triton in (True, False):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: (find_spec("torch") if triton else None) if name == "triton"
+                            else find_spec(name, *a))
+        monkeypatch.setenv("CC", "cc")
+        assert resolve_flex_attention(None, cuda) is triton
+        if triton:
+            assert resolve_flex_attention(True, cuda) is True
+        else:
+            with pytest.raises(UserError, match=r"flex_attention: .*needs Triton .*set flex_attention=false"):
+                resolve_flex_attention(True, cuda)
 
 
 @pytest.mark.gpu

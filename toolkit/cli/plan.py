@@ -20,7 +20,6 @@ from toolkit.errors import UserError
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.training.accumulation import gradient_accumulation_steps
 from toolkit.training.activations import checkpoint_interval
-from toolkit.training.attention import resolve_flex_attention
 from toolkit.training.memory import (
     OPTIMIZER_STATES,
     candidate_strategies,
@@ -165,7 +164,10 @@ def plan_command(argv: Sequence[str]) -> int:
     memory, memory_source = _device_memory(args, cfg)
     optimizer, optimizer_note = _optimizer_name(cfg)
     optimizer_in_backward = bool(cfg.get("optimizer_in_backward", False))
-    flex_attention = resolve_flex_attention(cfg.get("flex_attention", "auto"), torch.device("cuda"))
+    flex_setting = cfg.get("flex_attention", "auto")
+    if flex_setting not in (None, "auto", True, False):
+        raise UserError(f"flex_attention: expected auto, true or false, got {flex_setting!r}")
+    flex_attention = flex_setting is not False  # plans are for GPUs (with Triton): auto counts as on
     loss_chunks = cfg.get("loss_chunks")
 
     with torch.device("meta"):  # shapes only: a 70B model costs nothing

@@ -16,26 +16,26 @@ import torch.nn as nn
 from toolkit.errors import UserError
 
 
-def _missing_compiler(device_type: str) -> str | None:
+def _missing_compiler(device_type: str, switch: str = "compile") -> str | None:
     """Why inductor cannot generate code for ``device_type`` here, or None when it can (as far as we can tell
-    without compiling)."""
+    without compiling); the message names the config ``switch`` that needs it."""
     if device_type == "cpu":
         from torch._inductor import config
 
         candidates = [cxx for cxx in config.cpp.cxx if cxx]  # honours the CXX environment variable
         if not any(shutil.which(cxx) for cxx in candidates):
             return (
-                f"compile: torch.compile on the CPU needs a C++ compiler ({' or '.join(candidates)}) and none was "
-                "found on PATH; install one (e.g. apt-get install g++), point CXX at one, or set compile=false"
+                f"{switch}: torch.compile on the CPU needs a C++ compiler ({' or '.join(candidates)}) and none was "
+                f"found on PATH; install one (e.g. apt-get install g++), point CXX at one, or set {switch}=false"
             )
     elif device_type == "cuda":
         if importlib.util.find_spec("triton") is None:
-            return "compile: torch.compile on a GPU needs Triton (pip install triton), or set compile=false"
+            return f"{switch}: torch.compile on a GPU needs Triton (pip install triton), or set {switch}=false"
         # Triton builds a small C launcher with $CC, gcc or clang on first use.
         if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
             return (
-                "compile: Triton needs a C compiler (gcc or clang on PATH, or CC) to build its launcher; install "
-                "one or set compile=false"
+                f"{switch}: Triton needs a C compiler (gcc or clang on PATH, or CC) to build its launcher; install "
+                f"one or set {switch}=false"
             )
     return None
 
