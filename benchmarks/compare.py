@@ -96,6 +96,7 @@ import base64
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -202,6 +203,7 @@ class Job:
     tokenizer: str
     ours_overrides: tuple[str, ...] = ()  # more config overrides for our recipe (the ladder's techniques)
     compile: bool = False  # torch.compile in ours and torchtune (the transformers loop runs eagerly)
+    packed: bool = False  # documents of many lengths packed into rows of seq_len (ours and torchtune only)
 
     @property
     def shape(self) -> Shape:
@@ -209,6 +211,8 @@ class Job:
 
     @property
     def tokens_per_step(self) -> int:
+        if self.packed:  # packs are padded to seq_len in both tools: positions, padding included
+            return self.batch_size * self.seq_len
         return self.batch_size * (self.seq_len - 1)  # the last position of a sample has no target
 
 
@@ -218,6 +222,7 @@ SITECUSTOMIZE = """\
 # Written by benchmarks/compare.py. In a process started with BENCH_PROBE_OUT set, compare.py's install_probe()
 # records a line after every optimizer step.
 import os
+import random
 
 if os.environ.get("BENCH_PROBE_OUT"):
     import importlib.util
@@ -394,6 +399,20 @@ def write_tokenizer(folder: Path) -> tuple[Path, Path]:
     return ranks, specials
 
 
+def write_documents(path: Path, *, tokens: int, seq_len: int, seed: int = 0) -> None:
+    """Rows of ASCII text of random lengths (uniform from 16 to ``seq_len / 2`` bytes, one byte a token), about
+    ``tokens`` in all, for packing."""
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over a lazy dog while seven wizards box jackdaws nightly".split()
+    rows, total = [], 0
+    while total < tokens:
+        n = rng.randint(16, max(16, seq_len // 2))
+        text = " ".join(rng.choice(words) for _ in range(n))[:n]
+        rows.append(json.dumps({"text": text}) + "\n")
+        total += n + 2  # with BOS and EOS
+    path.write_text("".join(rows))
+
+
 def write_data(path: Path, *, rows: int, seq_len: int) -> None:
     """``rows`` identical rows of ASCII text longer than ``seq_len`` tokens (one byte is one token here)."""
     words = "the quick brown fox jumps over a lazy dog while seven wizards box jackdaws nightly".split()
@@ -450,6 +469,8 @@ def ours_command(job: Job, out: Path) -> list[str]:
         f"checkpointer.checkpoint_dir={job.checkpoint_dir}",
         "dataset._component_=toolkit.data.text_completion_dataset", f"dataset.source={job.data}",
         "~dataset.num_samples", "~dataset.seed", "dataset.cache_dir=null", "~eval_tasks",
+        *(["dataset.packed=true", "dataset.packing_strategy=in_order", f"dataset.max_seq_len={job.seq_len}"]
+          if job.packed else []),
         f"batch_size={job.batch_size}", f"micro_batch_size={job.batch_size}", "data_parallel=ddp",
         "epochs=1", f"max_steps={job.steps}",
         f"optimizer.lr={LR}", f"optimizer.betas=[{BETAS[0]},{BETAS[1]}]", "optimizer.weight_decay=0.0",
@@ -489,9 +510,11 @@ def torchtune_config(job: Job, out: Path, special_tokens: str) -> dict[str, Any]
         "model": model,
         # Its text-completion dataset cuts a sample to max_seq_len - 1 tokens: one more gives seq_len.
         "tokenizer": {"_component_": "torchtune.models.llama3.llama3_tokenizer", "path": job.tokenizer,
-                      "special_tokens_path": special_tokens, "max_seq_len": job.seq_len + 1},
+                      "special_tokens_path": special_tokens, "max_seq_len": job.seq_len + (0 if job.packed else 1)},
+        # Packed: its PackedDataset fills packs of the tokenizer's max_seq_len in order, padding the last part.
         "dataset": {"_component_": "torchtune.datasets.text_completion_dataset", "source": "json",
-                    "data_files": job.data, "split": "train", "column": "text", "packed": False},
+                    "data_files": job.data, "split": "train", "column": "text", "packed": job.packed,
+                    **({"split_across_pack": False} if job.packed else {})},
         "seed": 0,
         "shuffle": False,
         "checkpointer": {
@@ -819,6 +842,9 @@ def main() -> None:
                         help="ours and torchtune: output and loss in N chunks (0: whole logits)")
     parser.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto",
                         help="auto: on for the 8B shape, off otherwise")
+    parser.add_argument("--packed", action="store_true",
+                        help="documents of random lengths packed into rows of --seq-len (per-document attention), "
+                             "ours and torchtune only; tokens/s then counts every position, padding included")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="torch.compile in ours and torchtune (auto: on cuda, each tool's best setting; off on "
                              "cpu, where compiling takes longer than the run)")
@@ -885,7 +911,10 @@ def main() -> None:
 
     ranks, specials = write_tokenizer(work / "tokenizer")
     data = work / "data.jsonl"
-    write_data(data, rows=steps * batch_size, seq_len=seq_len)
+    if args.packed:  # enough documents for every step's packs, twice over
+        write_documents(data, tokens=2 * steps * batch_size * seq_len, seq_len=seq_len)
+    else:
+        write_data(data, rows=steps * batch_size, seq_len=seq_len)
     checkpoint = work / f"checkpoint_{shape_name}"
     if not checkpoint.exists():
         started = time.perf_counter()
@@ -901,7 +930,7 @@ def main() -> None:
     results: dict[str, list[Result]] = {}
     for method in methods:
         job = Job(method, shape_name, args.device, dtype, batch_size, seq_len, steps, ac, args.loss_chunks,
-                  str(checkpoint), str(data), str(ranks), compile=compile_)
+                  str(checkpoint), str(data), str(ranks), compile=compile_, packed=args.packed)
         if args.ladder:
             results[method] = run_ladder(job, work=work, env=env_with(args.ours_pythonpath), interleave=interleave,
                                          warmup=warmup, keep=args.keep)
@@ -917,7 +946,7 @@ def main() -> None:
                 cmd = torchtune_command(job, out, str(specials), torchtune_python)
                 env = env_with(args.torchtune_pythonpath)
             else:
-                missing = transformers_missing(method)
+                missing = "no packing in the plain loop" if job.packed else transformers_missing(method)
                 if missing:
                     skipped[tool] = Result(tool, note=f"skipped: {missing}")
                     continue
@@ -976,7 +1005,7 @@ def main() -> None:
         args.json_out.write_text(json.dumps(
             {"shape": shape_name, "device": args.device, "dtype": dtype, "batch_size": batch_size,
              "seq_len": seq_len, "steps": steps, "activation_checkpointing": ac, "loss_chunks": args.loss_chunks,
-             "compile": compile_, "peak_flops": peak_flops,
+             "compile": compile_, "packed": args.packed, "peak_flops": peak_flops,
              "results": {m: [asdict(r) for r in runs] for m, runs in results.items()}}, indent=1))
     if not args.keep and args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
