@@ -32,6 +32,11 @@ What is the same for all three:
   special tokens at 256..511), and the transformers loop encodes the same way (``<|begin_of_text|>`` then the
   bytes), so all three see the same token ids. Same rows in every batch: the first step's loss must agree across
   the tools (the table shows it), which checks that weights, tokens and loss normalization are the same.
+  ``--packed`` instead writes documents of random lengths (16 to ``seq_len / 2`` tokens) that ours and torchtune
+  pack into rows of ``seq_len`` the same way (in order, no document split across rows, each row padded to
+  ``seq_len``), attending within documents; tokens/s then counts every position of a step, padding included. The
+  transformers loop has no packing and is skipped. The first-step losses of the two differ slightly there (each
+  tool's labels at document boundaries), so they check less.
 * **Step**: batch ``--batch-size`` in one micro-batch (no accumulation), AdamW (``fused=True``, lr 1e-4, betas
   (0.9, 0.95), no weight decay), gradient norm clipped at 1.0, cosine schedule without warmup, fp32 on CPU and
   bf16 parameters on CUDA (no autocast), activation checkpointing off on CPU and as ``--activation-checkpointing``
