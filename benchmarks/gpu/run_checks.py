@@ -169,7 +169,7 @@ def write_table(
                 )
     peaks = {run["peak_flops"] for run in runs if run.get("peak_flops")}
     lines += ["", "MFU (%): 6N per token for full fine-tuning, 4N + 6N_lora for LoRA/QLoRA (N: the matmul weights), "
-              "over the bf16 matmul rate compare.py measured: "
+              "over the bf16 matmul rate compare.py measured (or was given, --peak-tflops): "
               + (", ".join(f"{p / 1e12:.4g} TFLOP/s" for p in sorted(peaks)) or "-")]
     lines += ["", *(f"    {run['shape']}: {line}" for run in runs for line in run.get("ratio_lines", []))]
     lines += ["", "## Packed rows: attention kernels (benchmarks/attention.py)", "", *attention]
