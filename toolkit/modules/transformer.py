@@ -88,7 +88,7 @@ class TransformerDecoder(nn.Module):
         """
         h = self.embed_tokens(tokens)  # [b, s, d]
         for layer in self.layers:
-            layer_mask = mask.for_layer(_attention_of(layer)) if isinstance(mask, DocumentMasks) else mask
+            layer_mask = mask.for_layer(layer.self_attn) if isinstance(mask, DocumentMasks) else mask
             h = layer(h, mask=layer_mask, input_pos=input_pos)
         h = self.norm(h)
         if num_output_chunks is None:
@@ -127,8 +127,3 @@ class TransformerDecoder(nn.Module):
         """Remove the KV caches (training must not run with them)."""
         for layer in self.layers:
             layer.self_attn.kv_cache = None
-
-
-def _attention_of(layer: nn.Module) -> GroupedQueryAttention:
-    # Found by type, through whatever wraps the layer (activation checkpointing, torch.compile, FSDP2).
-    return next(m for m in layer.modules() if isinstance(m, GroupedQueryAttention))
