@@ -172,22 +172,13 @@ def matmul_flops_per_token(shape: Shape, method: str) -> float:
     return 4.0 * weights + 6.0 * adapters
 
 
-def measure_matmul_rate() -> float:
-    """The GPU's dense bf16 matmul rate in FLOP/s: 20 products of 8192 x 8192 matrices, after 3 to warm up."""
-    import torch
-
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        a @ b
-    torch.cuda.synchronize()
-    rate = 2 * 8192**3 * 20 / (time.perf_counter() - start)
-    del a, b
-    torch.cuda.empty_cache()
-    return rate
+def measure_matmul_rate(env: dict[str, str]) -> float:
+    """The GPU's dense bf16 matmul rate in FLOP/s, as our recipes measure it for their MFU
+    (``toolkit.training.profiling.measure_peak_flops``), in a process of its own with our ``env``."""
+    code = ("import torch; from toolkit.training.profiling import measure_peak_flops; "
+            "print(measure_peak_flops(torch.device('cuda')))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return float(run.stdout.split()[-1])
 
 
 @dataclass(frozen=True)
@@ -893,7 +884,6 @@ def main() -> None:
     if steps <= warmup + 1:
         parser.error("--steps must exceed --warmup + 1")
 
-    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None if cpu else measure_matmul_rate()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="tunekit-compare-", dir=None if cpu else "/dev/shm"))
     work.mkdir(parents=True, exist_ok=True)
     torchtune_python = None
@@ -913,6 +903,9 @@ def main() -> None:
     def env_with(*paths: str | None) -> dict[str, str]:
         entries = [str(probe_dir), *(p for p in paths if p), os.environ.get("PYTHONPATH")]
         return {**base_env, "PYTHONPATH": os.pathsep.join(p for p in entries if p)}
+
+    peak_flops = (args.peak_tflops * 1e12 if args.peak_tflops
+                  else None if cpu else measure_matmul_rate(env_with(args.ours_pythonpath)))
 
     ranks, specials = write_tokenizer(work / "tokenizer")
     data = work / "data.jsonl"
