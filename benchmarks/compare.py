@@ -44,8 +44,10 @@ What is the same for all three:
   tool's best setting, as torchtune's own GPU numbers are taken; off on CPU; the transformers loop runs eagerly,
   as the Hugging Face numbers in issue 8 were). Ours and torchtune compute the output projection and
   the loss in ``--loss-chunks`` (8) chunks of the sequence, so the float32 logits never exist whole (ours
-  ``loss_chunks``, 8 in its real-model configs; torchtune ``CEWithChunkedOutputLoss``, 8 in its configs); the
-  transformers loop computes them whole, its default. ``--loss-chunks 0``: whole logits in all three.
+  ``loss_chunks``, 8 in its real-model configs, with the projection fused with the loss so that no chunk's
+  logits are kept either, its default ``fused_loss: true``; torchtune ``CEWithChunkedOutputLoss``, 8 in its
+  configs, keeping every chunk's logits for backward); the transformers loop computes them whole, its default.
+  ``--loss-chunks 0``: whole logits in transformers and torchtune, one fused chunk in ours.
 
 How it measures, the same way for all three: a ``sitecustomize`` module (written into the work folder and put on
 ``PYTHONPATH``) registers a global ``torch.optim`` step post-hook in each training process. After every optimizer
@@ -766,8 +768,10 @@ class Rung:
 
 
 LADDER = (
-    Rung("baseline: whole logits", ("loss_chunks=null", "activation_checkpointing=false", "compile=false")),
+    Rung("baseline: whole logits", ("loss_chunks=null", "fused_loss=false", "activation_checkpointing=false",
+                                    "compile=false")),
     Rung("+ chunked loss (8 chunks)", ("loss_chunks=8",)),
+    Rung("+ projection fused with the loss", ("fused_loss=true",)),
     Rung("+ activation checkpointing", ("activation_checkpointing=true",)),
     Rung("+ activation offloading", ("activation_offloading=true",), cuda_only=True),
     Rung("+ compile", ("compile=true",)),

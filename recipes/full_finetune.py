@@ -36,9 +36,7 @@ from toolkit.training import (
     apply_float8,
     check_float8_device,
     check_optimizer_in_backward,
-    chunked_cross_entropy_sum,
     compile_model,
-    cross_entropy_sum,
     destroy_distributed,
     flops_per_token,
     forward_backward,
@@ -96,7 +94,7 @@ def train(cfg: DictConfig) -> None:
         world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
         activation_offloading=cfg.activation_offloading, optimizer_in_backward=cfg.get("optimizer_in_backward", False),
-        flex_attention=flex_attention, loss_chunks=cfg.get("loss_chunks"),
+        flex_attention=flex_attention, loss_chunks=cfg.get("loss_chunks"), fused_loss=cfg.get("fused_loss", True),
     )
     accum_steps = plan.accumulation_steps
     dims = parallel_dims(
@@ -123,9 +121,8 @@ def train(cfg: DictConfig) -> None:
         apply_float8(model, fsdp_float8_all_gather=dims.is_sharded)
     # Speed and memory switches: the loss over sequence chunks (never the whole fp32 logits), torch.compile per layer
     # (before parallelize, which wraps the compiled layers in activation checkpointing and offloading).
-    loss_fn = chunked_cross_entropy_sum if cfg.get("loss_chunks") else cross_entropy_sum
     if cfg.get("compile"):
-        loss_fn = compile_model(model, device=env.device, loss_fn=loss_fn)
+        compile_model(model, device=env.device)
     # Sharded strategies shard before allocating: each rank only ever holds (and loads) its shard of the model.
     model = parallelize(
         model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
@@ -213,7 +210,8 @@ def train(cfg: DictConfig) -> None:
         data_wait_s = start - data_requested  # reading and collating this step's micro-batches
         result = forward_backward(
             model, micro_batches, device=env.device, data_parallel_size=env.world_size,
-            autocast=autocast, grad_scaler=grad_scaler, loss_fn=loss_fn, num_output_chunks=cfg.get("loss_chunks"),
+            autocast=autocast, grad_scaler=grad_scaler, num_output_chunks=cfg.get("loss_chunks"),
+            fused_loss=cfg.get("fused_loss", True),
             flex_attention=flex_attention,
         )
         forward_backward_s = time.perf_counter() - start
@@ -233,7 +231,8 @@ def train(cfg: DictConfig) -> None:
         profiler.step()
         if val_loader is not None and cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
             log.log({"step": step, **validation_loss(
-                model, val_loader, device=env.device, autocast=autocast, flex_attention=flex_attention
+                model, val_loader, device=env.device, autocast=autocast, flex_attention=flex_attention,
+                loss_chunks=cfg.get("loss_chunks"),
             )})
         if checkpoints.due(step, total_steps):
             checkpoints.save(step, state, config=cfg, strategy=dims.strategy)

@@ -38,8 +38,8 @@ Estimate per-device memory (parameters, gradients, optimizer state, activations,
 for every data-parallel strategy, and show the one `data_parallel: auto` picks: the cheapest that fits.
 
 Reads the config keys model, micro_batch_size, max_seq_len, dtype (default bf16-mixed), activation_checkpointing,
-activation_offloading, flex_attention, loss_chunks, data_parallel, cpu_offload, hsdp_shard_size, batch_size,
-optimizer, optimizer_in_backward and device_memory_gb. Plans are for GPUs: flex_attention auto counts as on.
+activation_offloading, flex_attention, loss_chunks, fused_loss, data_parallel, cpu_offload, hsdp_shard_size,
+batch_size, optimizer, optimizer_in_backward and device_memory_gb. Plans are for GPUs: flex_attention auto counts as on.
 
 examples:
   tune plan full_finetune --config demo --device-memory-gb 24
@@ -169,6 +169,7 @@ def plan_command(argv: Sequence[str]) -> int:
         raise UserError(f"flex_attention: expected auto, true or false, got {flex_setting!r}")
     flex_attention = flex_setting is not False  # plans are for GPUs (with Triton): auto counts as on
     loss_chunks = cfg.get("loss_chunks")
+    fused_loss = bool(cfg.get("fused_loss", True))
 
     with torch.device("meta"):  # shapes only: a 70B model costs nothing
         model = instantiate(cfg.model)
@@ -185,7 +186,7 @@ def plan_command(argv: Sequence[str]) -> int:
             device_memory_gb=memory / _GIB, world_size=world_size, local_world_size=nproc, max_seq_len=max_seq_len,
             dtype=dtype, activation_checkpointing=activation_checkpointing,
             activation_offloading=activation_offloading, optimizer_in_backward=optimizer_in_backward,
-            headroom=args.headroom, flex_attention=flex_attention, loss_chunks=loss_chunks,
+            headroom=args.headroom, flex_attention=flex_attention, loss_chunks=loss_chunks, fused_loss=fused_loss,
         )
         micro_batch_size = chosen.micro_batch_size
         auto_note = "; ".join(chosen.reasons)
@@ -213,9 +214,12 @@ def plan_command(argv: Sequence[str]) -> int:
         gradient_accumulation_steps=accumulation,
         flex_attention=flex_attention,
         loss_chunks=loss_chunks,
+        fused_loss=fused_loss,
     )
     usable = int(args.headroom * memory)
 
+    loss = f"in {loss_chunks} chunks" if loss_chunks else "in 1 chunk" if fused_loss else "whole"
+    loss = f"{'fused with the projection' if fused_loss and model.fused_loss_weight() is not None else 'on logits'}, {loss}"
     checkpointing = {0: "off", 1: "every layer"}.get(every_k_layers, f"every {every_k_layers} layers")
     print(f"plan for {path}")
     print(
@@ -223,7 +227,7 @@ def plan_command(argv: Sequence[str]) -> int:
         f"micro batch {micro_batch_size} x {max_seq_len} tokens, dtype {dtype}, activation checkpointing "
         f"{checkpointing}, offloading {'on' if activation_offloading else 'off'}, "
         f"flex_attention {'on' if flex_attention else 'off'}, "
-        f"loss {f'in {loss_chunks} chunks' if loss_chunks else 'whole'}, {optimizer}"
+        f"loss {loss}, {optimizer}"
         f"{' stepped inside backward' if optimizer_in_backward else ''}, {accumulation} "
         "accumulation step(s)"
     )

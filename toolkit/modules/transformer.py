@@ -6,6 +6,7 @@ from torch import nn
 
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
 from toolkit.modules.kv_cache import KVCache
+from toolkit.modules.loss import chunked_cross_entropy_sum, linear_cross_entropy_sum, logit_loss_and_grad
 
 
 class TransformerDecoderLayer(nn.Module):
@@ -59,6 +60,10 @@ class TransformerDecoder(nn.Module):
         self.norm = norm
         self.output = output
         self.max_seq_len = max_seq_len
+        # The fused loss's work between its matmuls; toolkit.training.compile_model replaces it with a compiled one.
+        self.output_loss_kernel = logit_loss_and_grad
+
+    final_logit_softcap: float | None = None  # soft-capped logits (SoftcappedTransformerDecoder)
 
     @property
     def tie_word_embeddings(self) -> bool:
@@ -71,8 +76,11 @@ class TransformerDecoder(nn.Module):
         mask: torch.Tensor | None = None,
         input_pos: torch.Tensor | None = None,
         num_output_chunks: int | None = None,
+        labels: torch.Tensor | None = None,
+        fused_loss: bool = True,
     ) -> torch.Tensor | list[torch.Tensor]:
-        """Logits ``[b, s, vocab]`` for ``tokens`` ``[b, s]`` (mask and input_pos as in the attention layer).
+        """Logits ``[b, s, vocab]`` for ``tokens`` ``[b, s]`` (mask and input_pos as in the attention layer), or,
+        given ``labels``, the summed float32 cross-entropy against them.
 
         Args:
             tokens: token ids ``[b, s]``.
@@ -82,22 +90,55 @@ class TransformerDecoder(nn.Module):
             num_output_chunks: return a list of this many logit tensors ``[b, s_i, vocab]`` that split the sequence
                 in order (``torch.tensor_split`` sizes, so any count works; chunks past the sequence's end are
                 empty). Each is projected from its own slice of the hidden states, so no ``[b, s, vocab]`` tensor is
-                made and a chunked loss (``toolkit.training.loss.chunked_cross_entropy_sum``) can upcast one chunk
+                made and a chunked loss (``toolkit.modules.loss.chunked_cross_entropy_sum``) can upcast one chunk
                 at a time. It is an argument rather than a model attribute so that other callers of the same model
-                (validation, generation) keep getting one tensor.
+                (validation, generation) keep getting one tensor. With ``labels``: the chunks the loss is computed
+                in (None: 1).
+            labels: ``[b, s]``, already shifted (ignored positions at ``CROSS_ENTROPY_IGNORE_INDEX``): return the
+                sum of the token losses instead of the logits. The loss is computed inside the forward so that
+                data-parallel wrappers (FSDP2's gathered output weight) see it as part of the model.
+            fused_loss: with ``labels``, project and take the loss together
+                (:func:`~toolkit.modules.loss.linear_cross_entropy_sum`: no logits outlive their chunk) when the
+                output projection is a plain weight (:meth:`fused_loss_weight`); otherwise, or when False, through
+                chunked logits.
         """
         h = self.embed_tokens(tokens)  # [b, s, d]
         for layer in self.layers:
             layer_mask = mask.for_layer(layer.self_attn) if isinstance(mask, DocumentMasks) else mask
             h = layer(h, mask=layer_mask, input_pos=input_pos)
         h = self.norm(h)
+        if num_output_chunks is not None and num_output_chunks < 1:
+            raise ValueError(f"num_output_chunks must be at least 1, got {num_output_chunks}")
+        if labels is not None:
+            return self._loss_sum(h, labels, num_chunks=num_output_chunks or 1, fused=fused_loss)
         if num_output_chunks is None:
             return self.compute_logits(h)
-        if num_output_chunks < 1:
-            raise ValueError(f"num_output_chunks must be at least 1, got {num_output_chunks}")
+        return self._chunked_logits(h, num_output_chunks)
+
+    def _chunked_logits(self, h: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
         # Each chunk is a strided view of h; copied to one block, its projection is one matrix multiply instead of a
         # batched one per row (measured 10% faster on CPU for the demo's output layer, forward and backward).
-        return [self.compute_logits(chunk.contiguous()) for chunk in h.tensor_split(num_output_chunks, dim=1)]
+        return [self.compute_logits(chunk.contiguous()) for chunk in h.tensor_split(num_chunks, dim=1)]
+
+    def _loss_sum(self, h: torch.Tensor, labels: torch.Tensor, *, num_chunks: int, fused: bool) -> torch.Tensor:
+        weight = self.fused_loss_weight() if fused else None
+        if weight is None:
+            return chunked_cross_entropy_sum(self._chunked_logits(h, num_chunks), labels)
+        return linear_cross_entropy_sum(
+            h, weight, labels, num_chunks=num_chunks, softcap=self.final_logit_softcap, kernel=self.output_loss_kernel
+        )
+
+    def fused_loss_weight(self) -> torch.Tensor | None:
+        """The output projection's weight when the fused projection and loss can use it: a tied embedding or a
+        plain bias-free ``nn.Linear`` holding a plain tensor (not a LoRA layer, a float8 or quantized weight), else
+        None."""
+        if self.output is None:
+            weight = self.embed_tokens.weight
+        elif type(self.output) is nn.Linear and self.output.bias is None:
+            weight = self.output.weight
+        else:
+            return None
+        return weight if type(weight) in (torch.Tensor, nn.Parameter) else None
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output projection: final hidden states ``[..., d]`` to logits ``[..., vocab]``.

@@ -47,7 +47,8 @@ def compile_model(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     backend: str | Callable = "inductor",
 ) -> Callable[..., torch.Tensor] | None:
-    """Compile every decoder layer of ``model`` in place, and optionally the loss.
+    """Compile every decoder layer of ``model`` in place, the work between the matmuls of its fused loss, and
+    optionally a loss function.
 
     Each ``model.layers[i].forward`` is replaced by its compiled version, so parameter names, state-dict keys and
     module hooks are unchanged. Apply it to the plain model, before data parallelism; before or after
@@ -59,7 +60,9 @@ def compile_model(
     nothing is left to compile and the layer silently runs eagerly (seen with torch 2.13).
 
     Args:
-        model: a decoder with ``model.layers``.
+        model: a decoder with ``model.layers``; its ``output_loss_kernel``, if it has one
+            (:func:`~toolkit.modules.loss.logit_loss_and_grad`), is compiled too: the softmax, the loss and the
+            logits' gradient of a chunk in a pass or two, without float32 chunk-sized tensors in memory.
         device: where training runs (checks that the code generator for it is installed).
         loss_fn: a loss to compile too; returned compiled.
         backend: the ``torch.compile`` backend.
@@ -77,4 +80,6 @@ def compile_model(
             raise UserError(problem)
     for layer in model.layers:
         layer.forward = torch.compile(layer.forward, backend=backend)
+    if hasattr(model, "output_loss_kernel"):
+        model.output_loss_kernel = torch.compile(model.output_loss_kernel, backend=backend)
     return torch.compile(loss_fn, backend=backend) if loss_fn is not None else None

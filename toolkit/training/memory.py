@@ -312,7 +312,13 @@ def offloaded_activation_bytes(
 
 
 def logits_bytes(
-    model: nn.Module, *, micro_batch_size: int, seq_len: int, dtype: str = "bf16-mixed", loss_chunks: int | None = None
+    model: nn.Module,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype: str = "bf16-mixed",
+    loss_chunks: int | None = None,
+    fused: bool = False,
 ) -> int:
     """Peak bytes of the logits and the loss.
 
@@ -320,21 +326,32 @@ def logits_bytes(
     loss upcasts them and log-softmax saves its fp32 output (4); at the start of backward the fp32 gradients of the
     log-probabilities and of the logits (4 + 4) exist together with both.
 
-    In ``loss_chunks`` chunks (:func:`~toolkit.training.loss.chunked_cross_entropy_sum`): ``t * vocab * (c + f /
+    In ``loss_chunks`` chunks (:func:`~toolkit.modules.loss.chunked_cross_entropy_sum`): ``t * vocab * (c + f /
     n)``. Every chunk's logits are kept for backward in the compute dtype, and only one chunk at a time has its
     float32 log-softmax (forward) or softmax (backward): ``f = 4``, or ``8`` when the chunk is upcast to it first
-    (``c`` of 2). Measured with an allocation tracker to within 1% (``tests/training/test_memory.py``); a
-    trainable output weight also has a transient copy of its gradient per chunk, which is not counted.
+    (``c`` of 2). A trainable output weight also has a transient copy of its gradient per chunk, which is not
+    counted.
 
-    Soft-capped logits (Gemma 2) save their tanh as well (``c``), in both cases.
+    Fused (``fused``, the decoder's ``labels=`` path, :func:`~toolkit.modules.loss.linear_cross_entropy_sum`, when
+    the model's output layer allows it): ``ceil(t / n) * vocab * (c + f) + t * d * c``. Only one chunk's logits
+    exist at any time, with their float32 log-softmax; what outlives the forward is the hidden states' gradient
+    (``t * d``), and the output weight's, which is counted with the gradients (a tied weight's is a transient
+    copy until it is added to the embedding's).
+
+    Soft-capped logits (Gemma 2) save their tanh as well (``c``), in every case. Each form is measured with an
+    allocation tracker to within 1% (``tests/training/test_memory.py``).
     """
     compute = _precision(dtype).compute
     vocab = model.embed_tokens.num_embeddings
     softcap = compute if getattr(model, "final_logit_softcap", None) else 0
-    tokens_x_vocab = micro_batch_size * seq_len * vocab
+    tokens = micro_batch_size * seq_len
+    one_chunk = 4 if compute == 4 else 8
+    if fused and model.fused_loss_weight() is not None:
+        rows = math.ceil(tokens / (loss_chunks or 1))
+        return rows * vocab * (compute + one_chunk + softcap) + tokens * model.embed_tokens.embedding_dim * compute
+    tokens_x_vocab = tokens * vocab
     if not loss_chunks:
         return tokens_x_vocab * (12 + compute + softcap)
-    one_chunk = 4 if compute == 4 else 8
     return tokens_x_vocab * (compute + softcap) + math.ceil(tokens_x_vocab * one_chunk / loss_chunks)
 
 
@@ -413,6 +430,7 @@ def estimate_memory(
     gradient_accumulation_steps: int = 1,
     flex_attention: bool = False,
     loss_chunks: int | None = None,
+    fused_loss: bool = True,
 ) -> MemoryEstimate:
     """Per-device memory of one training step of ``model`` under ``strategy`` (see the module docstring).
 
@@ -455,6 +473,8 @@ def estimate_memory(
         gradient_accumulation_steps: micro-steps per optimizer step.
         flex_attention: attention on FlexAttention (see :func:`activation_bytes`).
         loss_chunks: the output projection and loss in this many sequence chunks (see :func:`logits_bytes`).
+        fused_loss: the projection and loss fused, keeping no logits (see :func:`logits_bytes`), as the recipes'
+            ``fused_loss`` and ``forward_backward`` do by default.
 
     Raises:
         UserError: an unknown strategy, dtype or optimizer, ``cpu_offload`` without sharding, or a world size the
@@ -554,7 +574,8 @@ def estimate_memory(
         optimizer_state=opt_bytes,
         activations=activation_bytes(model, activation_offloading=activation_offloading, **activations),
         logits=logits_bytes(
-            model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype, loss_chunks=loss_chunks
+            model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype, loss_chunks=loss_chunks,
+            fused=fused_loss,
         ),
         gathered=gathered,
         host=host,
@@ -606,6 +627,7 @@ def choose_strategy(
     headroom: float = 0.9,
     flex_attention: bool = False,
     loss_chunks: int | None = None,
+    fused_loss: bool = True,
 ) -> tuple[str, MemoryEstimate, str]:
     """The cheapest strategy (order: :func:`candidate_strategies`) whose estimate fits ``headroom`` of the device.
 
@@ -642,6 +664,7 @@ def choose_strategy(
             gradient_accumulation_steps=gradient_accumulation_steps,
             flex_attention=flex_attention,
             loss_chunks=loss_chunks,
+            fused_loss=fused_loss,
         )
         if estimate.total <= usable:
             rejected = "".join(f"; {e.label} would need {format_bytes(e.total)}" for e in estimates)
@@ -724,6 +747,7 @@ def plan_parallelism(
     headroom: float = 0.9,
     flex_attention: bool = False,
     loss_chunks: int | None = None,
+    fused_loss: bool = True,
 ) -> ParallelPlan:
     """Resolve ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory estimate.
 
@@ -738,7 +762,7 @@ def plan_parallelism(
             activation_offloading, optimizer_in_backward: as in the config (offloading is counted as on a GPU: on
             the CPU, where it does nothing, host and device memory are the same).
         flex_attention: attention on FlexAttention (:func:`~toolkit.training.resolve_flex_attention`).
-        loss_chunks: the config's ``loss_chunks`` (see :func:`logits_bytes`).
+        loss_chunks, fused_loss: the config's ``loss_chunks`` and ``fused_loss`` (see :func:`logits_bytes`).
         device: this rank's device; its memory is used on CUDA.
         device_memory_gb: the memory to plan for where the device does not say (CPU), in GiB.
         world_size, local_world_size: the job's shape.
@@ -768,7 +792,7 @@ def plan_parallelism(
     common = dict(world_size=world_size, max_seq_len=max_seq_len, dtype=dtype,
                   activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
                   optimizer_in_backward=optimizer_in_backward, flex_attention=flex_attention,
-                  loss_chunks=loss_chunks)
+                  loss_chunks=loss_chunks, fused_loss=fused_loss)
     micro = 1 if auto_batch else micro_batch_size
     steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=world_size)
     reasons = []

@@ -12,7 +12,7 @@ from toolkit.data import GlobalBatchSampler
 
 from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
-from toolkit.training.loss import cross_entropy_sum, gradient_scale, start_global_token_count
+from toolkit.training.loss import gradient_scale, start_global_token_count
 from toolkit.training.optim import OptimizerInBackward
 from toolkit.training.parallel import clip_grad_norm, gradient_sync
 
@@ -40,8 +40,9 @@ def forward_backward(
     data_parallel_size: int,
     autocast: contextlib.AbstractContextManager | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
-    loss_fn: Callable[..., torch.Tensor] = cross_entropy_sum,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     num_output_chunks: int | None = None,
+    fused_loss: bool = True,
     flex_attention: bool = False,
 ) -> StepResult:
     """Accumulate the gradients of one global batch's share on this rank.
@@ -59,13 +60,19 @@ def forward_backward(
         data_parallel_size: ranks the gradient reduction averages over.
         autocast: forward-pass context (mixed precision without FSDP2).
         grad_scaler: fp16 loss scaling.
-        loss_fn: returns the *sum* of token losses of a micro-batch; with ``num_output_chunks``, one taking the list
-            of logit chunks (:func:`~toolkit.training.loss.chunked_cross_entropy_sum`).
-        num_output_chunks: have the model return its logits in this many sequence chunks, so that the loss never
-            holds them whole in float32 (``None``: one tensor).
+        loss_fn: None: the model computes the token cross-entropy sum itself, given the labels (the decoder's
+            ``labels=``; see ``fused_loss``). Otherwise a function of the logits and labels that returns the *sum*
+            of token losses of a micro-batch; with ``num_output_chunks``, one taking the list of logit chunks
+            (:func:`~toolkit.training.loss.chunked_cross_entropy_sum`).
+        num_output_chunks: the loss over this many chunks of positions, so that it never holds the logits whole in
+            float32 (``None``: one); with a ``loss_fn``, the model returns its logits in this many sequence chunks.
+        fused_loss: without a ``loss_fn``, the model projects and takes the loss together, chunk by chunk, keeping
+            no logits (:func:`~toolkit.training.loss.linear_cross_entropy_sum`), where its output layer allows.
         flex_attention: attend with FlexAttention block masks (:func:`~toolkit.training.resolve_flex_attention`).
     """
     output_kwargs = {} if num_output_chunks is None else {"num_output_chunks": num_output_chunks}
+    if loss_fn is None:
+        output_kwargs["fused_loss"] = fused_loss
     # The global token count travels during the first forward; it is waited for before the first backward.
     wait_for_token_count = start_global_token_count([mb["labels"] for mb in micro_batches])
     num_tokens = scale = None
@@ -78,9 +85,15 @@ def forward_backward(
             with autocast or contextlib.nullcontext():
                 # Packed batches carry positions that restart per document; attention stays within each document.
                 mask = batch_attention_mask(mb, flex_attention=flex_attention)
-                logits = model(mb["tokens"], mask=mask, input_pos=mb.get("input_pos"), **output_kwargs)
-            micro_loss = loss_fn(logits, mb["labels"])
-            del logits  # the backward frees the logits (chunk by chunk) as it uses them
+                if loss_fn is None:
+                    micro_loss = model(
+                        mb["tokens"], mask=mask, input_pos=mb.get("input_pos"), labels=mb["labels"], **output_kwargs
+                    )
+                else:
+                    logits = model(mb["tokens"], mask=mask, input_pos=mb.get("input_pos"), **output_kwargs)
+            if loss_fn is not None:
+                micro_loss = loss_fn(logits, mb["labels"])
+                del logits  # the backward frees the logits (chunk by chunk) as it uses them
             if scale is None:
                 num_tokens = wait_for_token_count()
                 scale = gradient_scale(global_tokens=num_tokens, data_parallel_size=data_parallel_size)

@@ -22,7 +22,6 @@ from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.errors import UserError
 from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
-from toolkit.training.loss import cross_entropy_sum
 from toolkit.training.parallel import unwrap
 
 
@@ -79,6 +78,7 @@ def validation_loss(
     device: torch.device,
     autocast: contextlib.AbstractContextManager | None = None,
     flex_attention: bool = False,
+    loss_chunks: int | None = None,
 ) -> dict[str, float | int]:
     """Mean token cross-entropy of ``model`` over every batch of every rank's ``loader``.
 
@@ -96,6 +96,8 @@ def validation_loss(
         device: where the model is.
         autocast: forward-pass context (mixed precision without FSDP2).
         flex_attention: attend with FlexAttention block masks, as in training.
+        loss_chunks: project and score the positions in this many chunks, as in training, never holding a batch's
+            logits (the decoder's ``labels=``).
 
     Returns:
         ``{"val_loss": sum / count, "val_perplexity": exp(val_loss), "val_tokens": count}`` over all ranks.
@@ -118,8 +120,11 @@ def validation_loss(
             batch = idle_batch if batch is None else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with autocast or contextlib.nullcontext():
                 mask = batch_attention_mask(batch, flex_attention=flex_attention)
-                logits = plain(batch["tokens"], mask=mask, input_pos=batch.get("input_pos"))
-            sums[0] += cross_entropy_sum(logits, batch["labels"]).double()
+                loss_sum = plain(
+                    batch["tokens"], mask=mask, input_pos=batch.get("input_pos"), labels=batch["labels"],
+                    num_output_chunks=loss_chunks,
+                )
+            sums[0] += loss_sum.double()
             sums[1] += (batch["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum()
     finally:
         # FSDP2 keeps the root's (and ZeRO-2's layers') weights gathered after a forward until the backward that
