@@ -141,7 +141,7 @@ def evaluate(cfg: DictConfig) -> None:
         # As in training: FlexAttention block masks for packed documents and soft-capped scores on CUDA.
         flex_attention = resolve_flex_attention(cfg.get("flex_attention", "auto"), env.device)
         results.update(validation_loss(model, loader, device=env.device, autocast=autocast,
-                                       flex_attention=flex_attention))
+                                       flex_attention=flex_attention, loss_chunks=cfg.get("loss_chunks", 8)))
 
     # --- Generation tasks: greedy decoding, exact match ----------------------------------------------------------
     if cfg.get("eval_tasks"):

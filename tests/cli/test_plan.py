@@ -122,6 +122,19 @@ def test_help_lists_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_info.value.code == 0 and "--device-memory-gb" in out and "tune plan full_finetune --config demo" in out
 
 
+def test_plan_counts_the_fused_loss_and_names_the_loss_path(plan) -> None:
+    args = ("lora_finetune", "--config", "llama3_1_8b_lora", "--device-memory-gb", "80", "micro_batch_size=2",
+            "max_seq_len=4096", "loss_chunks=8")
+    fused, logits = plan(*args), plan(*args, "fused_loss=false")
+    assert fused.returncode == logits.returncode == 0, fused.stderr + logits.stderr
+    assert "loss fused with the projection, in 8 chunks" in fused.stdout
+    assert "loss on logits, in 8 chunks" in logits.stdout
+    # 2 x 4096 x 128,256 bf16 logits in 8 chunks: one chunk at c + f = 10 bytes a logit, against every chunk's
+    # logits kept (2 bytes) plus one chunk's 8: 1.29 GiB and 2.94 GiB (see logits_bytes).
+    (fused_gib,), (logits_gib,) = _row(fused.stdout, "logits + loss"), _row(logits.stdout, "logits + loss")
+    assert float(fused_gib) < 0.5 * float(logits_gib)
+
+
 def test_plan_lora_trains_only_the_adapters(plan) -> None:
     result = plan(
         "full_finetune", "--config", "demo", "--device-memory-gb", "24",
