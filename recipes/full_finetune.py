@@ -30,6 +30,7 @@ from toolkit.training import (
     MetricsLogger,
     OptimizerInBackward,
     StepCheckpointer,
+    StepKernels,
     StepProfiler,
     TrainingState,
     ValidationSampler,
@@ -94,7 +95,9 @@ def train(cfg: DictConfig) -> None:
         world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
         activation_offloading=cfg.activation_offloading, optimizer_in_backward=cfg.get("optimizer_in_backward", False),
-        flex_attention=flex_attention, loss_chunks=cfg.get("loss_chunks"), fused_loss=cfg.get("fused_loss", True),
+        kernels=StepKernels(
+            flex_attention=flex_attention, loss_chunks=cfg.get("loss_chunks"), fused_loss=cfg.get("fused_loss", True)
+        ),
     )
     accum_steps = plan.accumulation_steps
     dims = parallel_dims(

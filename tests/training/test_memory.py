@@ -24,6 +24,7 @@ from toolkit.training.loss import chunked_cross_entropy_sum
 from toolkit.training.memory import (
     activation_bytes,
     candidate_strategies,
+    StepKernels,
     choose_strategy,
     device_memory_bytes,
     estimate_memory,
@@ -543,6 +544,27 @@ def test_gradient_accumulation_adds_no_memory_under_fsdp() -> None:
 
 
 @pytest.mark.parametrize(
+    "kernels",
+    [StepKernels(), StepKernels(flex_attention=True), StepKernels(loss_chunks=4), StepKernels(fused_loss=False)],
+    ids=["default", "flex", "chunks", "unfused"],
+)
+def test_the_step_kernels_reach_the_activations_and_logits(kernels: StepKernels) -> None:
+    # Gemma 2: soft-capped attention (FlexAttention saves no scores) and a fusable tied output layer.
+    with torch.device("meta"):
+        model = FAMILIES["gemma2"]()
+    shape = dict(micro_batch_size=BATCH, dtype="bf16")
+    estimate = estimate_memory(model, strategy="zero3", world_size=2, max_seq_len=SEQ, kernels=kernels, **shape)
+    assert estimate.activations == activation_bytes(model, seq_len=SEQ, flex_attention=kernels.flex_attention, **shape)
+    assert estimate.logits == logits_bytes(
+        model, seq_len=SEQ, loss_chunks=kernels.loss_chunks, fused=kernels.fused_loss, **shape
+    )
+    _, chosen, _ = choose_strategy(
+        model, device_memory_bytes=24 * GIB, world_size=2, max_seq_len=SEQ, kernels=kernels, **shape
+    )
+    assert chosen == estimate_memory(model, strategy="ddp", world_size=2, max_seq_len=SEQ, kernels=kernels, **shape)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         (dict(strategy="auto"), "choose_strategy() resolves auto"),
@@ -644,6 +666,13 @@ def test_auto_micro_batch_is_the_largest_divisor_that_fits():
     assert all(total(d) > usable for d in larger), "a larger micro batch would also have fitted"
     assert 1 < plan.micro_batch_size < per_rank  # the shape is chosen so that the choice is not trivial
     assert "micro_batch_size: auto -> " in plan.reasons[0]
+
+
+def test_auto_micro_batch_counts_the_loss_kernels():
+    # Unfused, the loss holds 14 bytes per logit (4096 x 128,256 a sequence) where the fused one holds 10: at 40 GiB
+    # the difference is the room of a second sequence.
+    fused, unfused = (_plan(device_memory_gb=40, kernels=StepKernels(fused_loss=f))[1] for f in (True, False))
+    assert fused.micro_batch_size > unfused.micro_batch_size
 
 
 def test_more_memory_never_gives_a_smaller_micro_batch():

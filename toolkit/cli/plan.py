@@ -22,6 +22,7 @@ from toolkit.training.accumulation import gradient_accumulation_steps
 from toolkit.training.activations import checkpoint_interval
 from toolkit.training.memory import (
     OPTIMIZER_STATES,
+    StepKernels,
     candidate_strategies,
     choose_strategy,
     device_memory_bytes,
@@ -167,9 +168,11 @@ def plan_command(argv: Sequence[str]) -> int:
     flex_setting = cfg.get("flex_attention", "auto")
     if flex_setting not in (None, "auto", True, False):
         raise UserError(f"flex_attention: expected auto, true or false, got {flex_setting!r}")
-    flex_attention = flex_setting is not False  # plans are for GPUs (with Triton): auto counts as on
-    loss_chunks = cfg.get("loss_chunks")
-    fused_loss = bool(cfg.get("fused_loss", True))
+    kernels = StepKernels(
+        flex_attention=flex_setting is not False,  # plans are for GPUs (with Triton): auto counts as on
+        loss_chunks=cfg.get("loss_chunks"),
+        fused_loss=bool(cfg.get("fused_loss", True)),
+    )
 
     with torch.device("meta"):  # shapes only: a 70B model costs nothing
         model = instantiate(cfg.model)
@@ -186,7 +189,7 @@ def plan_command(argv: Sequence[str]) -> int:
             device_memory_gb=memory / _GIB, world_size=world_size, local_world_size=nproc, max_seq_len=max_seq_len,
             dtype=dtype, activation_checkpointing=activation_checkpointing,
             activation_offloading=activation_offloading, optimizer_in_backward=optimizer_in_backward,
-            headroom=args.headroom, flex_attention=flex_attention, loss_chunks=loss_chunks, fused_loss=fused_loss,
+            headroom=args.headroom, kernels=kernels,
         )
         micro_batch_size = chosen.micro_batch_size
         auto_note = "; ".join(chosen.reasons)
@@ -212,21 +215,21 @@ def plan_command(argv: Sequence[str]) -> int:
         optimizer=optimizer,
         optimizer_in_backward=optimizer_in_backward,
         gradient_accumulation_steps=accumulation,
-        flex_attention=flex_attention,
-        loss_chunks=loss_chunks,
-        fused_loss=fused_loss,
+        kernels=kernels,
     )
     usable = int(args.headroom * memory)
 
-    loss = f"in {loss_chunks} chunks" if loss_chunks else "in 1 chunk" if fused_loss else "whole"
-    loss = f"{'fused with the projection' if fused_loss and model.fused_loss_weight() is not None else 'on logits'}, {loss}"
+    chunks = kernels.loss_chunks
+    loss = f"in {chunks} chunks" if chunks else "in 1 chunk" if kernels.fused_loss else "whole"
+    fused = kernels.fused_loss and model.fused_loss_weight() is not None
+    loss = f"{'fused with the projection' if fused else 'on logits'}, {loss}"
     checkpointing = {0: "off", 1: "every layer"}.get(every_k_layers, f"every {every_k_layers} layers")
     print(f"plan for {path}")
     print(
         f"model: {cfg.model._component_}, {n_params / 1e6:,.2f}M parameters ({n_trainable / 1e6:,.2f}M trainable); "
         f"micro batch {micro_batch_size} x {max_seq_len} tokens, dtype {dtype}, activation checkpointing "
         f"{checkpointing}, offloading {'on' if activation_offloading else 'off'}, "
-        f"flex_attention {'on' if flex_attention else 'off'}, "
+        f"flex_attention {'on' if kernels.flex_attention else 'off'}, "
         f"loss {loss}, {optimizer}"
         f"{' stepped inside backward' if optimizer_in_backward else ''}, {accumulation} "
         "accumulation step(s)"

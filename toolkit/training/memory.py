@@ -11,8 +11,10 @@ device (so a 70B model costs nothing to plan):
   backward, only the largest parameter's (each gradient is freed as soon as its parameter has stepped).
 - **optimizer state**: ``states x`` trainable parameters in the stored dtype (AdamW: exp_avg and exp_avg_sq), or
   in one byte each for torchao's 8-bit Adam(W).
-- **activations**: tensors autograd saves for backward, from the formula in :func:`activation_bytes`.
-- **logits**: the peak of the logits and the loss's float32 copies, see :func:`logits_bytes`.
+- **activations**: tensors autograd saves for backward, from the formula in
+  :func:`~toolkit.training.activation_memory.activation_bytes`.
+- **logits**: the peak of the logits and the loss's float32 copies, see
+  :func:`~toolkit.training.activation_memory.logits_bytes`.
 - **gathered**: full-size parameters and gradients that exist only around compute: FSDP2's unsharded layers and
   their unsharded gradients, or autocast's low-precision copies of the weights (DDP and ZeRO-1 mixed modes).
 
@@ -21,6 +23,10 @@ previous micro-steps' gradients, the optimizer state, every saved activation and
 one micro-step it overestimates by at most the gradients. It counts tensors, not the CUDA caching allocator's
 rounding and fragmentation, the CUDA context or NCCL's buffers: :func:`choose_strategy` keeps ``1 - headroom`` of
 the device free for those.
+
+The per-token formulas of the activations and logits, which depend on how the step computes (:class:`StepKernels`)
+but not on the strategy, live in :mod:`toolkit.training.activation_memory`; this module adds each strategy's
+parameters, gradients, optimizer state and gathered copies, and chooses among the strategies.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ import torch
 from torch import nn
 
 from toolkit.errors import UserError
-from toolkit.modules.gemma2 import GemmaRMSNorm
 from toolkit.training.accumulation import gradient_accumulation_steps
-from toolkit.training.activations import checkpoint_interval, checkpointed_layers
+# The activation and logits formulas, also importable from here as they were before they got their own module.
+from toolkit.training.activation_memory import _precision, activation_bytes, logits_bytes, offloaded_activation_bytes
+from toolkit.training.activations import checkpoint_interval
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 _SHARDED = ("zero2", "zero3", "hsdp")
@@ -51,19 +58,25 @@ _GIB = 1024**3
 
 
 @dataclass(frozen=True)
-class _Precision:
-    stored: int  # bytes per stored (master) parameter, gradient and optimizer-state element
-    compute: int  # bytes per element of activations and of gathered compute weights
-    autocast_when_replicated: bool  # mixed modes run under torch.autocast with DDP/ZeRO-1 (precision.py)
+class StepKernels:
+    """Which kernels a training step's attention and loss run on. They change how much memory the activations and
+    the logits take (not the parameters or their state), so the estimate needs them as the recipes run them.
 
+    Attributes:
+        flex_attention: attention runs on FlexAttention (config ``flex_attention``, as
+            :func:`~toolkit.training.resolve_flex_attention` resolves it; ``tune plan`` counts ``auto`` as on), which
+            soft-caps scores inside its kernel: soft-capped layers save no scores (see
+            :func:`~toolkit.training.activation_memory.activation_bytes`).
+        loss_chunks: the output projection and loss run over this many sequence chunks (config ``loss_chunks``;
+            ``None``: whole, see :func:`~toolkit.training.activation_memory.logits_bytes`).
+        fused_loss: the projection and loss are fused, so that no chunk's logits outlive it (config ``fused_loss``,
+            on by default in the recipes and ``forward_backward``; see
+            :func:`~toolkit.training.activation_memory.logits_bytes`).
+    """
 
-# The table in toolkit/training/precision.py, in bytes.
-_PRECISIONS = {
-    "fp32": _Precision(stored=4, compute=4, autocast_when_replicated=False),
-    "bf16": _Precision(stored=2, compute=2, autocast_when_replicated=False),
-    "bf16-mixed": _Precision(stored=4, compute=2, autocast_when_replicated=True),
-    "fp16-mixed": _Precision(stored=4, compute=2, autocast_when_replicated=True),
-}
+    flex_attention: bool = False
+    loss_chunks: int | None = None
+    fused_loss: bool = True
 
 
 def format_bytes(n: int) -> str:
@@ -158,203 +171,6 @@ def format_table(estimates: Sequence[MemoryEstimate], *, usable_bytes: int | Non
     return "\n".join(lines)
 
 
-# --- The model's shape ---------------------------------------------------------------------------------------------
-
-
-def _out_features(module: nn.Module) -> int:
-    # nn.Linear says out_features; adapters and quantized projections at least carry a [out, in] weight.
-    out = getattr(module, "out_features", None)
-    return int(out) if out is not None else int(module.weight.shape[0])
-
-
-def _norm_bytes_per_token(norm: nn.Module, *, embed_dim: int, compute: int, autocast: bool) -> int:
-    """What a norm saves per token: its input as fp32 (a copy unless fp32), 1/rms, and the normalized value the
-    weight's gradient needs, in the compute dtype (fp32 under autocast, where mul is not autocast, and in
-    Gemma's norm, which scales before casting back)."""
-    normed = 4 if autocast or isinstance(norm, GemmaRMSNorm) else compute
-    return (4 + normed) * embed_dim + 4
-
-
-def _layer_activation_bytes_per_token(
-    layer: nn.Module, *, embed_dim: int, seq_len: int, compute: int, autocast: bool, flex_attention: bool = False
-) -> int:
-    """Bytes one decoder layer saves for backward per token (the formula of :func:`activation_bytes`)."""
-    attn, mlp, d, c = layer.self_attn, layer.mlp, embed_dim, compute
-    n_h, n_kv, h_d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q_dim, kv_dim = n_h * h_d, n_kv * h_d
-    norms = [m for name, m in layer.named_children() if name not in ("self_attn", "mlp")]
-    # Under autocast every projection casts its input to bf16 separately (autocast caches casts of weights
-    # only), so q, k, v, gate and up each save their own copy instead of sharing one per block.
-    projection_inputs = 5 if autocast else 2
-    total = sum(_norm_bytes_per_token(norm, embed_dim=d, compute=c, autocast=autocast) for norm in norms)
-    total += projection_inputs * c * d
-    # Rotary embeddings save only cos/sin (buffers). SDPA saves rotated q and k, v, its output and the fp32
-    # logsumexp [b, n_h, s]; o_proj's input is a view of that output (flash kernels lay it out as [b, s, n_h, h_d]).
-    total += c * (2 * q_dim + 2 * kv_dim) + 4 * n_h
-    if attn.q_norm is not None:
-        # Per-head norms save their fp32 input copy, rsqrt and normalized value (Qwen3).
-        total += (4 + c) * q_dim + 4 * n_h
-    if attn.k_norm is not None:
-        total += (4 + c) * kv_dim + 4 * n_kv
-    if attn.logit_softcap is not None and not flex_attention:
-        # Explicit attention (Gemma 2) instead of SDPA's logsumexp: repeated k and v, then per query and head
-        # the scores' tanh, the fp32 softmax and its cast (masks of size s x s per layer are not counted).
-        cast = c if c != 4 else 0  # the softmax's cast back to the compute dtype, a no-op in fp32
-        total += 2 * c * q_dim + n_h * seq_len * (c + 4 + cast) - 4 * n_h
-    # SwiGLU: gate and up outputs, the activation's output and the product (down_proj's input).
-    total += 4 * c * _out_features(mlp.gate_proj)
-    return total
-
-
-def _activations_per_token(
-    model: nn.Module, *, seq_len: int, dtype: str, activation_checkpointing: bool | int, autocast: bool,
-    flex_attention: bool = False,
-) -> tuple[list[int], int, int]:
-    """Bytes per token that :func:`activation_bytes` adds up: what each layer keeps from its forward to its
-    backward, what a checkpointed layer holds again while it is recomputed (the largest), and what the model keeps
-    outside its layers."""
-    compute = _precision(dtype).compute
-    autocast = autocast and _precision(dtype).stored != compute
-    d = model.embed_tokens.embedding_dim
-    full = [
-        _layer_activation_bytes_per_token(
-            layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast, flex_attention=flex_attention
-        )
-        for layer in model.layers
-    ]
-    checkpointed = set(checkpointed_layers(len(full), checkpoint_interval(activation_checkpointing)))
-    residual = (4 if autocast else compute) * d  # a checkpointed layer's input: the residual stream (fp32 in autocast)
-    kept = [residual if i in checkpointed else b for i, b in enumerate(full)]
-    recomputed = max((full[i] for i in checkpointed), default=0)
-    head = 8 + _norm_bytes_per_token(model.norm, embed_dim=d, compute=compute, autocast=autocast) + compute * d
-    return kept, recomputed, head
-
-
-def activation_bytes(
-    model: nn.Module,
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    dtype: str = "bf16-mixed",
-    activation_checkpointing: bool | int = False,
-    activation_offloading: bool = False,
-    autocast: bool = False,
-    flex_attention: bool = False,
-) -> int:
-    """Bytes autograd keeps for backward on the device after one forward pass, without the logits (see
-    :func:`logits_bytes`).
-
-    With ``t = micro_batch_size * seq_len`` tokens, ``d`` the model width, ``c`` the compute dtype's bytes,
-    ``n_h``/``n_kv`` query/key-value heads of ``h_d`` features, ``f`` the MLP width and ``k`` norms per layer, a
-    Llama-style layer (RMSNorm, rotary SDPA attention, SwiGLU) saves per token::
-
-        k * (4d + c*d + 4)      each norm: its input in fp32 (a copy unless fp32), normalized value, 1/rms
-        + 2 * c*d               the attention and MLP inputs, each saved once for its projections
-        + c * (2*n_h*h_d + 2*n_kv*h_d) + 4*n_h   rotated q and k, v, attention output, fp32 logsumexp
-        + 4 * c*f               gate and up outputs, SiLU output, their product
-
-    Under autocast (mixed precision with DDP or ZeRO-1) the residual stream and norms stay fp32 (``c*d`` becomes
-    ``4d`` in the norm term) and each of the five projections q, k, v, gate, up saves its own bf16 copy of its
-    input (``2*c*d`` becomes ``5*c*d``). Per-head q/k norms and soft-capped attention add their own terms. The
-    model adds ``8`` bytes of token ids and the final norm, ``4d + 2*c*d + 4``, per token.
-
-    A checkpointed layer keeps only its input, ``c*d`` per token (``4d`` under autocast), and the largest
-    checkpointed layer's full activations exist again while it is recomputed in backward. With every k-th layer
-    checkpointed, the other layers keep everything.
-
-    With activation offloading the layers' tensors wait in host memory; the device holds at most two layers'
-    worth at a time (the layer running and the one whose copy is in flight, in forward and in backward), plus a
-    checkpointed layer being recomputed. Tensors below the offloader's size threshold stay on the device and are
-    not counted there: a fraction of a percent.
-
-    The formula is exact for the tensors PyTorch's CPU and flash/memory-efficient SDPA kernels save (checked
-    against ``saved_tensors_hooks`` in the tests); per-document attention masks of packed batches are not counted.
-    With a frozen base (LoRA) a norm with a frozen weight saves no normalized value and LoRA adds rank-sized
-    tensors: there the estimate is a few percent high.
-
-    Args:
-        model: a :class:`~toolkit.modules.TransformerDecoder`, on any device (meta is fine).
-        micro_batch_size: sequences per forward pass.
-        seq_len: tokens per sequence.
-        dtype: the precision mode.
-        activation_checkpointing: false, true (every layer) or k (every k-th layer: 0, k, 2k, ...).
-        activation_offloading: the layers' saved tensors are kept in host memory (see
-            :func:`offloaded_activation_bytes` for how much).
-        autocast: mixed precision through ``torch.autocast`` rather than low-precision parameters.
-        flex_attention: attention runs on FlexAttention, which soft-caps scores inside its kernel: soft-capped
-            layers save what SDPA layers do, not their scores.
-    """
-    kept, recomputed, head = _activations_per_token(
-        model, seq_len=seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing, autocast=autocast,
-        flex_attention=flex_attention,
-    )
-    layers = sum(sorted(kept)[-2:]) if activation_offloading else sum(kept)
-    return micro_batch_size * seq_len * (layers + recomputed + head)
-
-
-def offloaded_activation_bytes(
-    model: nn.Module,
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    dtype: str = "bf16-mixed",
-    activation_checkpointing: bool | int = False,
-    autocast: bool = False,
-    flex_attention: bool = False,
-) -> int:
-    """Host memory that activation offloading fills: every layer's saved tensors (with checkpointing, only the
-    checkpointed layers' inputs and the other layers' tensors). Arguments as in :func:`activation_bytes`."""
-    kept, _, _ = _activations_per_token(
-        model, seq_len=seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing, autocast=autocast,
-        flex_attention=flex_attention,
-    )
-    return micro_batch_size * seq_len * sum(kept)
-
-
-def logits_bytes(
-    model: nn.Module,
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    dtype: str = "bf16-mixed",
-    loss_chunks: int | None = None,
-    fused: bool = False,
-) -> int:
-    """Peak bytes of the logits and the loss.
-
-    Whole logits: ``t * vocab * (12 + c)``. The caller holds the logits (``c`` bytes each) through backward; the
-    loss upcasts them and log-softmax saves its fp32 output (4); at the start of backward the fp32 gradients of the
-    log-probabilities and of the logits (4 + 4) exist together with both.
-
-    In ``loss_chunks`` chunks (:func:`~toolkit.modules.loss.chunked_cross_entropy_sum`): ``t * vocab * (c + f /
-    n)``. Every chunk's logits are kept for backward in the compute dtype, and only one chunk at a time has its
-    float32 log-softmax (forward) or softmax (backward): ``f = 4``, or ``8`` when the chunk is upcast to it first
-    (``c`` of 2). A trainable output weight also has a transient copy of its gradient per chunk, which is not
-    counted.
-
-    Fused (``fused``, the decoder's ``labels=`` path, :func:`~toolkit.modules.loss.linear_cross_entropy_sum`, when
-    the model's output layer allows it): ``ceil(t / n) * vocab * (c + f) + t * d * c``. Only one chunk's logits
-    exist at any time, with their float32 log-softmax; what outlives the forward is the hidden states' gradient
-    (``t * d``), and the output weight's, which is counted with the gradients (a tied weight's is a transient
-    copy until it is added to the embedding's).
-
-    Soft-capped logits (Gemma 2) save their tanh as well (``c``), in every case. Each form is measured with an
-    allocation tracker to within 1% (``tests/training/test_memory.py``).
-    """
-    compute = _precision(dtype).compute
-    vocab = model.embed_tokens.num_embeddings
-    softcap = compute if getattr(model, "final_logit_softcap", None) else 0
-    tokens = micro_batch_size * seq_len
-    one_chunk = 4 if compute == 4 else 8
-    if fused and model.fused_loss_weight() is not None:
-        rows = math.ceil(tokens / (loss_chunks or 1))
-        return rows * vocab * (compute + one_chunk + softcap) + tokens * model.embed_tokens.embedding_dim * compute
-    tokens_x_vocab = tokens * vocab
-    if not loss_chunks:
-        return tokens_x_vocab * (12 + compute + softcap)
-    return tokens_x_vocab * (compute + softcap) + math.ceil(tokens_x_vocab * one_chunk / loss_chunks)
-
-
 # --- Parameters, sharding and the estimate -----------------------------------------------------------------------
 
 
@@ -384,12 +200,6 @@ def _largest_greedy_partition(sizes: list[int], parts: int) -> int:
     for size in sorted(sizes, reverse=True):
         loads[loads.index(min(loads))] += size
     return max(loads)
-
-
-def _precision(dtype: str) -> _Precision:
-    if dtype not in _PRECISIONS:
-        raise UserError(f"dtype: unknown value {dtype!r}; choose one of {', '.join(_PRECISIONS)}")
-    return _PRECISIONS[dtype]
 
 
 def _check_shape(strategy: str, world_size: int, num_nodes: int, shard_size: int | None, cpu_offload: bool) -> int:
@@ -428,9 +238,7 @@ def estimate_memory(
     optimizer_in_backward: bool = False,
     shard_size: int | None = None,
     gradient_accumulation_steps: int = 1,
-    flex_attention: bool = False,
-    loss_chunks: int | None = None,
-    fused_loss: bool = True,
+    kernels: StepKernels = StepKernels(),
 ) -> MemoryEstimate:
     """Per-device memory of one training step of ``model`` under ``strategy`` (see the module docstring).
 
@@ -471,10 +279,8 @@ def estimate_memory(
         optimizer_in_backward: each parameter steps as soon as its gradient is ready, which is then freed.
         shard_size: HSDP's shard group size (default ``world_size // num_nodes``).
         gradient_accumulation_steps: micro-steps per optimizer step.
-        flex_attention: attention on FlexAttention (see :func:`activation_bytes`).
-        loss_chunks: the output projection and loss in this many sequence chunks (see :func:`logits_bytes`).
-        fused_loss: the projection and loss fused, keeping no logits (see :func:`logits_bytes`), as the recipes'
-            ``fused_loss`` and ``forward_backward`` do by default.
+        kernels: how the step runs its attention and loss (see :class:`StepKernels`); by default SDPA and the
+            projection fused with the loss, in one chunk.
 
     Raises:
         UserError: an unknown strategy, dtype or optimizer, ``cpu_offload`` without sharding, or a world size the
@@ -555,7 +361,7 @@ def estimate_memory(
             grad_elems = math.ceil(fraction * max(t.numel() for t in params) / per_rank)
     activations = dict(
         micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype,
-        activation_checkpointing=activation_checkpointing, autocast=autocast, flex_attention=flex_attention,
+        activation_checkpointing=activation_checkpointing, autocast=autocast, flex_attention=kernels.flex_attention,
     )
     host = offloaded_activation_bytes(model, **activations) if activation_offloading else 0
     grad_bytes, opt_bytes = p * grad_elems, int(_STATE_ELEMENT_BYTES.get(optimizer, p) * states * opt_elems)
@@ -574,8 +380,8 @@ def estimate_memory(
         optimizer_state=opt_bytes,
         activations=activation_bytes(model, activation_offloading=activation_offloading, **activations),
         logits=logits_bytes(
-            model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype, loss_chunks=loss_chunks,
-            fused=fused_loss,
+            model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype,
+            loss_chunks=kernels.loss_chunks, fused=kernels.fused_loss,
         ),
         gathered=gathered,
         host=host,
@@ -625,9 +431,7 @@ def choose_strategy(
     optimizer_in_backward: bool = False,
     gradient_accumulation_steps: int = 1,
     headroom: float = 0.9,
-    flex_attention: bool = False,
-    loss_chunks: int | None = None,
-    fused_loss: bool = True,
+    kernels: StepKernels = StepKernels(),
 ) -> tuple[str, MemoryEstimate, str]:
     """The cheapest strategy (order: :func:`candidate_strategies`) whose estimate fits ``headroom`` of the device.
 
@@ -662,9 +466,7 @@ def choose_strategy(
             optimizer=optimizer,
             optimizer_in_backward=optimizer_in_backward,
             gradient_accumulation_steps=gradient_accumulation_steps,
-            flex_attention=flex_attention,
-            loss_chunks=loss_chunks,
-            fused_loss=fused_loss,
+            kernels=kernels,
         )
         if estimate.total <= usable:
             rejected = "".join(f"; {e.label} would need {format_bytes(e.total)}" for e in estimates)
@@ -745,9 +547,7 @@ def plan_parallelism(
     activation_offloading: bool = False,
     optimizer_in_backward: bool = False,
     headroom: float = 0.9,
-    flex_attention: bool = False,
-    loss_chunks: int | None = None,
-    fused_loss: bool = True,
+    kernels: StepKernels = StepKernels(),
 ) -> ParallelPlan:
     """Resolve ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory estimate.
 
@@ -761,8 +561,8 @@ def plan_parallelism(
         strategy, cpu_offload, batch_size, micro_batch_size, max_seq_len, dtype, activation_checkpointing,
             activation_offloading, optimizer_in_backward: as in the config (offloading is counted as on a GPU: on
             the CPU, where it does nothing, host and device memory are the same).
-        flex_attention: attention on FlexAttention (:func:`~toolkit.training.resolve_flex_attention`).
-        loss_chunks, fused_loss: the config's ``loss_chunks`` and ``fused_loss`` (see :func:`logits_bytes`).
+        kernels: the attention and loss kernels the step runs, from the config's ``flex_attention`` (resolved),
+            ``loss_chunks`` and ``fused_loss`` (see :class:`StepKernels`).
         device: this rank's device; its memory is used on CUDA.
         device_memory_gb: the memory to plan for where the device does not say (CPU), in GiB.
         world_size, local_world_size: the job's shape.
@@ -791,8 +591,7 @@ def plan_parallelism(
     num_nodes = max(1, world_size // max(1, local_world_size))
     common = dict(world_size=world_size, max_seq_len=max_seq_len, dtype=dtype,
                   activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
-                  optimizer_in_backward=optimizer_in_backward, flex_attention=flex_attention,
-                  loss_chunks=loss_chunks, fused_loss=fused_loss)
+                  optimizer_in_backward=optimizer_in_backward, kernels=kernels)
     micro = 1 if auto_batch else micro_batch_size
     steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=world_size)
     reasons = []

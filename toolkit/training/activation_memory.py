@@ -1,0 +1,230 @@
+"""Bytes a forward and backward pass hold for their tokens: the tensors autograd saves for backward
+(:func:`activation_bytes`, and :func:`offloaded_activation_bytes` for those activation offloading moves to host
+memory) and the buffers of the logits and the loss (:func:`logits_bytes`).
+
+Everything here grows with the tokens of a micro batch and depends on how the step computes (precision, activation
+checkpointing and offloading, the attention and loss kernels), never on how the parameters are sharded:
+:mod:`toolkit.training.memory` adds it to each data-parallel strategy's parameters, gradients and optimizer state.
+The counts are analytic, from the shapes of a :class:`~toolkit.modules.TransformerDecoder` (on the meta device a
+70B model costs nothing), and checked against the tensors PyTorch saves and allocates in
+``tests/training/test_memory.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from toolkit.errors import UserError
+from toolkit.modules.gemma2 import GemmaRMSNorm
+from toolkit.training.activations import checkpoint_interval, checkpointed_layers
+
+
+@dataclass(frozen=True)
+class _Precision:
+    stored: int  # bytes per stored (master) parameter, gradient and optimizer-state element
+    compute: int  # bytes per element of activations and of gathered compute weights
+    autocast_when_replicated: bool  # mixed modes run under torch.autocast with DDP/ZeRO-1 (precision.py)
+
+
+# The table in toolkit/training/precision.py, in bytes. Here because the formulas need the compute dtype;
+# toolkit.training.memory reads the stored dtype and autocast from it too.
+_PRECISIONS = {
+    "fp32": _Precision(stored=4, compute=4, autocast_when_replicated=False),
+    "bf16": _Precision(stored=2, compute=2, autocast_when_replicated=False),
+    "bf16-mixed": _Precision(stored=4, compute=2, autocast_when_replicated=True),
+    "fp16-mixed": _Precision(stored=4, compute=2, autocast_when_replicated=True),
+}
+
+
+def _precision(dtype: str) -> _Precision:
+    if dtype not in _PRECISIONS:
+        raise UserError(f"dtype: unknown value {dtype!r}; choose one of {', '.join(_PRECISIONS)}")
+    return _PRECISIONS[dtype]
+
+
+# --- The model's shape ---------------------------------------------------------------------------------------------
+
+
+def _out_features(module: nn.Module) -> int:
+    # nn.Linear says out_features; adapters and quantized projections at least carry a [out, in] weight.
+    out = getattr(module, "out_features", None)
+    return int(out) if out is not None else int(module.weight.shape[0])
+
+
+def _norm_bytes_per_token(norm: nn.Module, *, embed_dim: int, compute: int, autocast: bool) -> int:
+    """What a norm saves per token: its input as fp32 (a copy unless fp32), 1/rms, and the normalized value the
+    weight's gradient needs, in the compute dtype (fp32 under autocast, where mul is not autocast, and in
+    Gemma's norm, which scales before casting back)."""
+    normed = 4 if autocast or isinstance(norm, GemmaRMSNorm) else compute
+    return (4 + normed) * embed_dim + 4
+
+
+def _layer_activation_bytes_per_token(
+    layer: nn.Module, *, embed_dim: int, seq_len: int, compute: int, autocast: bool, flex_attention: bool = False
+) -> int:
+    """Bytes one decoder layer saves for backward per token (the formula of :func:`activation_bytes`)."""
+    attn, mlp, d, c = layer.self_attn, layer.mlp, embed_dim, compute
+    n_h, n_kv, h_d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q_dim, kv_dim = n_h * h_d, n_kv * h_d
+    norms = [m for name, m in layer.named_children() if name not in ("self_attn", "mlp")]
+    # Under autocast every projection casts its input to bf16 separately (autocast caches casts of weights
+    # only), so q, k, v, gate and up each save their own copy instead of sharing one per block.
+    projection_inputs = 5 if autocast else 2
+    total = sum(_norm_bytes_per_token(norm, embed_dim=d, compute=c, autocast=autocast) for norm in norms)
+    total += projection_inputs * c * d
+    # Rotary embeddings save only cos/sin (buffers). SDPA saves rotated q and k, v, its output and the fp32
+    # logsumexp [b, n_h, s]; o_proj's input is a view of that output (flash kernels lay it out as [b, s, n_h, h_d]).
+    total += c * (2 * q_dim + 2 * kv_dim) + 4 * n_h
+    if attn.q_norm is not None:
+        # Per-head norms save their fp32 input copy, rsqrt and normalized value (Qwen3).
+        total += (4 + c) * q_dim + 4 * n_h
+    if attn.k_norm is not None:
+        total += (4 + c) * kv_dim + 4 * n_kv
+    if attn.logit_softcap is not None and not flex_attention:
+        # Explicit attention (Gemma 2) instead of SDPA's logsumexp: repeated k and v, then per query and head
+        # the scores' tanh, the fp32 softmax and its cast (masks of size s x s per layer are not counted).
+        cast = c if c != 4 else 0  # the softmax's cast back to the compute dtype, a no-op in fp32
+        total += 2 * c * q_dim + n_h * seq_len * (c + 4 + cast) - 4 * n_h
+    # SwiGLU: gate and up outputs, the activation's output and the product (down_proj's input).
+    total += 4 * c * _out_features(mlp.gate_proj)
+    return total
+
+
+def _activations_per_token(
+    model: nn.Module, *, seq_len: int, dtype: str = "bf16-mixed", activation_checkpointing: bool | int = False,
+    autocast: bool = False, flex_attention: bool = False,
+) -> tuple[list[int], int, int]:
+    """Bytes per token that :func:`activation_bytes` and :func:`offloaded_activation_bytes` add up: what each layer
+    keeps from its forward to its backward, what a checkpointed layer holds again while it is recomputed (the
+    largest), and what the model keeps outside its layers. The keyword arguments and defaults are those documented in
+    :func:`activation_bytes`: both public functions pass them on to here, so that they are written once."""
+    compute = _precision(dtype).compute
+    autocast = autocast and _precision(dtype).stored != compute
+    d = model.embed_tokens.embedding_dim
+    full = [
+        _layer_activation_bytes_per_token(
+            layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast, flex_attention=flex_attention
+        )
+        for layer in model.layers
+    ]
+    checkpointed = set(checkpointed_layers(len(full), checkpoint_interval(activation_checkpointing)))
+    residual = (4 if autocast else compute) * d  # a checkpointed layer's input: the residual stream (fp32 in autocast)
+    kept = [residual if i in checkpointed else b for i, b in enumerate(full)]
+    recomputed = max((full[i] for i in checkpointed), default=0)
+    head = 8 + _norm_bytes_per_token(model.norm, embed_dim=d, compute=compute, autocast=autocast) + compute * d
+    return kept, recomputed, head
+
+
+def activation_bytes(
+    model: nn.Module, *, micro_batch_size: int, seq_len: int, activation_offloading: bool = False, **kwargs: Any
+) -> int:
+    """Bytes autograd keeps for backward on the device after one forward pass, without the logits (see
+    :func:`logits_bytes`).
+
+    With ``t = micro_batch_size * seq_len`` tokens, ``d`` the model width, ``c`` the compute dtype's bytes,
+    ``n_h``/``n_kv`` query/key-value heads of ``h_d`` features, ``f`` the MLP width and ``k`` norms per layer, a
+    Llama-style layer (RMSNorm, rotary SDPA attention, SwiGLU) saves per token::
+
+        k * (4d + c*d + 4)      each norm: its input in fp32 (a copy unless fp32), normalized value, 1/rms
+        + 2 * c*d               the attention and MLP inputs, each saved once for its projections
+        + c * (2*n_h*h_d + 2*n_kv*h_d) + 4*n_h   rotated q and k, v, attention output, fp32 logsumexp
+        + 4 * c*f               gate and up outputs, SiLU output, their product
+
+    Under autocast (mixed precision with DDP or ZeRO-1) the residual stream and norms stay fp32 (``c*d`` becomes
+    ``4d`` in the norm term) and each of the five projections q, k, v, gate, up saves its own bf16 copy of its
+    input (``2*c*d`` becomes ``5*c*d``). Per-head q/k norms and soft-capped attention add their own terms. The
+    model adds ``8`` bytes of token ids and the final norm, ``4d + 2*c*d + 4``, per token.
+
+    A checkpointed layer keeps only its input, ``c*d`` per token (``4d`` under autocast), and the largest
+    checkpointed layer's full activations exist again while it is recomputed in backward. With every k-th layer
+    checkpointed, the other layers keep everything.
+
+    With activation offloading the layers' tensors wait in host memory; the device holds at most two layers'
+    worth at a time (the layer running and the one whose copy is in flight, in forward and in backward), plus a
+    checkpointed layer being recomputed. Tensors below the offloader's size threshold stay on the device and are
+    not counted there: a fraction of a percent.
+
+    The formula is exact for the tensors PyTorch's CPU and flash/memory-efficient SDPA kernels save (checked
+    against ``saved_tensors_hooks`` in the tests); per-document attention masks of packed batches are not counted.
+    With a frozen base (LoRA) a norm with a frozen weight saves no normalized value and LoRA adds rank-sized
+    tensors: there the estimate is a few percent high.
+
+    Args:
+        model: a :class:`~toolkit.modules.TransformerDecoder`, on any device (meta is fine).
+        micro_batch_size: sequences per forward pass.
+        seq_len: tokens per sequence.
+        activation_offloading: the layers' saved tensors are kept in host memory (see
+            :func:`offloaded_activation_bytes` for how much).
+        **kwargs: what shapes each layer's saved tensors, by keyword:
+
+            - ``dtype``: the precision mode (default ``bf16-mixed``).
+            - ``activation_checkpointing``: false (the default), true (every layer) or k (every k-th layer: 0, k,
+              2k, ...).
+            - ``autocast``: mixed precision through ``torch.autocast`` rather than low-precision parameters
+              (default false).
+            - ``flex_attention``: attention runs on FlexAttention, which soft-caps scores inside its kernel:
+              soft-capped layers save what SDPA layers do, not their scores (default false).
+    """
+    kept, recomputed, head = _activations_per_token(model, seq_len=seq_len, **kwargs)
+    layers = sum(sorted(kept)[-2:]) if activation_offloading else sum(kept)
+    return micro_batch_size * seq_len * (layers + recomputed + head)
+
+
+def offloaded_activation_bytes(model: nn.Module, *, micro_batch_size: int, seq_len: int, **kwargs: Any) -> int:
+    """Host memory that activation offloading fills: every layer's saved tensors (with checkpointing, only the
+    checkpointed layers' inputs and the other layers' tensors).
+
+    Args:
+        model, micro_batch_size, seq_len, **kwargs: as in :func:`activation_bytes` (``activation_offloading``
+            aside, which this implies).
+    """
+    kept, _, _ = _activations_per_token(model, seq_len=seq_len, **kwargs)
+    return micro_batch_size * seq_len * sum(kept)
+
+
+def logits_bytes(
+    model: nn.Module,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype: str = "bf16-mixed",
+    loss_chunks: int | None = None,
+    fused: bool = False,
+) -> int:
+    """Peak bytes of the logits and the loss.
+
+    Whole logits: ``t * vocab * (12 + c)``. The caller holds the logits (``c`` bytes each) through backward; the
+    loss upcasts them and log-softmax saves its fp32 output (4); at the start of backward the fp32 gradients of the
+    log-probabilities and of the logits (4 + 4) exist together with both.
+
+    In ``loss_chunks`` chunks (:func:`~toolkit.modules.loss.chunked_cross_entropy_sum`): ``t * vocab * (c + f /
+    n)``. Every chunk's logits are kept for backward in the compute dtype, and only one chunk at a time has its
+    float32 log-softmax (forward) or softmax (backward): ``f = 4``, or ``8`` when the chunk is upcast to it first
+    (``c`` of 2). A trainable output weight also has a transient copy of its gradient per chunk, which is not
+    counted.
+
+    Fused (``fused``, the decoder's ``labels=`` path, :func:`~toolkit.modules.loss.linear_cross_entropy_sum`, when
+    the model's output layer allows it): ``ceil(t / n) * vocab * (c + f) + t * d * c``. Only one chunk's logits
+    exist at any time, with their float32 log-softmax; what outlives the forward is the hidden states' gradient
+    (``t * d``), and the output weight's, which is counted with the gradients (a tied weight's is a transient
+    copy until it is added to the embedding's).
+
+    Soft-capped logits (Gemma 2) save their tanh as well (``c``), in every case. Each form is measured with an
+    allocation tracker to within 1% (``tests/training/test_memory.py``).
+    """
+    compute = _precision(dtype).compute
+    vocab = model.embed_tokens.num_embeddings
+    softcap = compute if getattr(model, "final_logit_softcap", None) else 0
+    tokens = micro_batch_size * seq_len
+    one_chunk = 4 if compute == 4 else 8
+    if fused and model.fused_loss_weight() is not None:
+        rows = math.ceil(tokens / (loss_chunks or 1))
+        return rows * vocab * (compute + one_chunk + softcap) + tokens * model.embed_tokens.embedding_dim * compute
+    tokens_x_vocab = tokens * vocab
+    if not loss_chunks:
+        return tokens_x_vocab * (12 + compute + softcap)
+    return tokens_x_vocab * (compute + softcap) + math.ceil(tokens_x_vocab * one_chunk / loss_chunks)
