@@ -100,8 +100,8 @@ def _activations_per_token(
 ) -> tuple[list[int], int, int]:
     """Bytes per token that :func:`activation_bytes` and :func:`offloaded_activation_bytes` add up: what each layer
     keeps from its forward to its backward, what a checkpointed layer holds again while it is recomputed (the
-    largest), and what the model keeps outside its layers. The keyword arguments and defaults are those documented in
-    :func:`activation_bytes`: both public functions pass them on to here, so that they are written once."""
+    largest), and what the model keeps outside its layers. The keyword arguments are those of
+    :func:`activation_bytes`, with its defaults."""
     compute = _precision(dtype).compute
     autocast = autocast and _precision(dtype).stored != compute
     d = model.embed_tokens.embedding_dim
@@ -120,7 +120,15 @@ def _activations_per_token(
 
 
 def activation_bytes(
-    model: nn.Module, *, micro_batch_size: int, seq_len: int, activation_offloading: bool = False, **kwargs: Any
+    model: nn.Module,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype: str = "bf16-mixed",
+    activation_checkpointing: bool | int = False,
+    activation_offloading: bool = False,
+    autocast: bool = False,
+    flex_attention: bool = False,
 ) -> int:
     """Bytes autograd keeps for backward on the device after one forward pass, without the logits (see
     :func:`logits_bytes`).
@@ -157,19 +165,18 @@ def activation_bytes(
         model: a :class:`~toolkit.modules.TransformerDecoder`, on any device (meta is fine).
         micro_batch_size: sequences per forward pass.
         seq_len: tokens per sequence.
+        dtype: the precision mode.
+        activation_checkpointing: false, true (every layer) or k (every k-th layer: 0, k, 2k, ...).
         activation_offloading: the layers' saved tensors are kept in host memory (see
             :func:`offloaded_activation_bytes` for how much).
-        **kwargs: what shapes each layer's saved tensors, by keyword:
-
-            - ``dtype``: the precision mode (default ``bf16-mixed``).
-            - ``activation_checkpointing``: false (the default), true (every layer) or k (every k-th layer: 0, k,
-              2k, ...).
-            - ``autocast``: mixed precision through ``torch.autocast`` rather than low-precision parameters
-              (default false).
-            - ``flex_attention``: attention runs on FlexAttention, which soft-caps scores inside its kernel:
-              soft-capped layers save what SDPA layers do, not their scores (default false).
+        autocast: mixed precision through ``torch.autocast`` rather than low-precision parameters.
+        flex_attention: attention runs on FlexAttention, which soft-caps scores inside its kernel: soft-capped
+            layers save what SDPA layers do, not their scores.
     """
-    kept, recomputed, head = _activations_per_token(model, seq_len=seq_len, **kwargs)
+    kept, recomputed, head = _activations_per_token(
+        model, seq_len=seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing, autocast=autocast,
+        flex_attention=flex_attention,
+    )
     layers = sum(sorted(kept)[-2:]) if activation_offloading else sum(kept)
     return micro_batch_size * seq_len * (layers + recomputed + head)
 
@@ -179,8 +186,9 @@ def offloaded_activation_bytes(model: nn.Module, *, micro_batch_size: int, seq_l
     checkpointed layers' inputs and the other layers' tensors).
 
     Args:
-        model, micro_batch_size, seq_len, **kwargs: as in :func:`activation_bytes` (``activation_offloading``
-            aside, which this implies).
+        model, micro_batch_size, seq_len, **kwargs: as in :func:`activation_bytes` (``dtype``,
+            ``activation_checkpointing``, ``autocast``, ``flex_attention``; ``activation_offloading`` aside, which this
+            implies).
     """
     kept, _, _ = _activations_per_token(model, seq_len=seq_len, **kwargs)
     return micro_batch_size * seq_len * sum(kept)
