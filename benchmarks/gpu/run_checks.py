@@ -13,7 +13,8 @@ Before: ``bash benchmarks/gpu/fetch_wheels.sh`` where PyPI is reachable (README.
    ours keeps the machine's torchao where there is one.
 2. ``pytest -m gpu`` (tests that need a GPU; exit code 5, none selected, is reported, not a failure).
 3. ``benchmarks/compare.py --device cuda`` for Llama 3.2 1B and 3B full fine-tuning and Llama 3.1 8B LoRA and QLoRA,
-   random weights, everything under ``/dev/shm`` (removed after each shape). Then, budget permitting,
+   random weights, 2 x 4096 tokens without activation checkpointing (issue 8's setup), everything under
+   ``/dev/shm`` (removed after each shape). Then, budget permitting,
    ``benchmarks/attention.py``: packed rows on SDPA with a dense mask against FlexAttention block masks, in Llama 3.1
    8B's attention layer.
 4. ``results.md`` (and ``results.json``) in ``--results``: one row per tool, the ratio lines and the attention
@@ -49,7 +50,10 @@ SHARED = {"omegaconf": "omegaconf", "torchao": "torchao"}
 # and QLoRA (one 16 GB checkpoint for both) ~250 s with 12 steps each; --budget cuts what does not fit. Both tools
 # compile (compare.py's default on CUDA: each at its best); the targets are against torchtune, so the transformers
 # loop is left to a run by hand (compare.py --device cuda --peers transformers).
-_GPU_STEPS = ["--steps", "12", "--warmup", "4", "--peers", "torchtune"]
+# The setup of issue 8's measured table: 2 x 4096 tokens, no activation checkpointing (each tool's best on an H200,
+# where torchtune's 8B LoRA took 54.6 GiB without it).
+_GPU_STEPS = ["--steps", "12", "--warmup", "4", "--peers", "torchtune", "--batch-size", "2", "--seq-len", "4096",
+              "--activation-checkpointing", "off"]
 GPU_RUNS = [
     ("llama3_2_1b", ["full"], _GPU_STEPS, 150),
     ("llama3_2_3b", ["full"], _GPU_STEPS, 180),
