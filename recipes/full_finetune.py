@@ -85,8 +85,14 @@ def train(cfg: DictConfig) -> None:
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    # FlexAttention block masks for packed documents and soft-capped scores (auto: on CUDA; SDPA otherwise).
-    flex_attention = resolve_flex_attention(cfg.get("flex_attention", "auto"), env.device)
+    # How the step computes attention and the loss (the plan counts their memory; the step runs them): FlexAttention
+    # block masks for packed documents and soft-capped scores (auto: on CUDA; SDPA otherwise), the loss in chunks,
+    # fused with the output projection.
+    kernels = StepKernels(
+        flex_attention=resolve_flex_attention(cfg.get("flex_attention", "auto"), env.device),
+        loss_chunks=cfg.get("loss_chunks"),
+        fused_loss=cfg.get("fused_loss", True),
+    )
     # `auto` (data_parallel, micro_batch_size) is resolved from a memory estimate: the least-communicating strategy
     # that fits the device, then the largest micro batch that fits; the global batch never changes.
     plan = plan_parallelism(
@@ -95,9 +101,7 @@ def train(cfg: DictConfig) -> None:
         world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
         activation_offloading=cfg.activation_offloading, optimizer_in_backward=cfg.get("optimizer_in_backward", False),
-        kernels=StepKernels(
-            flex_attention=flex_attention, loss_chunks=cfg.get("loss_chunks"), fused_loss=cfg.get("fused_loss", True)
-        ),
+        kernels=kernels,
     )
     accum_steps = plan.accumulation_steps
     dims = parallel_dims(
@@ -122,8 +126,8 @@ def train(cfg: DictConfig) -> None:
     if cfg.get("float8"):  # float8 matmuls in the linear layers (torchao), converted before compile and sharding
         check_float8_device(env.device)
         apply_float8(model, fsdp_float8_all_gather=dims.is_sharded)
-    # Speed and memory switches: the loss over sequence chunks (never the whole fp32 logits), torch.compile per layer
-    # (before parallelize, which wraps the compiled layers in activation checkpointing and offloading).
+    # torch.compile per layer and for the fused loss's kernel (before parallelize, which wraps the compiled layers in
+    # activation checkpointing and offloading).
     if cfg.get("compile"):
         compile_model(model, device=env.device)
     # Sharded strategies shard before allocating: each rank only ever holds (and loads) its shard of the model.
@@ -213,9 +217,8 @@ def train(cfg: DictConfig) -> None:
         data_wait_s = start - data_requested  # reading and collating this step's micro-batches
         result = forward_backward(
             model, micro_batches, device=env.device, data_parallel_size=env.world_size,
-            autocast=autocast, grad_scaler=grad_scaler, num_output_chunks=cfg.get("loss_chunks"),
-            fused_loss=cfg.get("fused_loss", True),
-            flex_attention=flex_attention,
+            autocast=autocast, grad_scaler=grad_scaler, num_output_chunks=kernels.loss_chunks,
+            fused_loss=kernels.fused_loss, flex_attention=kernels.flex_attention,
         )
         forward_backward_s = time.perf_counter() - start
         grad_norm = optimizer_step(model, optimizer, max_grad_norm=cfg.clip_grad_norm, grad_scaler=grad_scaler)
@@ -234,8 +237,8 @@ def train(cfg: DictConfig) -> None:
         profiler.step()
         if val_loader is not None and cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
             log.log({"step": step, **validation_loss(
-                model, val_loader, device=env.device, autocast=autocast, flex_attention=flex_attention,
-                loss_chunks=cfg.get("loss_chunks"),
+                model, val_loader, device=env.device, autocast=autocast, flex_attention=kernels.flex_attention,
+                loss_chunks=kernels.loss_chunks,
             )})
         if checkpoints.due(step, total_steps):
             checkpoints.save(step, state, config=cfg, strategy=dims.strategy)

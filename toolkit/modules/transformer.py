@@ -144,7 +144,9 @@ class TransformerDecoder(nn.Module):
         """The output projection: final hidden states ``[..., d]`` to logits ``[..., vocab]``.
 
         A subclass that transforms the logits (soft-capping) should override this rather than ``forward``, so that
-        the chunked output gets the transform too.
+        the chunked output gets the transform too. The fused loss does not call it: it computes the plain
+        projection, soft-capped by ``final_logit_softcap``, so a subclass with any other transform must also make
+        :meth:`fused_loss_weight` return None.
         """
         if self.output is None:
             return F.linear(h, self.embed_tokens.weight)
