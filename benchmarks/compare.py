@@ -84,9 +84,9 @@ tools rather than about the load at the minute each ran:
   difference between tools. ``--threads 0`` gives torch its own choice.
 
 **The ladder** (``--ladder``) runs no peer: it runs our recipe once per rung of ``LADDER``, each rung adding one
-technique to those above it (chunked loss, activation checkpointing, offloading on CUDA, compile, 8-bit AdamW, the
-optimizer step in backward), measured the same way, and prints each rung's tokens/s and memory against the
-baseline's: what each switch costs or saves on this job.
+technique to those above it (chunked loss, the projection fused with it, activation checkpointing, offloading on
+CUDA, compile, 8-bit AdamW, the optimizer step in backward), measured the same way, and prints each rung's tokens/s
+and memory against the baseline's: what each switch costs or saves on this job.
 
 On CUDA the runs go one after another (memory: a full 3B fine-tune does not fit three times) on torch's defaults.
 The last lines are one per comparison::
