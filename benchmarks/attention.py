@@ -15,7 +15,11 @@ same rows for every kernel:
   (:func:`toolkit.training.batch_attention_mask` with ``flex_attention=False``), which SDPA cannot hand to its
   flash kernel;
 * **flex block mask**: packed rows, :class:`toolkit.modules.DocumentMasks` (the recipes' default on CUDA), compiled
-  FlexAttention skipping the blocks masked whole.
+  FlexAttention skipping the blocks masked whole;
+* **sdpa causal, unpacked, cuDNN** (CUDA only): the first row with SDPA held to its cuDNN backend, which PyTorch
+  ranks last (flash first). cuDNN's kernels are reported faster on Hopper; this row measures that on the machine
+  at hand, for our layer's shapes (grouped-query heads), and prints how far its output is from the flash kernel's.
+  A backend that cannot serve the call is reported as such.
 
 Times are medians over ``--iters`` after ``--warmup`` iterations (compilation happens there), each from the
 mask's construction to the end of backward (``torch.cuda.synchronize``). Memory is the peak allocated above what
@@ -33,6 +37,7 @@ import time
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from toolkit.modules import GroupedQueryAttention, RotaryPositionalEmbeddings
 from toolkit.training import batch_attention_mask
@@ -65,8 +70,13 @@ def packed_positions(batch_size: int, seq_len: int, mean_doc: int, seed: int = 0
     return torch.stack(rows)
 
 
-def measure(layer: nn.Module, x: torch.Tensor, batch: dict, *, flex: bool, train: bool, warmup: int, iters: int):
-    """Median seconds and peak bytes of one forward (and backward) with the mask made inside the timing."""
+def measure(layer: nn.Module, x: torch.Tensor, batch: dict, *, flex: bool, train: bool, warmup: int, iters: int,
+            backend: SDPBackend | None = None):
+    """Median seconds and peak bytes of one forward (and backward) with the mask made inside the timing; SDPA held
+    to ``backend`` if given."""
+    if backend is not None:
+        with sdpa_kernel(backend):
+            return measure(layer, x, batch, flex=flex, train=train, warmup=warmup, iters=iters)
     device = x.device
     times = []
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -117,12 +127,27 @@ def main() -> None:
     packed = {"tokens": tokens, "input_pos": input_pos}
     documents = int((input_pos == 0).sum())
     runs = [
-        ("sdpa causal, unpacked", {"tokens": tokens}, False),
-        ("sdpa dense mask", packed, False),
-        ("flex block mask", packed, True),
+        ("sdpa causal, unpacked", {"tokens": tokens}, False, None),
+        ("sdpa dense mask", packed, False, None),
+        ("flex block mask", packed, True, None),
     ]
-    results = [(name, *measure(layer, x, batch, flex=flex, train=train, warmup=args.warmup, iters=args.iters))
-               for name, batch, flex in runs]
+    if device.type == "cuda":
+        runs.append(("sdpa causal, unpacked, cuDNN", {"tokens": tokens}, False, SDPBackend.CUDNN_ATTENTION))
+    results, notes = [], []
+    for name, batch, flex, backend in runs:
+        try:
+            results.append((name, *measure(layer, x, batch, flex=flex, train=train, warmup=args.warmup,
+                                           iters=args.iters, backend=backend)))
+        except RuntimeError as e:  # SDPA held to a backend that cannot serve these shapes
+            notes.append(f"{name}: not served ({str(e).splitlines()[0][:160]})")
+    if device.type == "cuda" and not notes:
+        with torch.no_grad():
+            flash = layer(x, input_pos=None)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                cudnn = layer(x, input_pos=None)
+        notes.append(f"cuDNN against the default (flash) kernel: outputs differ by at most "
+                     f"{(cudnn.float() - flash.float()).abs().max().item():.3g} (output scale "
+                     f"{flash.float().abs().max().item():.3g})")
 
     what = "forward + backward" if train else "forward only, no gradients (CPU)"
     print(f"attention layer of {args.shape} ({SHAPES[args.shape]}: d, heads, kv heads, head dim), {dtype}, "
@@ -134,6 +159,8 @@ def main() -> None:
     for name, seconds, peak in results:
         memory = "-" if peak is None else f"{peak / 2**20:.0f}"
         print(f"| {name} | {seconds * 1e3:.2f} | {memory} | {seconds / dense_s:.2f} |")
+    for note in notes:
+        print(f"\n{note}")
 
 
 if __name__ == "__main__":
