@@ -22,9 +22,9 @@ from toolkit.models.qwen3._component_builders import qwen3
 from toolkit.training.activations import apply_activation_checkpointing
 from toolkit.training.loss import chunked_cross_entropy_sum
 from toolkit.training.memory import (
+    StepKernels,
     activation_bytes,
     candidate_strategies,
-    StepKernels,
     choose_strategy,
     device_memory_bytes,
     estimate_memory,
