@@ -42,6 +42,7 @@ from toolkit.training import (
     parallelize,
     precision_policy,
     resolve_flex_attention,
+    sdpa_preference,
     set_seed,
 )
 from toolkit.training.peft import fill_adapter_model
@@ -170,7 +171,8 @@ def evaluate(cfg: DictConfig) -> None:
 @recipe_main
 def main(cfg: DictConfig) -> None:
     try:
-        evaluate(cfg)
+        with sdpa_preference(cfg.get("sdpa_backend")):  # SDPA's backend order, before anything is compiled
+            evaluate(cfg)
     finally:
         destroy_distributed()
 

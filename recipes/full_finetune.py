@@ -55,6 +55,7 @@ from toolkit.training import (
     plan_parallelism,
     precision_policy,
     resolve_flex_attention,
+    sdpa_preference,
     set_seed,
     shard_optimizer_state,
     start_run,
@@ -258,7 +259,8 @@ def train(cfg: DictConfig) -> None:
 @recipe_main
 def main(cfg: DictConfig) -> None:
     try:
-        train(cfg)
+        with sdpa_preference(cfg.get("sdpa_backend")):  # SDPA's backend order, before anything is compiled
+            train(cfg)
     finally:
         destroy_distributed()
 

@@ -7,7 +7,7 @@ from toolkit.training.activations import (
     apply_activation_checkpointing,
     apply_activation_offloading,
 )
-from toolkit.training.attention import batch_attention_mask, resolve_flex_attention
+from toolkit.training.attention import batch_attention_mask, resolve_flex_attention, sdpa_preference
 from toolkit.training.checkpointing import (
     HFCheckpointer,
     gather_full_state_dict,
@@ -122,6 +122,7 @@ __all__ = [
     "prepare_output_dir",
     "rank_stats",
     "resolve_flex_attention",
+    "sdpa_preference",
     "set_seed",
     "shard_optimizer_state",
     "start_run",

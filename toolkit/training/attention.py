@@ -5,9 +5,16 @@ is FlexAttention with a block mask (:class:`~toolkit.modules.DocumentMasks`), wh
 that are masked whole and also soft-caps Gemma 2's scores inside its kernel; elsewhere it is SDPA with a dense
 ``[b, s, s]`` mask. Either way the mask is made here, from ``input_pos`` on the device, not by the data loader:
 no ``s x s`` tensor is built on the host and copied over with every batch.
+
+SDPA itself picks among its backends by a fixed priority (flash, memory-efficient, math, then cuDNN);
+:func:`sdpa_preference` puts another one first (config ``sdpa_backend``).
 """
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from toolkit.data.packing import document_ids, packed_attention_mask
 from toolkit.errors import UserError
@@ -69,3 +76,38 @@ def batch_attention_mask(
     if flex_attention:
         return DocumentMasks(document_ids(input_pos), seq_len=tokens.shape[-1], device=tokens.device)
     return batch["mask"] if "mask" in batch else packed_attention_mask(input_pos)
+
+
+# SDPA's backends by their config names, in PyTorch's own order of preference.
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
+
+
+@contextlib.contextmanager
+def sdpa_preference(setting: str | None) -> Iterator[None]:
+    """Within the block, SDPA tries the backend ``setting`` names first, then the others in PyTorch's order.
+
+    A preference, not a restriction: shapes the preferred backend cannot serve (on the CPU, every shape for
+    ``cudnn``) run exactly as without it. Enter it before the model's first forward: ``torch.compile`` picks the
+    backend when it traces. PyTorch ranks cuDNN's attention last; ``cudnn`` is the one to try on Hopper GPUs, where
+    its kernels are reported faster than flash (``benchmarks/attention.py`` measures it on the machine at hand).
+
+    Args:
+        setting: the config's ``sdpa_backend``: ``default`` (or None) leaves PyTorch's order, or one of
+            ``flash``, ``efficient``, ``math``, ``cudnn``.
+
+    Raises:
+        UserError: another value.
+    """
+    if setting is None or setting == "default":
+        yield
+        return
+    if setting not in SDPA_BACKENDS:
+        raise UserError(f"sdpa_backend: expected default, {', '.join(SDPA_BACKENDS)}; got {setting!r}")
+    first = SDPA_BACKENDS[setting]
+    with sdpa_kernel([first, *(b for b in SDPA_BACKENDS.values() if b != first)], set_priority=True):
+        yield
