@@ -199,7 +199,7 @@ class Job:
     checkpoint_dir: str
     data: str
     tokenizer: str
-    ours_overrides: tuple[str, ...] = ()  # more config overrides for our recipe (the ladder's techniques)
+    ours_overrides: tuple[str, ...] = ()  # more config overrides for our recipe (--ours-set, the ladder's rungs)
     compile: bool = False  # torch.compile in ours and torchtune (the transformers loop runs eagerly)
     packed: bool = False  # documents of many lengths packed into rows of seq_len (ours and torchtune only)
 
@@ -791,7 +791,7 @@ def run_ladder(job: Job, *, work: Path, env: dict[str, str], interleave: bool, w
     overrides: list[str] = []
     for i, rung in enumerate(rungs):
         overrides += rung.overrides
-        jobs[rung.name] = replace(job, ours_overrides=tuple(overrides))
+        jobs[rung.name] = replace(job, ours_overrides=(*job.ours_overrides, *overrides))
         out = outs[rung.name] = work / f"{job.method}_rung{i}"
         clear_previous(out)
         rung_env = {**env, **probe_env(out, cuda=job.device == "cuda", pause=interleave)}
@@ -860,6 +860,9 @@ def main() -> None:
                         help=f"interpreter that runs torchtune (default: {TORCHTUNE_VENV}, created if missing)")
     parser.add_argument("--torchtune-pythonpath", default=None, help="prepended to PYTHONPATH for torchtune runs")
     parser.add_argument("--ours-pythonpath", default=str(REPO), help="prepended to PYTHONPATH for our runs")
+    parser.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for our recipe only, after the benchmark's own (repeatable), e.g. "
+                             "sdpa_backend=cudnn; the ratio lines then measure ours with it")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the matmul rate MFU is taken against (default on cuda: the bf16 rate, measured here "
@@ -928,11 +931,13 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     print(f"{shape_name}, {dtype} on {args.device}; batch {batch_size} x {seq_len} tokens, {steps} steps "
           f"(median of the last {steps - warmup}); activation checkpointing {'on' if ac else 'off'}; loss chunks "
-          f"{args.loss_chunks or 'none'}; {threads or 'default'} thread(s); work folder {work}", flush=True)
+          f"{args.loss_chunks or 'none'}; {threads or 'default'} thread(s); work folder {work}"
+          f"{'; ours with ' + ' '.join(args.ours_set) if args.ours_set else ''}", flush=True)
     results: dict[str, list[Result]] = {}
     for method in methods:
         job = Job(method, shape_name, args.device, dtype, batch_size, seq_len, steps, ac, args.loss_chunks,
-                  str(checkpoint), str(data), str(ranks), compile=compile_, packed=args.packed)
+                  str(checkpoint), str(data), str(ranks), compile=compile_, packed=args.packed,
+                  ours_overrides=tuple(args.ours_set))
         if args.ladder:
             results[method] = run_ladder(job, work=work, env=env_with(args.ours_pythonpath), interleave=interleave,
                                          warmup=warmup, keep=args.keep)
@@ -1007,6 +1012,7 @@ def main() -> None:
         args.json_out.write_text(json.dumps(
             {"shape": shape_name, "device": args.device, "dtype": dtype, "batch_size": batch_size,
              "seq_len": seq_len, "steps": steps, "activation_checkpointing": ac, "loss_chunks": args.loss_chunks,
+             "ours_set": args.ours_set,
              "compile": compile_, "packed": args.packed, "peak_flops": peak_flops,
              "results": {m: [asdict(r) for r in runs] for m, runs in results.items()}}, indent=1))
     if not args.keep and args.work_dir is None:
