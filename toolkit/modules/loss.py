@@ -105,10 +105,11 @@ def chunked_cross_entropy_sum(
 
 
 def logit_loss_and_grad(
-    logits: torch.Tensor, labels: torch.Tensor, softcap: float | None, ignore_index: int, need_grad: bool
+    logits: torch.Tensor, labels: torch.Tensor, softcap: float | None, need_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The summed float32 cross-entropy of one chunk of raw logits ``[m, vocab]``, and (if ``need_grad``) its
-    gradient with respect to them, in their dtype.
+    """The summed float32 cross-entropy of one chunk of raw logits ``[m, vocab]`` against ``labels`` ``[m]``, all
+    of them targets (:func:`linear_cross_entropy_sum` drops the ignored positions first), and (if ``need_grad``)
+    its gradient with respect to the logits, in their dtype.
 
     With ``softcap`` the logits are first soft-capped to ``softcap * tanh(logits / softcap)`` (Gemma 2), and the
     gradient is taken through the cap. This is the part of :func:`linear_cross_entropy_sum` between the matmuls:
@@ -120,12 +121,12 @@ def logit_loss_and_grad(
         logits = tanh * softcap
     log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     del logits
-    kept = labels != ignore_index
-    picked = log_probs.gather(1, torch.where(kept, labels, 0).unsqueeze(1)).squeeze(1)
-    loss = -(picked * kept).sum()
+    targets = labels.unsqueeze(1)  # [m, 1]
+    loss = -log_probs.gather(1, targets).sum()
     if not need_grad:
         return loss, None
-    grad = _softmax_minus_one_hot_(log_probs.exp_(), labels, ignore_index)
+    grad = log_probs.exp_()  # softmax - one_hot(label), in place
+    grad.scatter_add_(1, targets, torch.full_like(targets, -1, dtype=grad.dtype))
     if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
         grad.mul_(tanh.square_().neg_().add_(1))
     return loss, grad.to(dtype)
@@ -141,13 +142,12 @@ def _chunked_projection_loss(
     *,
     num_chunks: int,
     softcap: float | None,
-    ignore_index: int,
     kernel: LogitKernel,
     need_h: bool,
     need_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Loss sum of ``h @ weight.T`` against ``labels`` (``h`` ``[t, d]``, ``weight`` ``[vocab, d]`` in the same
-    dtype, ``labels`` ``[t]``), chunk by chunk over the rows, with the gradients asked for: ``[t, d]`` and
+    dtype, ``labels`` ``[t]``, every one a target), chunk by chunk over the rows, with the gradients asked for: ``[t, d]`` and
     ``[vocab, d]`` in that dtype, for a loss of 1 (the weight's accumulated over chunks in its dtype, as autograd
     accumulates a weight used once per chunk)."""
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -160,7 +160,7 @@ def _chunked_projection_loss(
     ):
         if rows.shape[0] == 0:
             continue
-        chunk_loss, grad = kernel(rows @ weight.T, chunk_labels, softcap, ignore_index, need_grad)
+        chunk_loss, grad = kernel(rows @ weight.T, chunk_labels, softcap, need_grad)
         loss += chunk_loss
         if need_h:
             torch.mm(grad, weight, out=chunk_grad_h)
@@ -175,9 +175,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     and, in backward, scaled by the incoming gradient of the loss."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, num_chunks, softcap, ignore_index, kernel):
+    def forward(ctx, h, weight, labels, num_chunks, softcap, kernel):
         loss, grad_h, grad_weight = _chunked_projection_loss(
-            h, weight, labels, num_chunks=num_chunks, softcap=softcap, ignore_index=ignore_index, kernel=kernel,
+            h, weight, labels, num_chunks=num_chunks, softcap=softcap, kernel=kernel,
             need_h=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1],
         )
         ctx.save_for_backward(grad_h, grad_weight)
@@ -190,7 +190,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         # Scaled in place: this function's gradients are used once (a second backward through it is an error).
         grad_h = grad_h.mul_(grad_loss) if grad_h is not None else None
         grad_weight = grad_weight.mul_(grad_loss) if grad_weight is not None else None
-        return grad_h, grad_weight, None, None, None, None, None
+        return grad_h, grad_weight, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -233,9 +233,9 @@ def linear_cross_entropy_sum(
     with torch.autocast(device_type, enabled=False):
         h_c, weight_c = h.to(dtype), weight.to(dtype)
         if torch.is_grad_enabled() and (h_c.requires_grad or weight_c.requires_grad):
-            return _LinearCrossEntropySum.apply(h_c, weight_c, labels, num_chunks, softcap, ignore_index, kernel)
+            return _LinearCrossEntropySum.apply(h_c, weight_c, labels, num_chunks, softcap, kernel)
         loss, _, _ = _chunked_projection_loss(
-            h_c, weight_c, labels, num_chunks=num_chunks, softcap=softcap, ignore_index=ignore_index, kernel=kernel,
+            h_c, weight_c, labels, num_chunks=num_chunks, softcap=softcap, kernel=kernel,
             need_h=False, need_weight=False,
         )
         return loss
