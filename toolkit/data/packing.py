@@ -95,7 +95,11 @@ def packed_attention_mask(input_pos: torch.Tensor) -> torch.Tensor:
         Bool ``[b, s, s]`` (or ``[s, s]``), True where attention is allowed; every row allows at least its
         diagonal, so no softmax is over an empty set.
     """
-    docs = document_ids(input_pos)
-    s = input_pos.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=input_pos.device).tril()
-    return (docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal
+    return document_attention_mask(document_ids(input_pos))
+
+
+def document_attention_mask(documents: torch.Tensor) -> torch.Tensor:
+    """:func:`packed_attention_mask` from each position's document (:func:`document_ids`), ``[b, s]`` or ``[s]``."""
+    s = documents.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=documents.device).tril()
+    return (documents.unsqueeze(-1) == documents.unsqueeze(-2)) & causal

@@ -8,8 +8,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from toolkit.data.packing import document_attention_mask
 from toolkit.modules.kv_cache import KVCache
 
 
@@ -212,8 +213,7 @@ class DocumentMasks:
     def dense(self) -> torch.Tensor:
         """The boolean ``[b, s, s]`` mask of the documents, True where attention is allowed (built once)."""
         if self._dense is None:
-            batch = self.document_ids.shape[0]
-            self._dense = create_mask(self._mask_mod(None), batch, None, self.seq_len, self.seq_len, self.device)[:, 0]
+            self._dense = document_attention_mask(self.document_ids)
         return self._dense
 
     def block_mask(self, sliding_window: int | None = None) -> BlockMask:
