@@ -160,7 +160,7 @@ def main() -> None:
         memory = "-" if peak is None else f"{peak / 2**20:.0f}"
         print(f"| {name} | {seconds * 1e3:.2f} | {memory} | {seconds / dense_s:.2f} |")
     for note in notes:
-        print(f"\n{note}")
+        print(f"\nnote: {note}")
 
 
 if __name__ == "__main__":

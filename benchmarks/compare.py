@@ -220,7 +220,6 @@ SITECUSTOMIZE = """\
 # Written by benchmarks/compare.py. In a process started with BENCH_PROBE_OUT set, compare.py's install_probe()
 # records a line after every optimizer step.
 import os
-import random
 
 if os.environ.get("BENCH_PROBE_OUT"):
     import importlib.util
@@ -397,15 +396,18 @@ def write_tokenizer(folder: Path) -> tuple[Path, Path]:
     return ranks, specials
 
 
+# The benchmark's text: ASCII words (one byte, one token).
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards box jackdaws nightly".split()
+
+
 def write_documents(path: Path, *, tokens: int, seq_len: int, seed: int = 0) -> None:
     """Rows of ASCII text of random lengths (uniform from 16 to ``seq_len / 2`` bytes, one byte a token), about
     ``tokens`` in all, for packing."""
     rng = random.Random(seed)
-    words = "the quick brown fox jumps over a lazy dog while seven wizards box jackdaws nightly".split()
     rows, total = [], 0
     while total < tokens:
         n = rng.randint(16, max(16, seq_len // 2))
-        text = " ".join(rng.choice(words) for _ in range(n))[:n]
+        text = " ".join(rng.choice(WORDS) for _ in range(n))[:n]
         rows.append(json.dumps({"text": text}) + "\n")
         total += n + 2  # with BOS and EOS
     path.write_text("".join(rows))
@@ -413,8 +415,7 @@ def write_documents(path: Path, *, tokens: int, seq_len: int, seed: int = 0) -> 
 
 def write_data(path: Path, *, rows: int, seq_len: int) -> None:
     """``rows`` identical rows of ASCII text longer than ``seq_len`` tokens (one byte is one token here)."""
-    words = "the quick brown fox jumps over a lazy dog while seven wizards box jackdaws nightly".split()
-    text = " ".join(words[i % len(words)] for i in range(seq_len))[: seq_len + 64]
+    text = " ".join(WORDS[i % len(WORDS)] for i in range(seq_len))[: seq_len + 64]
     assert len(text) > seq_len
     path.write_text((json.dumps({"text": text}) + "\n") * rows)
 

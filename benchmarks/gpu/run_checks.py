@@ -251,7 +251,7 @@ def main() -> None:
         code = run_logged(attention_cmd, log_path=args.results / "attention.log", timeout=min(90, left()),
                           env={**os.environ, "PYTHONPATH": str(ours)})
         attention = [line for line in (args.results / "attention.log").read_text().splitlines()
-                     if line.startswith(("attention layer", "|"))] if code == 0 else [f"FAILED (exit {code})"]
+                     if line.startswith(("attention layer", "|", "note:"))] if code == 0 else [f"FAILED (exit {code})"]
 
     table = write_table(args.results, runs, versions, device=device_name(args.dry_run), pytest_status=pytest_status,
                         attention=attention)
