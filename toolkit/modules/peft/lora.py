@@ -100,7 +100,9 @@ class LoRALinear(nn.Module):
         out = F.linear(x, self.weight, self.bias)
         if self.disabled:
             return out
-        return out + self.scale * self.lora_b(self.lora_a(self.dropout(x)))
+        # The scale multiplies the rank-r intermediate, not the out_dim-wide output: the same product, for a pass
+        # over r columns instead of out_dim in forward and in backward.
+        return out + self.lora_b(self.lora_a(self.dropout(x)) * self.scale)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         return _apply_keeping_nf4(self, fn, lambda: super(LoRALinear, self)._apply(fn, recurse))
@@ -179,4 +181,4 @@ class DoRALinear(LoRALinear):
             base = out if self.bias is None else out - self.bias
         else:
             base = F.linear(x_drop, weight)
-        return out + (scale - 1) * base + scale * (self.scale * self.lora_b(self.lora_a(x_drop)))
+        return out + (scale - 1) * base + scale * self.lora_b(self.lora_a(x_drop) * self.scale)
