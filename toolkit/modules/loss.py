@@ -6,17 +6,18 @@ Three forms, from the most general to the lightest:
 - :func:`chunked_cross_entropy_sum`: from logits given in sequence chunks; one chunk at a time is in float32, but
   every chunk's logits stay alive, in the model's dtype, from forward to backward.
 - :func:`linear_cross_entropy_sum`: from the final hidden states and the output weight. The projection and the
-  loss run together, chunk by chunk, and each chunk's gradients (of the hidden states and of the weight) are
-  computed right there, in the forward pass, from the chunk's softmax. No logits outlive their chunk, and the
-  backward pass only scales the gradients it was left. It costs no extra matmul: the two gradient matmuls are the
-  ones autograd would run in backward, run earlier. Positions whose label is ignored (prompt, padding) get no
-  logits at all.
+  loss run together, chunk by chunk, and each chunk's gradients (of the hidden states and of the weight, and of a
+  LoRA adapter's on it) are computed right there, in the forward pass, from the chunk's softmax. No logits outlive
+  their chunk, and the backward pass only scales the gradients it was left. It costs no extra matmul: the two
+  gradient matmuls are the ones autograd would run in backward, run earlier. Positions whose label is ignored
+  (prompt, padding) get no logits at all.
 
 All return the *sum* over non-ignored positions; the training loop divides by the global token count
 (``toolkit.training.loss``).
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -135,39 +136,88 @@ def logit_loss_and_grad(
 LogitKernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """A low-rank adapter on the output projection (:class:`~toolkit.modules.peft.LoRALinear`'s): the logits are
+    ``h @ weight.T + scale * (x @ lora_a.T) @ lora_b.T``.
+
+    Attributes:
+        lora_a: ``A``, ``[rank, d]``.
+        lora_b: ``B``, ``[vocab, rank]``.
+        scale: ``alpha / rank``.
+        x: the adapter's input, ``h``'s shape: ``h`` after the adapter's dropout, or ``h`` itself (the same tensor)
+            without dropout, whose gradient is then added into ``h``'s rather than kept as a second one. Dropout is
+            applied by the caller, once over the whole ``h``, so that its backward applies its own mask and it draws
+            the same mask as the layer's own forward.
+    """
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scale: float
+    x: torch.Tensor
+
+
 def _chunked_projection_loss(
     h: torch.Tensor,
     weight: torch.Tensor,
+    x: torch.Tensor | None,
+    lora_a: torch.Tensor | None,
+    lora_b: torch.Tensor | None,
     labels: torch.Tensor,
+    scale: float,
     *,
     num_chunks: int,
     softcap: float | None,
     kernel: LogitKernel,
-    need_h: bool,
-    need_weight: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Loss sum of ``h @ weight.T`` against ``labels`` (``h`` ``[t, d]``, ``weight`` ``[vocab, d]`` in the same
-    dtype, ``labels`` ``[t]``, every one a target), chunk by chunk over the rows, with the gradients asked for: ``[t, d]`` and
-    ``[vocab, d]`` in that dtype, for a loss of 1 (the weight's accumulated over chunks in its dtype, as autograd
-    accumulates a weight used once per chunk)."""
+    needs: Sequence[bool],
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Loss sum of ``h @ weight.T`` (plus, with ``lora_a``, ``scale * (x @ lora_a.T) @ lora_b.T``, ``x`` None
+    meaning ``h``) against ``labels`` (``h``, ``x`` ``[t, d]``, ``weight`` ``[vocab, d]``, ``lora_a`` ``[r, d]``,
+    ``lora_b`` ``[vocab, r]``, all in one dtype; ``labels`` ``[t]``, every one a target), chunk by chunk over the
+    rows, with the gradients ``needs`` asks for, in the order ``h, weight, x, lora_a, lora_b``, for a loss of 1, in
+    that dtype (the weights' accumulated over chunks, as autograd accumulates a weight used once per chunk). With
+    ``x`` None the adapter's input gradient is added into ``h``'s."""
+    need_h, need_weight, need_x, need_a, need_b = needs
+    # The rows' gradients are written chunk by chunk; the weights' are summed over the chunks.
+    grad_h, grad_x = (torch.empty_like(t) if need else None for t, need in ((h, need_h), (x, need_x)))
+    grad_weight, grad_a, grad_b = (
+        torch.zeros_like(t) if need else None for t, need in ((weight, need_weight), (lora_a, need_a), (lora_b, need_b))
+    )
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
-    grad_h = torch.empty_like(h) if need_h else None
-    grad_weight = torch.zeros_like(weight) if need_weight else None
-    need_grad = need_h or need_weight
-    for rows, chunk_labels, chunk_grad_h in zip(
-        h.tensor_split(num_chunks), labels.tensor_split(num_chunks),
-        grad_h.tensor_split(num_chunks) if need_h else [None] * num_chunks,
+    need_grad = any(needs)
+
+    def split(t: torch.Tensor | None) -> Sequence[torch.Tensor | None]:
+        return t.tensor_split(num_chunks) if t is not None else [None] * num_chunks
+
+    for rows, chunk_labels, adapter_rows, chunk_grad_h, chunk_grad_x in zip(
+        split(h), split(labels), split(x), split(grad_h), split(grad_x)
     ):
         if rows.shape[0] == 0:
             continue
-        chunk_loss, grad = kernel(rows @ weight.T, chunk_labels, softcap, need_grad)
+        adapter_rows = rows if adapter_rows is None else adapter_rows
+        u = adapter_rows @ lora_a.T if lora_a is not None else None  # [m, r]
+        # The logits are made inside the call, so that the kernel holds their only reference and can free them.
+        chunk_loss, grad = kernel(
+            rows @ weight.T if u is None else (rows @ weight.T).addmm_(u, lora_b.T, alpha=scale),
+            chunk_labels, softcap, need_grad,
+        )
         loss += chunk_loss
         if need_h:
             torch.mm(grad, weight, out=chunk_grad_h)
         if need_weight:
             grad_weight.addmm_(grad.T, rows)
+        if u is not None and need_grad:
+            if need_b:
+                grad_b.addmm_(grad.T, u, alpha=scale)
+            grad_u = grad @ lora_b  # [m, r], the gradient of u over scale
+            if need_a:
+                grad_a.addmm_(grad_u.T, adapter_rows, alpha=scale)
+            if need_x:
+                torch.mm(grad_u, lora_a, out=chunk_grad_x).mul_(scale)
+            elif x is None and need_h:
+                chunk_grad_h.addmm_(grad_u, lora_a, alpha=scale)
         del grad
-    return loss, grad_h, grad_weight
+    return loss, [grad_h, grad_weight, grad_x, grad_a, grad_b]
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -175,22 +225,20 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     and, in backward, scaled by the incoming gradient of the loss."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, num_chunks, softcap, kernel):
-        loss, grad_h, grad_weight = _chunked_projection_loss(
-            h, weight, labels, num_chunks=num_chunks, softcap=softcap, kernel=kernel,
-            need_h=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1],
+    def forward(ctx, h, weight, x, lora_a, lora_b, labels, scale, num_chunks, softcap, kernel):
+        loss, grads = _chunked_projection_loss(
+            h, weight, x, lora_a, lora_b, labels, scale, num_chunks=num_chunks, softcap=softcap, kernel=kernel,
+            needs=ctx.needs_input_grad[:5],
         )
-        ctx.save_for_backward(grad_h, grad_weight)
+        ctx.save_for_backward(*grads)
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        grad_h, grad_weight = ctx.saved_tensors
         # Scaled in place: this function's gradients are used once (a second backward through it is an error).
-        grad_h = grad_h.mul_(grad_loss) if grad_h is not None else None
-        grad_weight = grad_weight.mul_(grad_loss) if grad_weight is not None else None
-        return grad_h, grad_weight, None, None, None, None
+        grads = [grad.mul_(grad_loss) if grad is not None else None for grad in ctx.saved_tensors]
+        return *grads, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -198,44 +246,52 @@ def linear_cross_entropy_sum(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
+    adapter: LoRAAdapter | None = None,
     num_chunks: int = 8,
     softcap: float | None = None,
     ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
     kernel: LogitKernel = logit_loss_and_grad,
 ) -> torch.Tensor:
-    """Summed float32 cross-entropy of the logits ``h @ weight.T`` (optionally soft-capped), never holding them.
+    """Summed float32 cross-entropy of the logits ``h @ weight.T`` (with a LoRA ``adapter``'s term added, and
+    optionally soft-capped), never holding them.
 
     The non-ignored positions are projected ``num_chunks`` groups of rows at a time. For each group the logits,
     their float32 softmax and its gradient exist only while that group is processed; when gradients are wanted
-    they are multiplied into the hidden states' and the weight's gradients right away. What outlives the forward
-    pass is those two gradients (``[t, d]``, and ``[vocab, d]`` if the weight is trained), to be scaled in
-    backward. The matmuls run in the autocast dtype when autocast is on (as ``F.linear`` would), else in the
-    weight's dtype; the gradients come back in the inputs' dtypes.
+    they are multiplied into the hidden states' and the weights' gradients right away. What outlives the forward
+    pass is those gradients (``[t, d]``, ``[vocab, d]`` if the weight is trained, and the adapter's: its input's,
+    ``[t, d]`` when that is not ``h``, and ``A``'s and ``B``'s), to be scaled in backward. The adapter adds only
+    rank-sized matmuls. The matmuls run in the autocast dtype when autocast is on (as ``F.linear`` would), else in
+    the weight's dtype; the gradients come back in the inputs' dtypes.
 
     Finding the non-ignored positions reads the labels on the host (one device synchronization).
 
     Args:
         h: final hidden states ``[..., d]``.
-        weight: the output projection ``[vocab, d]`` (a plain tensor: no bias, no adapter, no quantization).
+        weight: the output projection ``[vocab, d]`` (a plain tensor: no bias, no quantization).
         labels: ``h.shape[:-1]``, already shifted.
+        adapter: a LoRA adapter on the projection (its tensors plain too).
         num_chunks: groups the positions are processed in (more: less memory, smaller matmuls).
         softcap: Gemma 2's ``final_logit_softcap``.
         kernel: :func:`logit_loss_and_grad` or a compiled version of it.
     """
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be at least 1, got {num_chunks}")
-    h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    width = h.shape[-1]
+    x = None if adapter is None or adapter.x is h else adapter.x.reshape(-1, width)
+    h, labels = h.reshape(-1, width), labels.reshape(-1)
     kept = (labels != ignore_index).nonzero().squeeze(1)  # the one synchronization: its size is data
     if kept.numel() < labels.numel():  # no logits for prompt or padding positions
         h, labels = h.index_select(0, kept), labels.index_select(0, kept)
+        x = x.index_select(0, kept) if x is not None else None
     device_type = h.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    lora = (adapter.lora_a, adapter.lora_b) if adapter is not None else (None, None)
+    scale = adapter.scale if adapter is not None else 0.0
     with torch.autocast(device_type, enabled=False):
-        h_c, weight_c = h.to(dtype), weight.to(dtype)
-        if torch.is_grad_enabled() and (h_c.requires_grad or weight_c.requires_grad):
-            return _LinearCrossEntropySum.apply(h_c, weight_c, labels, num_chunks, softcap, kernel)
-        loss, _, _ = _chunked_projection_loss(
-            h_c, weight_c, labels, num_chunks=num_chunks, softcap=softcap, kernel=kernel,
-            need_h=False, need_weight=False,
+        inputs = [t.to(dtype) if t is not None else None for t in (h, weight, x, *lora)]
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+            return _LinearCrossEntropySum.apply(*inputs, labels, scale, num_chunks, softcap, kernel)
+        loss, _ = _chunked_projection_loss(
+            *inputs, labels, scale, num_chunks=num_chunks, softcap=softcap, kernel=kernel, needs=[False] * 5
         )
         return loss

@@ -6,7 +6,13 @@ from torch import nn
 
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
 from toolkit.modules.kv_cache import KVCache
-from toolkit.modules.loss import chunked_cross_entropy_sum, linear_cross_entropy_sum, logit_loss_and_grad
+from toolkit.modules.loss import (
+    LoRAAdapter,
+    chunked_cross_entropy_sum,
+    linear_cross_entropy_sum,
+    logit_loss_and_grad,
+)
+from toolkit.modules.peft.lora import LoRALinear
 
 
 class TransformerDecoderLayer(nn.Module):
@@ -99,8 +105,8 @@ class TransformerDecoder(nn.Module):
                 data-parallel wrappers (FSDP2's gathered output weight) see it as part of the model.
             fused_loss: with ``labels``, project and take the loss together
                 (:func:`~toolkit.modules.loss.linear_cross_entropy_sum`: no logits outlive their chunk) when the
-                output projection is a plain weight (:meth:`fused_loss_weight`); otherwise, or when False, through
-                chunked logits.
+                output projection allows it (:meth:`fused_loss_weight`: a plain weight, or LoRA on one); otherwise,
+                or when False, through chunked logits.
         """
         h = self.embed_tokens(tokens)  # [b, s, d]
         for layer in self.layers:
@@ -124,21 +130,35 @@ class TransformerDecoder(nn.Module):
         weight = self.fused_loss_weight() if fused else None
         if weight is None:
             return chunked_cross_entropy_sum(self._chunked_logits(h, num_chunks), labels)
+        adapter, output = None, self.output
+        if isinstance(output, LoRALinear) and not output.disabled:
+            # Dropout once over the whole h, as LoRALinear.forward applies it: the same mask for the same seed.
+            adapter = LoRAAdapter(
+                lora_a=output.lora_a.weight, lora_b=output.lora_b.weight, scale=output.scale, x=output.dropout(h)
+            )
         return linear_cross_entropy_sum(
-            h, weight, labels, num_chunks=num_chunks, softcap=self.final_logit_softcap, kernel=self.output_loss_kernel
+            h, weight, labels, adapter=adapter, num_chunks=num_chunks, softcap=self.final_logit_softcap,
+            kernel=self.output_loss_kernel,
         )
 
     def fused_loss_weight(self) -> torch.Tensor | None:
-        """The output projection's weight when the fused projection and loss can use it: a tied embedding or a
-        plain bias-free ``nn.Linear`` holding a plain tensor (not a LoRA layer, a float8 or quantized weight), else
-        None."""
-        if self.output is None:
-            weight = self.embed_tokens.weight
-        elif type(self.output) is nn.Linear and self.output.bias is None:
-            weight = self.output.weight
+        """The weight the fused projection and loss project with, when they can take the output layer: a tied
+        embedding, a plain bias-free ``nn.Linear``, or a bias-free :class:`~toolkit.modules.peft.LoRALinear` (its
+        frozen base weight; the adapter, unless disabled, is added to the logits), each holding plain tensors. None
+        for anything else (DoRA, an NF4 base, a bias, a float8 weight): those take the chunked logits."""
+        output = self.output
+        if output is None:
+            tensors = [self.embed_tokens.weight]
+        elif type(output) is nn.Linear and output.bias is None:
+            tensors = [output.weight]
+        elif type(output) is LoRALinear and output.bias is None:  # exactly: DoRA rescales the adapted weight's rows
+            tensors = [output.weight]
+            if not output.disabled:
+                tensors += [output.lora_a.weight, output.lora_b.weight]
         else:
             return None
-        return weight if type(weight) in (torch.Tensor, nn.Parameter) else None
+        # Plain tensors only: not float8 or NF4 (QLoRA). Under FSDP2 they are the plain unsharded ones in forward.
+        return tensors[0] if all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors) else None
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output projection: final hidden states ``[..., d]`` to logits ``[..., vocab]``.
