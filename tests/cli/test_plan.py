@@ -122,9 +122,11 @@ def test_help_lists_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_info.value.code == 0 and "--device-memory-gb" in out and "tune plan full_finetune --config demo" in out
 
 
-def test_plan_counts_the_fused_loss_and_names_the_loss_path(plan) -> None:
+@pytest.mark.parametrize("output", [(), ("model.apply_lora_to_output=true",)], ids=["plain output", "lora output"])
+def test_plan_counts_the_fused_loss_and_names_the_loss_path(plan, output: tuple[str, ...]) -> None:
+    # A LoRA output layer is fused as a plain one is (its adapter's rank-sized matmuls are added in each chunk).
     args = ("lora_finetune", "--config", "llama3_1_8b_lora", "--device-memory-gb", "80", "micro_batch_size=2",
-            "max_seq_len=4096", "loss_chunks=8")
+            "max_seq_len=4096", "loss_chunks=8", *output)
     fused, logits = plan(*args), plan(*args, "fused_loss=false")
     assert fused.returncode == logits.returncode == 0, fused.stderr + logits.stderr
     assert "loss fused with the projection, in 8 chunks" in fused.stdout
@@ -133,6 +135,14 @@ def test_plan_counts_the_fused_loss_and_names_the_loss_path(plan) -> None:
     # logits kept (2 bytes) plus one chunk's 8: 1.29 GiB and 2.94 GiB (see logits_bytes).
     (fused_gib,), (logits_gib,) = _row(fused.stdout, "logits + loss"), _row(logits.stdout, "logits + loss")
     assert float(fused_gib) < 0.5 * float(logits_gib)
+
+
+def test_plan_keeps_the_chunked_logits_for_a_dora_output_layer(plan) -> None:
+    # DoRA rescales the adapted weight's rows, which the fused loss does not do.
+    result = plan("lora_finetune", "--config", "llama3_1_8b_lora", "--device-memory-gb", "80", "loss_chunks=8",
+                  "model.apply_lora_to_output=true", "model.use_dora=true")
+    assert result.returncode == 0, result.stderr
+    assert "loss on logits, in 8 chunks" in result.stdout
 
 
 def test_plan_lora_trains_only_the_adapters(plan) -> None:

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from toolkit.errors import UserError
 from toolkit.models.gemma2._component_builders import gemma2
-from toolkit.models.llama3 import llama3, llama3_1_8b, llama3_1_70b, llama3_demo
+from toolkit.models.llama3 import llama3, llama3_1_8b, llama3_1_70b, llama3_demo, lora_llama3
 from toolkit.models.qwen2_5._component_builders import qwen2_5
 from toolkit.models.qwen3._component_builders import qwen3
 from toolkit.training.activations import apply_activation_checkpointing
@@ -145,18 +145,23 @@ def test_chunked_loss_memory_matches_live_memory(family: str, dtype: str, loss_c
     assert estimate < logits_bytes(model, **kwargs) / (2 if loss_chunks > 1 else 1)
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama3", "llama3 lora output", "gemma2"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("loss_chunks", [None, 4, 8])
 def test_fused_loss_memory_matches_live_memory(family: str, dtype: str, loss_chunks: int | None) -> None:
     # The decoder's labels= path (the projection and loss fused): one chunk's logits at a time. The output weight is
     # frozen here (as under LoRA), because a tied trainable weight's gradient is a transient copy the formula leaves
-    # to the gradients.
+    # to the gradients. A LoRA output layer with dropout (training) is fused too, and holds its adapter input's
+    # tensors as well; the rest of that model is trained, so that its layers save what the activation formula counts.
     vocab, batch, seq = 16384, 2, 256
     torch.manual_seed(0)
     if family == "llama3":
         model = llama3(vocab_size=vocab, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=64,
                        intermediate_dim=128, max_seq_len=seq)
+    elif family == "llama3 lora output":
+        model = lora_llama3(vocab_size=vocab, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=64,
+                            intermediate_dim=128, max_seq_len=seq, lora_attn_modules=[], apply_lora_to_output=True,
+                            lora_rank=8, lora_alpha=16, lora_dropout=0.1).train()
     else:  # soft-capped logits, tied embedding
         model = gemma2(vocab_size=vocab, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, embed_dim=64,
                        intermediate_dim=128, max_seq_len=seq, query_pre_attn_scalar=32, sliding_window=32)

@@ -216,10 +216,12 @@ def logits_bytes(
     counted.
 
     Fused (``fused``, the decoder's ``labels=`` path, :func:`~toolkit.modules.loss.linear_cross_entropy_sum`, when
-    the model's output layer allows it): ``ceil(t / n) * vocab * (c + f) + t * d * c``. Only one chunk's logits
-    exist at any time, with their float32 log-softmax; what outlives the forward is the hidden states' gradient
-    (``t * d``), and the output weight's, which is counted with the gradients (a tied weight's is a transient
-    copy until it is added to the embedding's).
+    the model's output layer allows it, LoRA included): ``ceil(t / n) * vocab * (c + f) + t * d * c``. Only one
+    chunk's logits exist at any time, with their float32 log-softmax; what outlives the forward is the hidden
+    states' gradient (``t * d``), and the output weight's, which is counted with the gradients (a tied weight's is
+    a transient copy until it is added to the embedding's). A LoRA output with dropout adds ``3 * t * d * c``: the
+    dropped-out adapter input (through the forward), its gradient (until backward) and dropout's mask (kept in
+    ``c`` bytes on CPU, 1 on CUDA: there this is slightly high).
 
     Soft-capped logits (Gemma 2) save their tanh as well (``c``), in every case. Each form is measured with an
     allocation tracker to within 1% (``tests/training/test_memory.py``).
@@ -231,7 +233,9 @@ def logits_bytes(
     one_chunk = 4 if compute == 4 else 8
     if fused and model.fused_loss_weight() is not None:
         rows = math.ceil(tokens / (loss_chunks or 1))
-        return rows * vocab * (compute + one_chunk + softcap) + tokens * model.embed_tokens.embedding_dim * compute
+        hidden = 4 if getattr(model.output, "dropout_p", 0.0) > 0 else 1  # a LoRA output's dropped-out input
+        width = model.embed_tokens.embedding_dim
+        return rows * vocab * (compute + one_chunk + softcap) + hidden * tokens * width * compute
     tokens_x_vocab = tokens * vocab
     if not loss_chunks:
         return tokens_x_vocab * (12 + compute + softcap)
