@@ -73,6 +73,21 @@ def test_float32_matches_float64_autograd(num_chunks, softcap):
     assert torch.count_nonzero(grad_h[labels == IGNORE]) == 0  # ignored positions get no logits, no gradient
 
 
+def test_peaked_logits_of_a_trained_model_match_float64():
+    # Logits hundreds apart, as a trained model's are over a large vocabulary: most log-probabilities are far below
+    # float32's exp range, so their softmax underflows to zero. The gradient is taken by the softmax kernel (not as
+    # the exp of the log-softmax, which is slow on CPU there), and must still match float64 to rounding.
+    h, weight, labels = inputs(torch.float32)
+    with torch.no_grad():
+        h.mul_(30)
+    assert float((h @ weight.T).std()) > 100
+    loss, grad_h, grad_weight = fused(h, weight, labels, None, 3)
+    expected_loss, expected_h, expected_weight = reference(h, weight, labels, None)
+    assert float(loss) == pytest.approx(float(expected_loss), rel=1e-6)
+    assert relative_error(grad_h, expected_h) < 5e-6
+    assert relative_error(grad_weight, expected_weight) < 5e-6
+
+
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_bfloat16_is_as_accurate_as_autograd_in_bfloat16(softcap):
     # Both round the matmuls' outputs and the logits' gradient to bfloat16; the fused path accumulates the weight's
