@@ -70,3 +70,35 @@ def test_profiler_writes_a_trace_of_the_window(tmp_path):
 def test_profiler_off_or_other_rank_writes_nothing(tmp_path, kwargs):
     _steps(StepProfiler(tmp_path, rank=0, **kwargs), 6)
     assert not (tmp_path / "profile").exists()
+
+
+def _load_compare_benchmark():
+    """benchmarks/compare.py as a module (it imports nothing heavy at the top)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
+    spec = importlib.util.spec_from_file_location("compare_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_benchmarks_count_is_the_recipes_without_attention(method):
+    # benchmarks/compare.py counts issue 8's FLOPs from a shape's dimensions (its main process imports no torch);
+    # the recipes count them from the model's parameters. Without the attention term (seq_len=0) the two must agree
+    # on every benchmarked shape, LoRA configured as the benchmark configures ours.
+    compare = _load_compare_benchmark()
+    for name, shape in compare.SHAPES.items():
+        dims = compare._our_dims(shape, 64)
+        with torch.device("meta"):
+            if method == "full":
+                model = llama3(**dims)
+            else:
+                model = lora_llama3(**dims, lora_attn_modules=list(compare.LORA_MODULES), apply_lora_to_mlp=True,
+                                    lora_rank=compare.LORA_RANK, lora_alpha=compare.LORA_ALPHA)
+                set_trainable_params(model, get_adapter_params(model))
+        assert flops_per_token(model, seq_len=0) == compare.matmul_flops_per_token(shape, method), name
