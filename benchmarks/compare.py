@@ -93,6 +93,10 @@ The last lines are one per comparison::
 
     ratio <recipe> vs <peer>: <ours / theirs tokens/s> (memory <ours / theirs>)
 
+``--ours-variant NAME:KEY=VALUE[,...]`` also runs ours with those overrides in the same invocation (tool
+``ours[NAME]``: the same checkpoint, data and peers, so a switch such as ``sdpa_backend=cudnn`` is measured
+without a second setup); its lines follow, ``ratio <recipe>[NAME] vs ours`` and against every peer.
+
 Numbers depend on the machine and its load; not a test (benchmarks/README.md keeps a table).
 """
 
@@ -826,6 +830,33 @@ def print_ladder(method: str, results: list[Result], *, steps: int, cpu: bool) -
         print("| " + " | ".join(cells) + " |")
 
 
+def parse_variant(parser: argparse.ArgumentParser, text: str) -> tuple[str, tuple[str, ...]]:
+    """``NAME:KEY=VALUE[,KEY=VALUE...]`` (``--ours-variant``) as its name and overrides."""
+    name, _, overrides = text.partition(":")
+    pairs = tuple(o for o in overrides.split(",") if o)
+    if not name.isidentifier() or not pairs or not all("=" in o for o in pairs):
+        parser.error(f"--ours-variant {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...], e.g. cudnn:sdpa_backend=cudnn")
+    return name, pairs
+
+
+def tool_folder(method: str, tool: str) -> str:
+    """A tool's output folder name (``ours[cudnn]`` becomes ``ours-cudnn``)."""
+    return f"{method}_{tool.replace('[', '-').rstrip(']')}"
+
+
+def comparisons(method: str, runs: list[Result]) -> list[tuple[str, Result, Result]]:
+    """(label, ours-like run, other run) for each ratio line: ours against every peer, then each variant against
+    ours and every peer."""
+    label = RECIPES[method] + ("/qlora" if method == "qlora" else "")
+    is_ours = [r.tool == "ours" or r.tool.startswith("ours[") for r in runs]
+    ours = [r for r, mine in zip(runs, is_ours) if mine]
+    peers = [r for r, mine in zip(runs, is_ours) if not mine]
+    pairs = [(label, ours[0], peer) for peer in peers]
+    for variant in ours[1:]:
+        pairs += [(label + variant.tool[len("ours"):], variant, other) for other in (ours[0], *peers)]
+    return pairs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -864,6 +895,10 @@ def main() -> None:
     parser.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for our recipe only, after the benchmark's own (repeatable), e.g. "
                              "sdpa_backend=cudnn; the ratio lines then measure ours with it")
+    parser.add_argument("--ours-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
+                        help="also run ours with these overrides, as tool ours[NAME], in the same invocation (same "
+                             "checkpoint, data and peers; repeatable), e.g. cudnn:sdpa_backend=cudnn; its ratio "
+                             "lines follow ours'")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the matmul rate MFU is taken against (default on cuda: the bf16 rate, measured here "
@@ -876,6 +911,7 @@ def main() -> None:
     if args.make_checkpoint:
         return make_checkpoint(json.loads(args.make_checkpoint))
 
+    variants = [parse_variant(parser, text) for text in args.ours_variant]
     cpu = args.device == "cpu"
     shape_name = args.model or ("tiny" if cpu else "llama3_2_1b")
     big = shape_name == "llama3_1_8b"
@@ -945,11 +981,15 @@ def main() -> None:
             continue
         procs: dict[str, list[Any]] = {}
         skipped: dict[str, Result] = {}
-        for tool in ("ours", *args.peers):
-            out = work / f"{method}_{tool}"
+        # Ours, then ours with each variant's overrides added, then the peers.
+        ours_jobs = {"ours": job, **{f"ours[{name}]": replace(job, ours_overrides=(*job.ours_overrides, *overrides))
+                                     for name, overrides in variants}}
+        tools = [*ours_jobs, *args.peers]
+        for tool in tools:
+            out = work / tool_folder(method, tool)
             clear_previous(out)
-            if tool == "ours":
-                cmd, env = ours_command(job, out), env_with(args.ours_pythonpath)
+            if tool in ours_jobs:
+                cmd, env = ours_command(ours_jobs[tool], out), env_with(args.ours_pythonpath)
             elif tool == "torchtune":
                 cmd = torchtune_command(job, out, str(specials), torchtune_python)
                 env = env_with(args.torchtune_pythonpath)
@@ -963,14 +1003,17 @@ def main() -> None:
             procs[tool] = [cmd, env, work, work / f"{out.name}.log"]
         ended = run_announced(f"{method}: {', '.join(procs)}", procs, interleave=interleave)
         runs = []
-        for tool in ("ours", *args.peers):
-            out = work / f"{method}_{tool}"
+        for tool in tools:
+            out = work / tool_folder(method, tool)
             if tool in skipped:
                 runs.append(skipped[tool])
                 continue
             exit_code, usage, wall_s = ended[tool]
-            runs.append(read_result(tool, job=job, out=out, exit_code=exit_code, usage=usage, wall_s=wall_s,
-                                    warmup=warmup, interleaved=interleave))
+            ours = tool in ours_jobs
+            result = read_result("ours" if ours else tool, job=ours_jobs.get(tool, job), out=out, exit_code=exit_code,
+                                 usage=usage, wall_s=wall_s, warmup=warmup, interleaved=interleave)
+            result.tool = tool
+            runs.append(result)
             if not args.keep:  # outputs of big shapes fill /dev/shm
                 shutil.rmtree(out, ignore_errors=True)
         results[method] = runs
@@ -1005,24 +1048,21 @@ def main() -> None:
             print("| " + " | ".join(cells) + " |")
     print("\nBy CPU time per step (ours / theirs throughput) and by memory grown after the first forward pass:")
     for method, runs in results.items():
-        for peer in runs[1:]:
-            print(f"  {RECIPES[method]}{'/qlora' if method == 'qlora' else ''} vs {peer.tool}: "
-                  f"{ratio(peer.cpu_s, runs[0].cpu_s)} "
-                  f"(training memory {ratio(runs[0].training_gib, peer.training_gib)})")
+        for label, ours, peer in comparisons(method, runs):
+            print(f"  {label} vs {peer.tool}: {ratio(peer.cpu_s, ours.cpu_s)} "
+                  f"(training memory {ratio(ours.training_gib, peer.training_gib)})")
     if args.json_out:
         args.json_out.write_text(json.dumps(
             {"shape": shape_name, "device": args.device, "dtype": dtype, "batch_size": batch_size,
              "seq_len": seq_len, "steps": steps, "activation_checkpointing": ac, "loss_chunks": args.loss_chunks,
-             "ours_set": args.ours_set,
+             "ours_set": args.ours_set, "ours_variants": {name: list(o) for name, o in variants},
              "compile": compile_, "packed": args.packed, "peak_flops": peak_flops,
              "results": {m: [asdict(r) for r in runs] for m, runs in results.items()}}, indent=1))
     if not args.keep and args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     print()
     for method, runs in results.items():
-        ours = runs[0]
-        label = RECIPES[method] + ("/qlora" if method == "qlora" else "")
-        for peer in runs[1:]:
+        for label, ours, peer in comparisons(method, runs):
             print(f"ratio {label} vs {peer.tool}: {ratio(ours.tokens_per_s, peer.tokens_per_s)} "
                   f"(memory {ratio(ours.memory_gib, peer.memory_gib)})")
 

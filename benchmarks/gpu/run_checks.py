@@ -21,6 +21,9 @@ Before: ``bash benchmarks/gpu/fetch_wheels.sh`` where PyPI is reachable (README.
    table.
 
 ``--dry-run`` does the same on CPU with the tiny shapes, a few steps and short sequences, into ``/tmp``.
+``--only SHAPE ...`` runs those shapes' comparisons alone (a second call, when the first ran out of time), and
+``--ours-variant NAME:KEY=VALUE[,...]`` (passed to compare.py) also runs ours with those overrides, as ``ours[NAME]``,
+next to ours and torchtune: ``cudnn:sdpa_backend=cudnn`` measures cuDNN's attention end to end.
 """
 
 from __future__ import annotations
@@ -193,6 +196,11 @@ def main() -> None:
     parser.add_argument("--wheels", type=Path, default=REPO / "benchmarks" / "gpu" / "wheels")
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "gpu" / "results")
     parser.add_argument("--skip-pytest", action="store_true")
+    parser.add_argument("--only", nargs="+", default=None, metavar="SHAPE",
+                        help="run only these shapes' comparisons (e.g. llama3_1_8b, when a first call ran out of time)")
+    parser.add_argument("--ours-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
+                        help="passed to every compare.py run: ours also runs with these overrides, as ours[NAME] "
+                             "(e.g. cudnn:sdpa_backend=cudnn); each run's time limit grows by half per variant")
     parser.add_argument("--budget", type=int, default=540,
                         help="seconds for the whole script; a step that cannot get 60 s more is not started")
     args = parser.parse_args()
@@ -220,13 +228,21 @@ def main() -> None:
         pytest_status = named.get(code, f"FAILED (exit {code})")
         log(f"pytest -m gpu: {pytest_status}")
 
+    planned = DRY_RUNS if args.dry_run else GPU_RUNS
+    if args.only:
+        unknown = set(args.only) - {shape for shape, *_ in planned}
+        if unknown:
+            parser.error(f"--only: no such shape here: {', '.join(sorted(unknown))}")
+        planned = [run for run in planned if run[0] in args.only]
+    variants = [arg for text in args.ours_variant for arg in ("--ours-variant", text)]
     runs = []
-    for shape, methods, extra, limit in DRY_RUNS if args.dry_run else GPU_RUNS:
+    for shape, methods, extra, limit in planned:
+        limit = int(limit * (1 + 0.5 * len(args.ours_variant)))
         work = scratch / shape
         out_json = args.results / f"{shape}.json"
         out_json.unlink(missing_ok=True)
         cmd = [sys.executable, str(COMPARE), "--device", "cpu" if args.dry_run else "cuda", "--model", shape,
-               "--methods", *methods, *extra, "--work-dir", str(work), "--json-out", str(out_json),
+               "--methods", *methods, *extra, *variants, "--work-dir", str(work), "--json-out", str(out_json),
                "--torchtune-python", sys.executable, "--torchtune-pythonpath", str(peers),
                "--ours-pythonpath", str(ours)]
         if left() < 60:
