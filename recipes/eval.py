@@ -6,6 +6,7 @@ tasks of lm-evaluation-harness.
     tune run eval_distributed --nproc_per_node 2 --config demo data_parallel=zero3
     tune run eval --config demo adapter_dir=outputs/lora_finetune_demo/final/adapter model=...  # see the config
     tune run eval --config demo 'lm_eval.tasks=[arc_easy]' lm_eval.limit=100   # pip install "tunekit[eval]"
+    tune run eval --config any_model 'lm_eval.tasks=[gsm8k]' lm_eval.apply_chat_template=true  # a chat fine-tune
 
 The base weights come from ``checkpointer.checkpoint_dir`` (a Hugging Face folder, or one of our step checkpoints;
 ``null``: random initialization from ``seed``, a baseline). With ``adapter_dir``, a PEFT LoRA/DoRA adapter folder
@@ -16,7 +17,10 @@ exponential), the same on any number of processes up to float rounding. ``eval_t
 "answer"}`` samples) is scored by greedy generation and exact match. ``lm_eval.tasks`` (if set) runs those tasks of
 lm-evaluation-harness (the ``eval`` extra) on the model through ``toolkit.evaluation``: on several processes each
 scores its share of the requests (under FSDP2, all processes generate every answer together), and the metrics are
-the same as on one. A table is printed and the numbers are written to ``<output_dir>/eval.json``.
+the same as on one. With ``lm_eval.apply_chat_template``, its prompts are rendered in the tokenizer's chat format, as a
+chat fine-tune was trained (``lm_eval.fewshot_as_multiturn``: few-shot examples as earlier turns;
+``lm_eval.system_instruction``: a system message). A table is printed and the numbers are written to
+``<output_dir>/eval.json``.
 """
 
 import json
@@ -31,7 +35,7 @@ from torch.utils.data import DataLoader
 from toolkit.config import instantiate, recipe_main
 from toolkit.data import padded_collate
 from toolkit.errors import UserError
-from toolkit.evaluation import load_lm_eval_tasks, run_lm_eval
+from toolkit.evaluation import check_chat_settings, load_lm_eval_tasks, run_lm_eval
 from toolkit.generation import exact_match_accuracy
 from toolkit.modules.peft import adapter_modules
 from toolkit.training import (
@@ -89,10 +93,17 @@ def evaluate(cfg: DictConfig) -> None:
         strategy=cfg.data_parallel, world_size=env.world_size, local_world_size=env.local_world_size,
         shard_size=cfg.hsdp_shard_size, device_type=env.device.type,
     )
-    # lm-evaluation-harness is looked up before the model loads: a missing package or task name fails at once.
+    # lm-evaluation-harness is looked up before the model loads: a missing package or task name, or a chat template
+    # the tokenizer does not have, fails at once.
     harness = cfg.get("lm_eval") or {}
     lm_eval_tasks = None
     if harness.get("tasks"):
+        untruncated = instantiate(cfg.tokenizer, max_seq_len=None)  # the adapter cuts sequences from the left
+        chat_settings = {
+            "apply_chat_template": harness.get("apply_chat_template", False),
+            "fewshot_as_multiturn": harness.get("fewshot_as_multiturn", False),
+        }
+        check_chat_settings(untruncated, **chat_settings)
         lm_eval_tasks = load_lm_eval_tasks(
             harness.tasks, include_path=harness.get("include_path"), include_defaults=harness.get("include_defaults", True)
         )
@@ -156,11 +167,11 @@ def evaluate(cfg: DictConfig) -> None:
 
     # --- lm-evaluation-harness: every rank runs the harness; the model's work is shared out -----------------------
     if lm_eval_tasks is not None:
-        untruncated = instantiate(cfg.tokenizer, max_seq_len=None)  # the adapter cuts sequences from the left
         results["lm_eval"] = run_lm_eval(
-            model, untruncated, lm_eval_tasks, limit=harness.get("limit"),
-            num_fewshot=harness.get("num_fewshot"), batch_size=harness.get("batch_size", cfg.micro_batch_size),
-            autocast=autocast, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
+            model, untruncated, lm_eval_tasks, limit=harness.get("limit"), num_fewshot=harness.get("num_fewshot"),
+            system_instruction=harness.get("system_instruction"), **chat_settings,
+            batch_size=harness.get("batch_size", cfg.micro_batch_size), autocast=autocast, rank=env.rank,
+            world_size=env.world_size, seed=cfg.seed,
         )
 
     if env.is_rank_zero:

@@ -1,6 +1,7 @@
 """lm-evaluation-harness tasks through the eval recipe: a multiple-choice, a generation and a perplexity task on the
-demo model report what our own computation gives, the same on 2 processes as on 1, and a missing lm-eval or a
-misspelled task stops with one line."""
+demo model report what our own computation gives, the same on 2 processes as on 1, chat templates render every
+prompt in the tokenizer's chat format, and a missing lm-eval, a misspelled task or chat settings that cannot work
+stop with one line."""
 
 import json
 import math
@@ -150,3 +151,63 @@ def test_a_misspelled_task_is_named_before_the_model_loads(setup, tmp_path):
     with pytest.raises(UserError, match=rf"lm_eval.tasks: no task 'demo_choise' among the task files under {tasks}; "
                                         r"did you mean 'demo_choice'\?"):
         run_eval(tmp_path, "checkpointer.checkpoint_dir=/nonexistent", "lm_eval.tasks=[demo_choise]", f"lm_eval.include_path={tasks}")
+
+
+def test_with_chat_templates_every_prompt_is_a_rendered_chat(tmp_path, write_lm_eval_task, monkeypatch):
+    pytest.importorskip("lm_eval")
+    from toolkit.evaluation import ChatTemplate
+    from toolkit.evaluation.lm_eval_model import ToolkitLM
+
+    # Two documents a task, one example each: a document's few-shot example is the other one.
+    questions, gold = ["Which colour is the sky?", "Which colour is grass?"], [2, 1]
+    write_lm_eval_task(
+        tmp_path / "tasks", "chat_choice", [{"question": q, "gold": g} for q, g in zip(questions, gold)],
+        output_type="multiple_choice", doc_to_text="{{question}}", doc_to_choice=CHOICES, doc_to_target="{{gold}}",
+        fewshot_split="test", metric_list=[{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+    )
+    # gen_prefix: lm-eval prefills the answer and asks for the final message left open.
+    tasks = write_lm_eval_task(
+        tmp_path / "tasks", "chat_answer", [{"prompt": p, "answer": "yes"} for p in PROMPTS[:2]],
+        output_type="generate_until", doc_to_text="{{prompt}}", doc_to_target="{{answer}}", gen_prefix="Answer:",
+        fewshot_split="test", generation_kwargs={"until": [STOP], "max_gen_toks": 4, "do_sample": False},
+        metric_list=[{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+    )
+    received = []  # the (context, continuation or generation settings) of every request the adapter gets
+
+    def spy(method: str):
+        answer = getattr(ToolkitLM, method)
+        return lambda self, requests: received.extend(r.args for r in requests) or answer(self, requests)
+
+    for method in ("loglikelihood", "generate_until"):
+        monkeypatch.setattr(ToolkitLM, method, spy(method))
+    run_eval(
+        tmp_path / "out", "checkpointer.checkpoint_dir=null", "lm_eval.tasks=[chat_choice,chat_answer]",
+        f"lm_eval.include_path={tasks}", "lm_eval.num_fewshot=1", "lm_eval.apply_chat_template=true",
+        "lm_eval.fewshot_as_multiturn=true", "lm_eval.system_instruction=Be brief.",
+    )
+
+    render = ChatTemplate(TOKENIZER).render
+    system = {"role": "system", "content": "Be brief."}
+
+    def example(question: str, answer: str) -> list[dict]:
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+    # With a chat template lm-eval scores each choice right after the generation prompt (no " " before it).
+    expected = [
+        (render([system, *example(questions[1 - i], CHOICES[gold[1 - i]]), {"role": "user", "content": q}]), choice)
+        for i, q in enumerate(questions) for choice in CHOICES
+    ]
+    expected += [
+        (render([system, *example(PROMPTS[1 - i], "Answer: yes"), *example(p, "Answer:")], add_generation_prompt=False),)
+        for i, p in enumerate(PROMPTS[:2])
+    ]
+    # A generation request's settings are left out: (context,).
+    assert sorted(args if isinstance(args[1], str) else args[:1] for args in received) == sorted(expected)
+
+
+def test_fewshot_as_multiturn_without_chat_templates_stops_before_the_model_loads(tmp_path):
+    with pytest.raises(UserError, match=r"^lm_eval.fewshot_as_multiturn: true needs lm_eval.apply_chat_template: true"):
+        run_eval(
+            tmp_path, "checkpointer.checkpoint_dir=/nonexistent", "lm_eval.tasks=[arc_easy]",
+            "lm_eval.fewshot_as_multiturn=true",
+        )

@@ -4,6 +4,7 @@
 asked for; without it, :func:`load_lm_eval_tasks` says how to install it.
 """
 
-from toolkit.evaluation.lm_eval_harness import LMEvalTasks, load_lm_eval_tasks, run_lm_eval
+from toolkit.evaluation.chat_template import ChatTemplate
+from toolkit.evaluation.lm_eval_harness import LMEvalTasks, check_chat_settings, load_lm_eval_tasks, run_lm_eval
 
-__all__ = ["LMEvalTasks", "load_lm_eval_tasks", "run_lm_eval"]
+__all__ = ["ChatTemplate", "LMEvalTasks", "check_chat_settings", "load_lm_eval_tasks", "run_lm_eval"]

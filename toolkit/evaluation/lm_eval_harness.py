@@ -1,7 +1,8 @@
 """lm-evaluation-harness tasks on a toolkit model, when ``lm-eval`` is installed (the ``eval`` extra).
 
-:func:`load_lm_eval_tasks` imports ``lm_eval`` and finds the tasks (before any model is loaded, so that a missing
-package or a misspelled task fails at once); :func:`run_lm_eval` runs them through
+:func:`load_lm_eval_tasks` imports ``lm_eval`` and finds the tasks, and :func:`check_chat_settings` checks the chat
+template settings (both before any model is loaded, so that a missing package, a misspelled task or a tokenizer
+without a chat template fails at once); :func:`run_lm_eval` runs the tasks through
 :class:`toolkit.evaluation.lm_eval_model.ToolkitLM` and returns each task's metrics.
 """
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from toolkit.config import did_you_mean
 from toolkit.errors import UserError
+from toolkit.evaluation.chat_template import ChatTemplate
 
 INSTALL_HINT = 'pip install "tunekit[eval]" (from a clone: pip install -e ".[eval]")'
 
@@ -69,6 +71,27 @@ def load_lm_eval_tasks(
     return LMEvalTasks(names=names, manager=manager)
 
 
+def check_chat_settings(tokenizer, *, apply_chat_template: bool, fewshot_as_multiturn: bool) -> None:
+    """Check lm-eval's chat template settings against each other and the tokenizer (no model needed, so a recipe
+    can check them before it loads one).
+
+    Raises:
+        UserError: a setting that is not a boolean, ``fewshot_as_multiturn`` without ``apply_chat_template``, or a
+            tokenizer without a chat template asked to apply one.
+    """
+    for key, value in [("apply_chat_template", apply_chat_template), ("fewshot_as_multiturn", fewshot_as_multiturn)]:
+        if not isinstance(value, bool):
+            # lm-eval also takes a template's name for Hugging Face tokenizers; ours have one chat format each.
+            raise UserError(f"lm_eval.{key} must be true or false, got {value!r}")
+    if fewshot_as_multiturn and not apply_chat_template:
+        raise UserError(
+            "lm_eval.fewshot_as_multiturn: true needs lm_eval.apply_chat_template: true (lm-eval's rule: the few-shot "
+            "examples become earlier user and assistant turns of the chat)"
+        )
+    if apply_chat_template:
+        ChatTemplate(tokenizer)
+
+
 def run_lm_eval(
     model: nn.Module,
     tokenizer,
@@ -76,6 +99,9 @@ def run_lm_eval(
     *,
     limit: int | float | None = None,
     num_fewshot: int | None = None,
+    apply_chat_template: bool = False,
+    fewshot_as_multiturn: bool = False,
+    system_instruction: str | None = None,
     batch_size: int = 16,
     autocast: contextlib.AbstractContextManager | None = None,
     rank: int = 0,
@@ -94,6 +120,11 @@ def run_lm_eval(
         tasks: from :func:`load_lm_eval_tasks`.
         limit: documents per task (a fraction below 1: that share of each task); ``None``: all.
         num_fewshot: examples in each prompt; ``None``: each task's own default.
+        apply_chat_template: render each prompt as a conversation in the tokenizer's chat format (an instruction
+            or chat fine-tune is prompted as it was trained), as lm-eval's option of that name.
+        fewshot_as_multiturn: with ``apply_chat_template``, the few-shot examples as earlier user and assistant
+            turns; otherwise they and the question make one user message.
+        system_instruction: a system message opening every prompt (without chat templates, text before it).
         batch_size: sequences per forward pass when scoring.
         autocast: forward-pass context (mixed precision without FSDP2).
         rank, world_size: this process among those that share the work.
@@ -103,17 +134,24 @@ def run_lm_eval(
         On rank 0, ``{task: {"metrics": {name: value}, "num_fewshot": n, "samples": n}}`` for every task and group
         lm-eval reports. Metric names are lm-eval's (``acc``, ``acc_stderr``, ``exact_match``...); a filter other
         than the default stays after a comma (``exact_match,strict-match``). ``None`` on other ranks.
+
+    Raises:
+        UserError: as :func:`check_chat_settings`.
     """
     from lm_eval.evaluator import simple_evaluate
 
     from toolkit.evaluation.lm_eval_model import ToolkitLM
 
+    check_chat_settings(tokenizer, apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn)
     lm = ToolkitLM(
-        model, tokenizer, batch_size=batch_size, autocast=autocast, rank=rank, world_size=world_size, seed=seed
+        model, tokenizer, batch_size=batch_size, autocast=autocast, rank=rank, world_size=world_size, seed=seed,
+        apply_chat_template=apply_chat_template,
     )
+    # The chat settings are always passed: lm-eval's defaults differ between releases (fewshot_as_multiturn).
     results = simple_evaluate(
         model=lm, tasks=tasks.names, num_fewshot=num_fewshot, limit=limit, task_manager=tasks.manager,
-        log_samples=False,
+        log_samples=False, apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
+        system_instruction=system_instruction,
     )
     if rank != 0:
         return None

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from toolkit.errors import UserError
+from toolkit.evaluation.chat_template import ChatTemplate
 from toolkit.generation import generate
 
 # The generation settings a generate_until request may carry. Any other (beam search, repetition penalty...) is an
@@ -46,6 +47,15 @@ class ToolkitLM(LM):
       or the model's ``max_seq_len``. The text is cut before the first stop string. A context longer than
       ``max_seq_len - 1`` tokens keeps its end.
 
+    Chat templates (``apply_chat_template=True``, for models fine-tuned on conversations): lm-eval renders each
+    prompt as a conversation with :meth:`apply_chat_template`, the tokenizer's own chat format (see
+    :class:`~toolkit.evaluation.chat_template.ChatTemplate`), and the contexts of ``loglikelihood`` and
+    ``generate_until`` are such renderings: they are encoded with the format's special tokens read back as those
+    tokens and without a bos of their own, so the model sees the tokens training laid out for the same messages.
+    Whitespace ending a generation prompt (Llama 3's ``\\n\\n`` after the assistant header) is scored with each
+    continuation, by the convention above, as lm-eval's Hugging Face backend scores it. ``loglikelihood_rolling``
+    texts are never rendered (lm-eval scores them as plain text).
+
     Several processes: lm-eval is told it runs on one process (its ``rank`` and ``world_size`` stay 0 and 1), so
     every process runs the whole harness on every document, and this adapter shares out the model's work itself:
     each process scores or generates its share of the requests and the answers are all-gathered, so every process
@@ -65,6 +75,11 @@ class ToolkitLM(LM):
         rank: this process's rank among ``world_size`` processes that share the work.
         world_size: processes that call every method together with the same requests.
         seed: seeds the generator for sampled generations.
+        apply_chat_template: contexts are conversations rendered by :meth:`apply_chat_template` (lm-eval's option of
+            the same name).
+
+    Raises:
+        UserError: ``apply_chat_template`` with a tokenizer that has no chat template.
     """
 
     def __init__(
@@ -77,6 +92,7 @@ class ToolkitLM(LM):
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
+        apply_chat_template: bool = False,
     ) -> None:
         super().__init__()
         if tokenizer.max_seq_len is not None:
@@ -95,6 +111,31 @@ class ToolkitLM(LM):
         self._device = model.embed_tokens.weight.device
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         self.generator = torch.Generator(device=self._device).manual_seed(seed)
+        self.chat = ChatTemplate(tokenizer) if apply_chat_template else None
+
+    # --- chat templates -------------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation as the tokenizer's chat format renders it: ending with the prompt for an assistant answer,
+        or (``add_generation_prompt=False``) with the final message left open, which lm-eval uses to prefill the
+        answer with a task's ``gen_prefix``."""
+        if self.chat is None:
+            raise RuntimeError("lm-eval asked a ToolkitLM built with apply_chat_template=False for a chat template")
+        return self.chat.render(chat_history, add_generation_prompt=add_generation_prompt)
+
+    @property
+    def tokenizer_name(self) -> str:
+        """Names the tokenizer and its chat format in lm-eval's request cache keys."""
+        if self.chat is None:
+            raise RuntimeError("tokenizer_name names a chat template; this ToolkitLM has apply_chat_template=False")
+        return self.chat.name
+
+    def encode_context(self, context: str) -> list[int]:
+        """A request's context as ids: after the tokenizer's bos (when the vocabulary has one), or, with chat
+        templates, as the chat format laid it out (its own bos, if any, already first)."""
+        if self.chat is not None:
+            return self.chat.encode(context)
+        return self.tokenizer.encode(context, add_bos=True, add_eos=False)
 
     # --- loglikelihood --------------------------------------------------------------------------------------------
 
@@ -127,15 +168,15 @@ class ToolkitLM(LM):
         return totals
 
     def encode_pair(self, context: str, continuation: str) -> TokenPair:
-        """Token ids of ``context`` (bos first, when the vocabulary has one) and of ``continuation`` after it.
+        """Token ids of ``context`` (as :meth:`encode_context` gives them) and of ``continuation`` after it.
 
         An empty context becomes the bos token (eos for vocabularies without one), so the first continuation token
         is still predicted from something.
         """
         stripped = context.rstrip()
         continuation = context[len(stripped):] + continuation
-        context_ids = self.tokenizer.encode(stripped, add_bos=True, add_eos=False)
-        whole = self.tokenizer.encode(stripped + continuation, add_bos=True, add_eos=False)
+        context_ids = self.encode_context(stripped)
+        whole = self.encode_context(stripped + continuation)
         return context_ids or [self.tokenizer.bos_id], whole[len(context_ids):]
 
     def rolling_windows(self, tokens: list[int]) -> list[TokenPair]:
@@ -224,7 +265,7 @@ class ToolkitLM(LM):
         self, context: str, *, until: list[str], max_new_tokens: int, temperature: float, top_k: int | None,
         top_p: float | None,
     ) -> str:
-        prompt = self.tokenizer.encode(context, add_bos=True, add_eos=False) or [self.tokenizer.bos_id]
+        prompt = self.encode_context(context) or [self.tokenizer.bos_id]
 
         def reached_stop_string(generated: list[int]) -> bool:
             text = self.tokenizer.decode(generated)
