@@ -14,10 +14,10 @@ import re
 
 from toolkit.errors import UserError
 
-# transformers' continue_final_message, which lm-eval's Hugging Face backend uses for add_generation_prompt=False:
-# the final message rendered with this tag after its content, the text cut where the tag starts, so the model
-# continues the message (lm-eval prefills an assistant answer with a task's gen_prefix this way).
-CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# For add_generation_prompt=False (lm-eval prefills an assistant answer with a task's gen_prefix this way, as
+# transformers' continue_final_message does): the final message is rendered with this marker after its content and
+# the text is cut where the marker starts, so the model continues the message.
+CONTINUE_TAG = "TUNEKIT_OPEN_MESSAGE_ENDS_HERE "
 # A conversation with every role: rendering it checks that the tokenizer has a chat format and meets its special
 # tokens.
 _PROBE = [
