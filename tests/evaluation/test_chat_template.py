@@ -7,9 +7,18 @@ import base64
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tests.tokenizers.test_sentencepiece import train as train_sentencepiece
 from toolkit.errors import UserError
 from toolkit.evaluation import ChatTemplate, check_chat_settings
-from toolkit.tokenizers import byte_tokenizer, llama3_tokenizer, qwen2_5_tokenizer, qwen3_tokenizer
+from toolkit.tokenizers import (
+    byte_tokenizer,
+    gemma_tokenizer,
+    llama2_tokenizer,
+    llama3_tokenizer,
+    mistral_tokenizer,
+    qwen2_5_tokenizer,
+    qwen3_tokenizer,
+)
 
 # What lm-eval builds: a question alone, after a system instruction, and after few-shot examples as earlier turns
 # (fewshot_as_multiturn) or folded into one user message; whitespace the formats trim, and non-ASCII text.
@@ -24,6 +33,8 @@ CONVERSATIONS: list[list[dict]] = [
     [{"role": "user", "content": "Question: 2+2?\nAnswer: 4\n\nQuestion: 3+3?\nAnswer:"}],
 ]
 ANSWER = "Paris, then Tokyo"
+# What ends an assistant message in each format: Llama 3, Qwen, the byte tokenizer, Llama 2 and Mistral, Gemma.
+CLOSERS = {"<|eot_id|>", "<|im_end|>\n", "<|eot|>", "</s>", "<end_of_turn>\n"}
 # Words whose byte prefixes make a Llama 3 rank file: every prefix is a merge of the one before and a byte, as BPE
 # training produces, so words of the prompts and answers become multi-byte tokens.
 WORDS = ["\n\n", "user", "assistant", "system", " Paris", "Paris", " Tokyo", "Question", "Answer", " capital", "ing"]
@@ -58,19 +69,41 @@ def qwen_file(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def sentencepiece_files(tmp_path_factory) -> dict[str, str]:
+    """sentencepiece models trained on the conversations, laid out as Llama 2's, Mistral's and Gemma's (their
+    control tokens as those families declare them; see tests/tokenizers/test_sentencepiece.py)."""
+    corpus = [m["content"] for c in CONVERSATIONS for m in c] + [ANSWER] * 4 + ["Answer: Paris"] * 4
+    options = {
+        "llama2": {},
+        "mistral": {"control_symbols": ["[INST]", "[/INST]"]},
+        "gemma": dict(add_dummy_prefix=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
+                      eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+                      user_defined_symbols=["<start_of_turn>", "<end_of_turn>"]),
+    }
+    paths = {}
+    for family, extra in options.items():
+        path = paths[family] = tmp_path_factory.mktemp(family) / "tokenizer.model"
+        train_sentencepiece(corpus, path, **extra)
+    return {family: str(path) for family, path in paths.items()}
+
+
 TOKENIZERS = {
-    "llama3": lambda llama3, qwen: llama3_tokenizer(llama3),
-    "llama3.1": lambda llama3, qwen: llama3_tokenizer(llama3, dated=True),
-    "qwen2.5": lambda llama3, qwen: qwen2_5_tokenizer(qwen),
-    "qwen3": lambda llama3, qwen: qwen3_tokenizer(qwen),
-    "qwen3-no-thinking": lambda llama3, qwen: qwen3_tokenizer(qwen, enable_thinking=False),
-    "byte": lambda llama3, qwen: byte_tokenizer(),
+    "llama3": lambda files: llama3_tokenizer(files["llama3"]),
+    "llama3.1": lambda files: llama3_tokenizer(files["llama3"], dated=True),
+    "qwen2.5": lambda files: qwen2_5_tokenizer(files["qwen"]),
+    "qwen3": lambda files: qwen3_tokenizer(files["qwen"]),
+    "qwen3-no-thinking": lambda files: qwen3_tokenizer(files["qwen"], enable_thinking=False),
+    "llama2": lambda files: llama2_tokenizer(files["llama2"]),
+    "mistral": lambda files: mistral_tokenizer(files["mistral"]),
+    "gemma": lambda files: gemma_tokenizer(files["gemma"]),
+    "byte": lambda files: byte_tokenizer(),
 }
 
 
 @pytest.fixture(params=list(TOKENIZERS))
-def tokenizer(request, llama3_file, qwen_file):
-    return TOKENIZERS[request.param](llama3_file, qwen_file)
+def tokenizer(request, llama3_file, qwen_file, sentencepiece_files):
+    return TOKENIZERS[request.param]({"llama3": llama3_file, "qwen": qwen_file, **sentencepiece_files})
 
 
 def closing(tokenizer, tokens: list[int], prefix: list[int]) -> str:
@@ -95,7 +128,7 @@ def test_a_continued_final_message_ends_where_its_content_does(tokenizer):
         assert text.endswith("Answer:")
         trained, _ = tokenizer.tokenize_messages(prefilled, add_eos=False)
         # The tokens training lays out for that message, up to the token that closes it.
-        assert closing(tokenizer, trained, chat.encode(text)) in {"<|eot_id|>", "<|im_end|>\n", "<|eot|>"}
+        assert closing(tokenizer, trained, chat.encode(text)) in CLOSERS
 
 
 def test_llama3_prompts_are_the_published_template_with_one_bos(llama3_file):
@@ -128,7 +161,15 @@ def test_an_answer_is_scored_on_the_tokens_training_lays_out_for_it(tokenizer, d
             # Qwen3 thinking: training puts the reasoning before the answer, which the model writes itself; lm-eval
             # scores the answer right after the prompt (as with its Hugging Face backend).
             continue
-        assert closing(tokenizer, trained, context_ids + answer_ids) in {"<|eot_id|>", "<|im_end|>\n", "<|eot|>"}
+        if type(getattr(tokenizer, "chat_format", None)).__name__ == "Llama2ChatFormat":
+            # Llama 2's "[INST]" and "[/INST]" are text, not special tokens, and training encodes the answer after
+            # "[/INST]" as a message of its own (with sentencepiece's leading space); lm-eval, which under chat
+            # templates puts no delimiter before a continuation, has it scored as text straight after "[/INST]", as
+            # its Hugging Face backend scores Llama 2's published template: the answer's first token may differ
+            # from training's (here "Paris" splits where training has one token). The prompt is exact (above).
+            assert answer_ids == lm.encode_context(context + ANSWER)[len(context_ids):]
+            continue
+        assert closing(tokenizer, trained, context_ids + answer_ids) in CLOSERS
         # The scored tokens are the answer's, which training learns, after the whitespace that ends the generation
         # prompt (Llama 3's "\n\n" after the assistant header), which whitespace ending a context moves into the
         # continuation (lm-eval's convention, as its Hugging Face backend scores it).

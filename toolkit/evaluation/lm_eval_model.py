@@ -53,8 +53,10 @@ class ToolkitLM(LM):
     ``generate_until`` are such renderings: they are encoded with the format's special tokens read back as those
     tokens and without a bos of their own, so the model sees the tokens training laid out for the same messages.
     Whitespace ending a generation prompt (Llama 3's ``\\n\\n`` after the assistant header) is scored with each
-    continuation, by the convention above, as lm-eval's Hugging Face backend scores it. ``loglikelihood_rolling``
-    texts are never rendered (lm-eval scores them as plain text).
+    continuation, by the convention above, as lm-eval's Hugging Face backend scores it. An answer is encoded as text
+    after the prompt's text: where a format's turn markers are text rather than special tokens (Llama 2's
+    ``[/INST]``), its first token can differ from the one training gives the answer as a message of its own, as with
+    that backend. ``loglikelihood_rolling`` texts are never rendered (lm-eval scores them as plain text).
 
     Several processes: lm-eval is told it runs on one process (its ``rank`` and ``world_size`` stay 0 and 1), so
     every process runs the whole harness on every document, and this adapter shares out the model's work itself:
