@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from toolkit.data import GlobalBatchSampler, demo_dataset, padded_collate
-from toolkit.models.llama3 import llama3_demo
+from toolkit.models.llama3 import llama3_demo, lora_llama3_demo
+from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.tokenizers import byte_tokenizer
 from toolkit.training import (
     apply_float8,
@@ -43,14 +44,21 @@ def batches(steps: int, *, rank: int = 0, world_size: int = 1) -> list[dict[str,
 
 
 def demo_model(
-    *, float8: bool, dtype: torch.dtype, strategy: str = "ddp", world_size: int = 1, float8_all_gather: bool = True
+    *, float8: bool, dtype: torch.dtype, strategy: str = "ddp", world_size: int = 1, float8_all_gather: bool = True,
+    lora: bool = False,
 ) -> torch.nn.Module:
-    """The seeded demo Llama, optionally with float8 linear layers, in ``dtype``, parallelized as a recipe does;
-    sharded float8 weights are all-gathered in float8 unless ``float8_all_gather`` is False."""
+    """The seeded demo Llama (``lora``: with rank-16 adapters on every projection, only they trained), optionally
+    with float8 linear layers, in ``dtype``, parallelized as a recipe does; sharded float8 weights are all-gathered
+    in float8 unless ``float8_all_gather`` is False."""
     dims = parallel_dims(strategy=strategy, world_size=world_size, local_world_size=world_size, device_type="cpu")
     set_seed(0)
     with torch.device("meta"):
-        model = llama3_demo(max_seq_len=64)
+        if lora:
+            model = lora_llama3_demo(max_seq_len=64, lora_attn_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                     apply_lora_to_mlp=True, lora_rank=16, lora_alpha=32)
+            set_trainable_params(model, get_adapter_params(model))
+        else:
+            model = llama3_demo(max_seq_len=64)
     if float8:
         apply_float8(model, fsdp_float8_all_gather=float8_all_gather and dims.is_sharded)
     return parallelize(model, dims=dims, device=CPU, dtype=dtype, fill=init_weights)

@@ -1,6 +1,7 @@
-"""float8 linear layers (torchao): which layers convert, the refusal without a float8 GPU, and training on the CPU,
-where torch emulates float8 matmuls (slowly, but with the same rounding): close to bf16 on one process, and under
-ZeRO-3 the same whether FSDP2 gathers the weights in float8 or in float32."""
+"""float8 linear layers (torchao) and LoRA's frozen bases in float8: which layers convert, the refusal without a
+float8 GPU, and training on the CPU, where torch emulates float8 matmuls (slowly, but with the same rounding): close
+to bf16 on one process, and under ZeRO-3 the same whether FSDP2 gathers the weights in float8 or in float32. The
+LoRA base's float8 matmuls are held to torchao's Float8Linear on the same weights, bit for bit."""
 
 import json
 import sys
@@ -13,6 +14,8 @@ from torch import nn
 from tests.launch import run_workers
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3_demo, lora_llama3_demo
+from toolkit.modules.peft import LoRALinear
+from toolkit.modules.peft.float8_base import float8_frozen_linear
 from toolkit.training import apply_float8, check_float8_device
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -35,20 +38,75 @@ def test_every_decoder_projection_converts_but_not_the_output():
     assert list(model.state_dict()) == keys  # checkpoints load unchanged
 
 
-def test_lora_converts_only_the_projections_without_adapters():
+def test_lora_converts_the_plain_projections_and_runs_the_adapted_ones_bases_in_float8():
     with torch.device("meta"):
-        model = lora_llama3_demo(max_seq_len=64, lora_attn_modules=["q_proj", "v_proj"], lora_rank=16, lora_alpha=32)
-    apply_float8(model, fsdp_float8_all_gather=False)
+        model = lora_llama3_demo(max_seq_len=64, lora_attn_modules=["q_proj", "v_proj"], lora_rank=16, lora_alpha=32,
+                                 apply_lora_to_output=True)
+    keys = list(model.state_dict())
+    converted = apply_float8(model, fsdp_float8_all_gather=False)
     projections = ["self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj", "mlp.up_proj"]
     assert float8_layers(model) == [f"layers.{i}.{p}" for i in range(4) for p in projections]
+    bases = [name for name, module in model.named_modules() if getattr(module, "float8_base", False)]
+    assert bases == [f"layers.{i}.self_attn.{p}" for i in range(4) for p in ("q_proj", "v_proj")]
+    assert converted == sorted(bases + float8_layers(model), key=[n for n, _ in model.named_modules()].index)
+    assert not model.output.float8_base  # the output projection stays in bf16, adapted or not
+    assert list(model.state_dict()) == keys
 
 
 def test_a_model_with_nothing_to_convert_is_refused():
+    # QLoRA's NF4 bases on every projection: nothing left for float8.
     with torch.device("meta"):
         model = lora_llama3_demo(max_seq_len=64, lora_attn_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                 apply_lora_to_mlp=True, lora_rank=16, lora_alpha=32)
+                                 apply_lora_to_mlp=True, lora_rank=16, lora_alpha=32, quantize_base=True)
     with pytest.raises(UserError, match="no linear layer of this model can compute in float8"):
         apply_float8(model, fsdp_float8_all_gather=False)
+
+
+def test_dora_bases_stay_in_full_precision():
+    with torch.device("meta"):
+        model = lora_llama3_demo(max_seq_len=64, lora_attn_modules=["q_proj"], lora_rank=16, lora_alpha=32,
+                                 use_dora=True)
+    apply_float8(model, fsdp_float8_all_gather=False)
+    assert not any(getattr(module, "float8_base", False) for module in model.modules())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_frozen_base_in_float8_is_torchaos_float8_linear_bit_for_bit(dtype):
+    # The same scaling recipe as torchao's default (one dynamic scale per tensor; e4m3 input and weight, e5m2 output
+    # gradient): the same output and input gradient, exactly, as Float8Linear on the same weight. Both are 3-4% from
+    # float64 here (e4m3 keeps 3 mantissa bits).
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(64, 48, bias=False)).to(dtype).requires_grad_(False)
+    weight = reference[0].weight.detach().clone()
+    convert_to_float8_training(reference, module_filter_fn=lambda module, fqn: True)
+    x = torch.randn(2, 5, 64, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 5, 48, dtype=dtype)
+    expected = reference(x)
+    expected.backward(grad)
+    expected_grad, x.grad = x.grad, None
+    out = float8_frozen_linear(x, weight)
+    out.backward(grad)
+    assert out.dtype == dtype and torch.equal(out, expected) and torch.equal(x.grad, expected_grad)
+    exact = x.detach().double() @ weight.double().T
+    assert 0 < float((out.detach().double() - exact).abs().max() / exact.abs().max()) < 0.08
+
+
+def test_a_lora_layer_with_a_float8_base_adds_its_adapter_and_bias():
+    torch.manual_seed(0)
+    layer = LoRALinear(32, 48, rank=4, alpha=8, use_bias=True)
+    torch.nn.init.normal_(layer.lora_b.weight)
+    x = torch.randn(3, 32, requires_grad=True)
+    plain = layer(x)
+    layer.float8_base = True
+    float8 = layer(x)
+    adapter = layer.lora_b(layer.lora_a(x) * layer.scale)
+    torch.testing.assert_close(float8 - adapter - layer.bias, float8_frozen_linear(x, layer.weight))
+    assert float((float8 - plain).abs().max() / plain.abs().max()) < 0.08
+    float8.sum().backward()
+    assert x.grad is not None and layer.lora_a.weight.grad is not None
+    assert layer.weight.grad is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
@@ -69,6 +127,16 @@ def test_float8_trains_like_bf16():
     torch.testing.assert_close(float8, bf16, rtol=0.01, atol=0)
 
 
+def test_lora_with_float8_bases_trains_like_bf16():
+    # The LoRA demo (adapters on every projection) with its bases in float8: as close to bf16 as the plain model.
+    steps = batches(6)
+    bf16 = train(demo_model(float8=False, dtype=torch.bfloat16, lora=True), steps)
+    float8 = train(demo_model(float8=True, dtype=torch.bfloat16, lora=True), steps)
+    assert bf16[-1] < bf16[0] - 0.3  # it learns
+    assert float8 != bf16  # the bases did run in float8
+    torch.testing.assert_close(float8, bf16, rtol=0.01, atol=0)
+
+
 def test_zero3_gathers_float8_weights_exactly(tmp_path):
     # Cast per shard with the amax of the whole weight (one all-reduce), the float8 bytes gathered are those a cast
     # of the gathered float32 weight gives: the same training, bitwise, in a quarter of the all-gather bytes.
@@ -77,3 +145,33 @@ def test_zero3_gathers_float8_weights_exactly(tmp_path):
     runs = json.loads((tmp_path / "result.json").read_text())
     assert runs["float8_all_gather_weight"] == "WeightWithDynamicFloat8CastTensor"
     assert runs["float8_all_gather"] == runs["float32_all_gather"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU of compute capability 8.9 or newer")
+def test_a_frozen_base_in_float8_on_cuda_is_torchaos_and_compiles():
+    # CUDA's _scaled_mm wants its second operand column-major (the CPU's takes any layout): a Llama 3.1 8B MLP
+    # projection's shapes, eager against torchao's Float8Linear, then compiled, as a recipe runs it.
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    reference = nn.Sequential(nn.Linear(4096, 14336, bias=False)).to(device, dtype).requires_grad_(False)
+    weight = reference[0].weight.detach().clone()
+    convert_to_float8_training(reference, module_filter_fn=lambda module, fqn: True)
+    x = torch.randn(2, 1024, 4096, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 1024, 14336, device=device, dtype=dtype)
+    expected = reference(x)
+    expected.backward(grad)
+    expected_grad, x.grad = x.grad, None
+    out = float8_frozen_linear(x, weight)
+    out.backward(grad)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, expected_grad, rtol=0, atol=0)
+    eager_grad, x.grad = x.grad, None
+    compiled = torch.compile(float8_frozen_linear)(x, weight)
+    compiled.backward(grad)
+    # Compiled, the casts fuse and may round the scaled values differently in the last bit of float32.
+    torch.testing.assert_close(compiled, out, rtol=0.02, atol=0.02 * float(out.detach().abs().max()))
+    torch.testing.assert_close(x.grad, eager_grad, rtol=0.02, atol=0.02 * float(eager_grad.abs().max()))

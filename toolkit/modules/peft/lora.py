@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from toolkit.modules._dtensor import init_full_
+from toolkit.modules.peft.float8_base import float8_frozen_linear
 from toolkit.modules.peft.nf4 import _apply_keeping_nf4, dequantize, to_nf4
 
 
@@ -61,6 +62,8 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         # Set by toolkit.modules.peft.disable_adapters: the layer is then its base (reference-model passes).
         self.disabled = False
+        # Set by toolkit.training.apply_float8 (float8: true): the frozen base's matmuls run in float8.
+        self.float8_base = False
         self.reset_lora_parameters()
 
     @property
@@ -97,7 +100,8 @@ class LoRALinear(nn.Module):
         return (self.base_weight().float() + self.lora_delta().float()).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        linear = float8_frozen_linear if self.float8_base else F.linear
+        out = linear(x, self.weight, self.bias)
         if self.disabled:
             return out
         # The scale multiplies the rank-r intermediate, not the out_dim-wide output: the same product, for a pass
