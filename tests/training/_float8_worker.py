@@ -86,6 +86,11 @@ if __name__ == "__main__":
         result[name] = train(model, steps, world_size=world_size)
         result[f"{name}_weight"] = type(model.layers[0].mlp.up_proj.weight.to_local()).__name__
         del model
+    # LoRA with its bases in float8 under ZeRO-3: FSDP2 frees each layer's gathered base after forward and gathers
+    # it again for backward, where the float8 matmul casts the weight it saved (the gathered one) once more.
+    model = demo_model(float8=True, dtype=torch.float32, strategy="zero3", world_size=world_size, lora=True)
+    result["lora_float8_zero3"] = train(model, steps, world_size=world_size)
+    del model
     if rank == 0:
         out.write_text(json.dumps(result))
     dist.barrier()
