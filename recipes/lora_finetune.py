@@ -152,7 +152,8 @@ def train(cfg: DictConfig) -> None:
     # The base from the checkpoint (or random), adapters with B = 0: the model starts as exactly its base.
     fill = partial(fill_adapter_model, checkpointer=checkpointer)
 
-    if cfg.get("float8"):  # float8 matmuls in the linear layers (torchao), converted before compile and sharding
+    # float8 matmuls in the plain linear layers (torchao) and the LoRA layers' frozen bases, before compile and sharding
+    if cfg.get("float8"):
         check_float8_device(env.device)
         apply_float8(model, fsdp_float8_all_gather=dims.is_sharded)
     # torch.compile per layer and for the fused loss's kernel (before parallelize, which wraps the compiled layers in
