@@ -126,7 +126,7 @@ def train(cfg: DictConfig) -> None:
 
     if cfg.get("float8"):  # float8 matmuls in the linear layers (torchao), converted before compile and sharding
         check_float8_device(env.device)
-        apply_float8(model, fsdp_float8_all_gather=dims.is_sharded)
+        float8_layers = apply_float8(model, fsdp_float8_all_gather=dims.is_sharded)
     # torch.compile per layer and for the fused loss's kernel (before parallelize, which wraps the compiled layers in
     # activation checkpointing and offloading).
     if cfg.get("compile"):
@@ -200,6 +200,8 @@ def train(cfg: DictConfig) -> None:
     )
     for reason in plan.reasons:
         log.print(reason)
+    if cfg.get("float8"):
+        log.print(f"float8 matmuls in {len(float8_layers)} layers")
     eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None
     if eval_tasks and resume is None:
         evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")
