@@ -217,7 +217,7 @@ def _chunked_projection_loss(
             if need_a:
                 grad_a.addmm_(grad_u.T, adapter_rows, beta=beta, alpha=scale)
             if need_x:
-                torch.mm(grad_u, lora_a, out=chunk_grad_x).mul_(scale)
+                chunk_grad_x.addmm_(grad_u, lora_a, beta=0, alpha=scale)
             elif x is None and need_h:
                 chunk_grad_h.addmm_(grad_u, lora_a, alpha=scale)
         del grad
