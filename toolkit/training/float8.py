@@ -83,19 +83,23 @@ def apply_float8(model: nn.Module, *, fsdp_float8_all_gather: bool) -> list[str]
     Raises:
         UserError: no layer qualifies (a QLoRA model with adapters on every projection, for instance).
     """
-    linears = [name for name, module in model.named_modules() if is_float8_linear(module, name)]
-    bases = {name: module for name, module in model.named_modules() if is_float8_lora_base(module, name)}
-    if not linears and not bases:
+    converted, bases = [], []
+    for name, module in model.named_modules():
+        if is_float8_lora_base(module, name):
+            bases.append(module)
+        elif not is_float8_linear(module, name):
+            continue
+        converted.append(name)
+    if not converted:
         raise UserError(
             "float8: no linear layer of this model can compute in float8 (the output projection, DoRA layers and "
             "QLoRA's NF4 bases stay as they are, and both dimensions must be multiples of 16); set float8=false"
         )
-    for module in bases.values():
+    for module in bases:
         module.float8_base = True
-    if linears:
+    if len(bases) < len(converted):  # plain linear layers too
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # imported only when needed
 
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
         convert_to_float8_training(model, module_filter_fn=is_float8_linear, config=config)
-    converted = set(linears) | set(bases)
-    return [name for name, _ in model.named_modules() if name in converted]
+    return converted
