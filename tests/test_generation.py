@@ -1,8 +1,10 @@
-"""toolkit.generation.generate: where generation stops."""
+"""toolkit.generation: where generation stops, and the sampling settings."""
 
+import pytest
 import torch
 
-from toolkit.generation import generate
+from toolkit.errors import UserError
+from toolkit.generation import generate, sample_next_token
 from toolkit.models.llama3 import llama3_demo
 
 
@@ -19,3 +21,41 @@ def test_stop_when_ends_generation_after_the_token_it_accepts():
 
     assert generate(model, prompt, max_new_tokens=10, stop_when=third_token) == free[:3]
     assert seen == [free[:1], free[:2], free[:3]], "asked after every token, and not after it said stop"
+
+
+def test_top_k_zero_means_no_top_k_filter_as_in_transformers():
+    # transformers' generate treats top_k=0 as "no top-k filtering"; `tune run generate top_k=0` must not crash.
+    logits = torch.randn(20, generator=torch.Generator().manual_seed(0))
+
+    def draws(**kwargs) -> list[int]:
+        return [
+            sample_next_token(logits, temperature=1.0, generator=torch.Generator().manual_seed(s), **kwargs)
+            for s in range(20)
+        ]
+
+    assert draws(top_k=0) == draws()
+
+
+def test_top_p_zero_keeps_the_most_likely_token():
+    # transformers keeps at least one token whatever top_p (min_tokens_to_keep=1): top_p=0 is greedy, not an
+    # empty distribution.
+    logits = torch.randn(20, generator=torch.Generator().manual_seed(0))
+    draws = {
+        sample_next_token(logits, temperature=1.0, top_p=0.0, generator=torch.Generator().manual_seed(s))
+        for s in range(20)
+    }
+    assert draws == {int(logits.argmax())}
+
+
+@pytest.mark.parametrize(
+    "kwargs,name", [({"top_k": -1}, "top_k"), ({"top_p": 1.5}, "top_p"), ({"top_p": -0.1}, "top_p")]
+)
+def test_invalid_sampling_settings_name_the_setting(kwargs, name):
+    with pytest.raises(UserError, match=name):
+        sample_next_token(torch.randn(20), temperature=1.0, **kwargs)
+
+
+def test_empty_prompt_is_refused_clearly():
+    model = llama3_demo(max_seq_len=32).eval()
+    with pytest.raises(UserError, match="prompt"):
+        generate(model, [], max_new_tokens=3)

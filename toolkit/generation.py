@@ -21,18 +21,28 @@ def sample_next_token(
 ) -> int:
     """Pick the next token from ``logits`` (``[vocab]``): argmax when ``temperature`` is 0, else sample from the
     tempered distribution restricted to the ``top_k`` most likely tokens and/or the smallest set whose
-    probability reaches ``top_p`` (Holtzman et al., 2019)."""
+    probability reaches ``top_p`` (Holtzman et al., 2019). As in ``transformers``, ``top_k=0`` filters nothing
+    and the most likely token always survives ``top_p`` (``top_p=0`` is greedy).
+
+    Raises:
+        UserError: a negative ``top_k``, or a ``top_p`` outside ``[0, 1]``.
+    """
+    if top_k is not None and top_k < 0:
+        raise UserError(f"top_k: expected a count of tokens (0 or none: no top-k filter), got {top_k}")
+    if top_p is not None and not 0.0 <= top_p <= 1.0:
+        raise UserError(f"top_p: expected a probability between 0 and 1, got {top_p}")
     if temperature <= 0:
         return int(logits.argmax())
     logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.numel():
+    if top_k and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
     if top_p is not None and top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # Keep a token while the mass before it is below top_p, so the most likely token always survives.
+        # Keep a token while the mass before it is below top_p, and the most likely one whatever top_p.
         drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
@@ -61,6 +71,8 @@ def generate(
         The generated token ids (without the prompt and without the stop token).
     """
     device = model.embed_tokens.weight.device
+    if not prompt:
+        raise UserError("prompt: empty; generation continues a prompt of at least one token (e.g. the BOS token)")
     if len(prompt) >= model.max_seq_len:
         raise UserError(f"prompt: {len(prompt)} tokens leave no room within the model's max_seq_len ({model.max_seq_len})")
     # Generation stops at the model's context length rather than failing.
