@@ -1,12 +1,13 @@
 """toolkit.models.from_pretrained: family discovery, dtype, sharded checkpoints, and its error messages."""
 
+import importlib
 import json
 
 import pytest
 import torch
 
 from toolkit.errors import UserError
-from toolkit.models import from_pretrained, hf_model_types
+from toolkit.models import build_from_hf, from_pretrained, hf_model_types
 
 
 def test_every_family_declares_its_model_types():
@@ -48,3 +49,28 @@ def test_sharded_checkpoint_in_bf16(tmp_path):
     assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.max_seq_len == 16
     expected = hf_model.model.layers[1].mlp.down_proj.weight.to(torch.bfloat16)
     assert torch.equal(model.layers[1].mlp.down_proj.weight, expected)
+
+
+@pytest.mark.parametrize(
+    "family,size,key,supported",
+    [
+        ("llama3", "llama3_2_1b", "hidden_act", "swish"),
+        ("mistral", "mistral_7b", "hidden_act", "silu"),
+        ("qwen2_5", "qwen2_5_0_5b", "hidden_act", "silu"),
+        ("qwen3", "qwen3_0_6b", "hidden_act", "silu"),
+        ("gemma2", "gemma2_2b", "hidden_activation", "gelu_pytorch_tanh"),
+    ],
+)
+def test_an_activation_the_builder_does_not_compute_is_refused(tmp_path, family, size, key, supported):
+    # The builders hard-code their activation: a config.json asking for another one used to load and give other
+    # logits than transformers (a Llama with hidden_act "gelu": 8e-3 apart on logits of ~1).
+    module = importlib.import_module(f"toolkit.models.{family}")
+    with torch.device("meta"):
+        config = module.hf_config(getattr(module, size)())
+    (tmp_path / "config.json").write_text(json.dumps(config | {key: "gelu"}))
+    with torch.device("meta"), pytest.raises(UserError, match=f"{key} 'gelu' is not supported"):
+        build_from_hf(path=tmp_path)
+    for accepted in ({key: supported}, {key: None}):  # the other spelling, and a file without the field
+        (tmp_path / "config.json").write_text(json.dumps(config | accepted))
+        with torch.device("meta"):
+            build_from_hf(path=tmp_path)

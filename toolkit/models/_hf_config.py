@@ -42,6 +42,28 @@ def llama3_rope_scaling(config: dict[str, Any]) -> Llama3RopeScaling | None:
     )
 
 
+SILU = ("silu", "swish")
+"""The names ``transformers`` gives SiLU, the activation of the Llama, Mistral and Qwen feed-forwards."""
+
+
+def check_activation(config: dict[str, Any], *, key: str = "hidden_act", supported: tuple[str, ...]) -> None:
+    """Refuse a feed-forward activation the family's builder does not compute: the builders hard-code theirs
+    (SiLU for Llama, Mistral and Qwen; tanh-approximated GELU for Gemma 2), so another one would load and silently
+    give other logits than ``transformers``.
+
+    Args:
+        config: the parsed ``config.json``.
+        key: the field ``transformers`` reads for this architecture (Gemma 2: ``hidden_activation``).
+        supported: the names of the builder's activation; a file without the field gets the first.
+
+    Raises:
+        UserError: an activation not in ``supported``.
+    """
+    activation = config.get(key) or supported[0]
+    if activation not in supported:
+        raise UserError(f"{key} {activation!r} is not supported; this architecture computes {supported[0]!r}")
+
+
 def head_dim(config: dict[str, Any]) -> int:
     """``head_dim`` when the file gives one (Qwen3, Gemma 2, Mistral), else ``hidden_size // num_attention_heads``."""
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])

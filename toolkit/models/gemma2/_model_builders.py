@@ -51,9 +51,10 @@ def from_hf_config(
 
     Raises:
         KeyError: a required field is missing.
-        UserError: a layer pattern other than Gemma 2's local/global alternation, an untied output, or no final
-            soft-capping.
+        UserError: a layer pattern other than Gemma 2's local/global alternation, an untied output, no final
+            soft-capping, or an activation other than tanh-approximated GELU.
     """
+    _hf_config.check_activation(config, key="hidden_activation", supported=("gelu_pytorch_tanh",))
     num_layers = config["num_hidden_layers"]
     alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     windows = _hf_config.sliding_windows(config, default_layer_types=alternating)

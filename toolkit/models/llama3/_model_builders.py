@@ -72,8 +72,10 @@ def from_hf_config(
 
     Raises:
         KeyError: a required field is missing.
-        UserError: a feature this builder does not have (biases, an explicit head_dim, other rope scaling).
+        UserError: a feature this builder does not have (biases, an explicit head_dim, other rope scaling, an
+            activation other than SiLU).
     """
+    _hf_config.check_activation(config, supported=_hf_config.SILU)
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise UserError("Llama checkpoints with attention_bias or mlp_bias are not supported")
     if _hf_config.head_dim(config) * config["num_attention_heads"] != config["hidden_size"]:

@@ -39,8 +39,9 @@ def from_hf_config(
 
     Raises:
         KeyError: a required field is missing.
-        UserError: layers with different windows, or rotary scaling.
+        UserError: layers with different windows, rotary scaling, or an activation other than SiLU.
     """
+    _hf_config.check_activation(config, supported=_hf_config.SILU)
     windows = set(_hf_config.sliding_windows(config))
     if len(windows) > 1:
         raise UserError("Mistral checkpoints mixing sliding-window and full-attention layers are not supported")

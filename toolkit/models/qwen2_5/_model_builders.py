@@ -86,8 +86,10 @@ def from_hf_config(
 
     Raises:
         KeyError: a required field is missing.
-        UserError: sliding-window layers or rotary scaling, which no released Qwen2.5 uses.
+        UserError: sliding-window layers, rotary scaling or an activation other than SiLU, which no released
+            Qwen2.5 uses.
     """
+    _hf_config.check_activation(config, supported=_hf_config.SILU)
     if any(_hf_config.sliding_windows(config)):
         raise UserError("Qwen2 checkpoints with sliding-window layers (use_sliding_window: true) are not supported")
     if _hf_config.llama3_rope_scaling(config) is not None:

@@ -73,8 +73,10 @@ def from_hf_config(
 
     Raises:
         KeyError: a required field is missing.
-        UserError: attention biases, sliding-window layers or rotary scaling, which no released Qwen3 uses.
+        UserError: attention biases, sliding-window layers, rotary scaling or an activation other than SiLU,
+            which no released Qwen3 uses.
     """
+    _hf_config.check_activation(config, supported=_hf_config.SILU)
     if config.get("attention_bias"):
         raise UserError("Qwen3 checkpoints with attention_bias are not supported")
     if any(_hf_config.sliding_windows(config)):
