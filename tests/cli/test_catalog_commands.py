@@ -91,10 +91,28 @@ def test_validate_typo_names_file_key_and_suggestion(tune, tree) -> None:
 
 
 def test_validate_reports_every_problem_one_line_each(tune) -> None:
-    result = tune("validate", "toy/small", "optimizer.lrr=0.1", "bad=${nowhere}")
+    result = tune("validate", "toy/small", "optimizer.lrr=0.1", "message=${nowhere}")
     assert result.returncode == 1
     lines = result.stderr.splitlines()
     assert len(lines) == 2 and all(line.startswith("tune: error: ") for line in lines)
+
+
+def test_validate_refuses_a_new_key_the_recipe_never_reads(tune) -> None:
+    # A typo in a top-level key would otherwise create a key nothing reads, and the run would ignore it.
+    result = tune("validate", "toy/small", "mesage=hi")
+    assert result.returncode == 1
+    assert one_line(result.stderr) == (
+        "tune: error: override 'mesage=hi': no key 'mesage' in the config, and recipe toy does not read one; "
+        "did you mean 'message'?"
+    )
+
+
+def test_validate_refuses_deleting_a_key_the_recipe_reads(tune) -> None:
+    result = tune("validate", "toy/small", "~message")
+    assert result.returncode == 1
+    assert one_line(result.stderr) == (
+        "tune: error: override '~message': recipe toy reads 'message'; set it to null instead of deleting it"
+    )
 
 
 def test_validate_unknown_config(tune) -> None:

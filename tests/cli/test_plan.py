@@ -92,7 +92,7 @@ def test_device_memory_from_the_config(plan) -> None:
     ("args", "message"),
     [
         ((), "no GPU here to measure: say how much memory one device has with --device-memory-gb G"),
-        (("--device-memory-gb", "24", "~micro_batch_size"), "micro_batch_size: the config has none"),
+        (("--device-memory-gb", "24", "~micro_batch_size"), "recipe full_finetune reads 'micro_batch_size'"),
         (("--device-memory-gb", "24", "data_parallel=zero4"), "data_parallel: unknown strategy 'zero4'"),
         (("--device-memory-gb", "-1"), "--device-memory-gb: must be a positive number of GiB"),
         (("--device-memory-gb", "24", "--bogus"), "unrecognized arguments: --bogus; see `tune plan --help`"),

@@ -39,6 +39,15 @@ def test_validation_happens_before_launch(tune, tree) -> None:
     assert tree.rank_files() == {}
 
 
+def test_a_new_key_the_recipe_never_reads_is_refused_before_launch(tune, tree) -> None:
+    # `tune run` would otherwise run with `mesage` set and `message` unchanged.
+    result = tune("run", "toy_single_device", "--config", "small", "mesage=hi")
+    assert result.returncode == 1
+    assert one_line(result.stderr).endswith("no key 'mesage' in the config, and recipe toy does not read one; "
+                                            "did you mean 'message'?")
+    assert tree.rank_files() == {}
+
+
 def test_user_error_in_single_device_recipe(tune_process) -> None:
     result = tune_process("run", "toy_single_device", "--config", "small", "fail_on=all")
     assert result.returncode == 2

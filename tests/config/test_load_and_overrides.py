@@ -3,7 +3,15 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from toolkit.config import ConfigError, apply_overrides, config_source, did_you_mean, load_config, parse_recipe_args
+from toolkit.config import (
+    ConfigError,
+    apply_overrides,
+    config_source,
+    did_you_mean,
+    load_config,
+    parse_recipe_args,
+    recipe_keys,
+)
 from toolkit.errors import UserError
 
 BASE = """\
@@ -187,3 +195,52 @@ def test_parse_recipe_args_unresolved_interpolation_names_key(write_yaml) -> Non
 def test_parse_recipe_args_bad_argv(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_recipe_args(argv)
+
+
+RECIPE_SOURCE = """\
+def main(cfg):
+    run(cfg.batch_size, cfg.model, cfg["seed"], cfg.get("compile", False))
+    if "profiler" in cfg:
+        profile(**cfg.profiler)
+    print(cfg.get("lr").keys(), cfg.items())
+"""
+
+
+def test_recipe_keys_are_read_from_the_recipe_file(tmp_path) -> None:
+    recipe = tmp_path / "my_recipe.py"
+    recipe.write_text(RECIPE_SOURCE)
+    keys = recipe_keys(recipe)
+    assert keys is not None and keys.recipe == "my_recipe"
+    assert keys.reads == {"batch_size", "model", "seed", "compile", "profiler", "lr"}
+    # Read with get or `in` somewhere: a config may go without them.
+    assert keys.required == {"batch_size", "model", "seed"}
+
+
+@pytest.mark.parametrize("line", ["cfg[name]", "cfg.get(name)", "getattr(cfg, name)", "OmegaConf.select(cfg, k)"])
+def test_recipe_keys_give_up_on_keys_named_at_run_time(tmp_path, line: str) -> None:
+    recipe = tmp_path / "r.py"
+    recipe.write_text(RECIPE_SOURCE + f"    {line}\n")
+    assert recipe_keys(recipe) is None
+
+
+def test_overrides_checked_against_the_recipe_keys(tmp_path) -> None:
+    recipe = tmp_path / "my_recipe.py"
+    recipe.write_text(RECIPE_SOURCE)
+    keys = recipe_keys(recipe)
+    cfg = OmegaConf.create({"batch_size": 8, "model": {"x": 1}, "seed": 0, "profiler": {"enabled": False}})
+    # Keys the config has, and keys the recipe reads, may be set (new ones created); optional ones deleted.
+    apply_overrides(cfg, ["batch_size=4", "model.y=2", "compile=true", "~profiler", "lr=0.1"], recipe=keys)
+    assert cfg.compile is True and "profiler" not in cfg
+    with pytest.raises(ConfigError, match=(
+        r"^override 'batch_sze=64': no key 'batch_sze' in the config, and recipe my_recipe does not read one; "
+        r"did you mean 'batch_size'\?$"
+    )):
+        apply_overrides(cfg, ["batch_sze=64"], recipe=keys)
+    with pytest.raises(ConfigError, match="^override 'sede.x=1': no key 'sede'"):
+        apply_overrides(cfg, ["sede.x=1"], recipe=keys)
+    with pytest.raises(ConfigError, match="recipe my_recipe reads 'seed'; set it to null instead of deleting it$"):
+        apply_overrides(cfg, ["~seed"], recipe=keys)
+    apply_overrides(cfg, ["~model.x"], recipe=keys)  # below the top level, the recipe's components decide
+    # Without the recipe (a config on its own), any key may be created.
+    apply_overrides(cfg, ["batch_sze=64"])
+    assert cfg.batch_sze == 64

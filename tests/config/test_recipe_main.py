@@ -68,6 +68,16 @@ def test_config_error_is_one_line(tmp_path: Path) -> None:
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: override '~nope': no key 'nope'")
 
 
+def test_a_run_without_tune_refuses_a_key_the_recipe_never_reads(tmp_path: Path) -> None:
+    # `python recipe.py` (and torchrun) check overrides against the keys the recipe file reads, as `tune run` does.
+    result = _run(tmp_path, "valu=42")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "error: override 'valu=42': no key 'valu' in the config, and recipe recipe does not read one; "
+        "did you mean 'value'?\n"
+    )
+
+
 def test_only_rank_zero_prints(tmp_path: Path) -> None:
     error_file = tmp_path / "error.json"
     result = _run(tmp_path, "action=user_error", env={"RANK": "1", "TORCHELASTIC_ERROR_FILE": str(error_file)})

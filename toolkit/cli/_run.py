@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.cli._catalog import config_for_recipe, recipe_path, split_launch_suffix
-from toolkit.config import apply_overrides, load_config, validate
+from toolkit.config import apply_overrides, load_config, recipe_keys, validate
 from toolkit.config._parse import split_config_arg
 from toolkit.config._recipe import LAUNCHER_REPORTS_ERRORS_ENV, USER_ERROR_KEY
 from toolkit.errors import UserError
@@ -282,7 +282,7 @@ def run_command(argv: Sequence[str]) -> int:
     config_path = config_for_recipe(config_name, recipe)
     # Check everything here, so that a typo costs no process launch.
     cfg = load_config(config_path)
-    apply_overrides(cfg, overrides)
+    apply_overrides(cfg, overrides, recipe=recipe_keys(path))
     validate(cfg)
 
     recipe_argv = ["--config", str(config_path), *overrides]

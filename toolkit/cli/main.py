@@ -13,9 +13,9 @@ from typing import NoReturn
 from toolkit.cli import _download, export, merge, plot
 from toolkit.cli._catalog import find_config, find_recipe_or_config, list_configs, list_recipes
 from toolkit.cli._run import run_command
-from toolkit.config import apply_overrides, load_config, validate
+from toolkit.config import RecipeKeys, apply_overrides, load_config, recipe_keys, validate
 from toolkit.errors import UserError
-from toolkit.paths import recipes_dir
+from toolkit.paths import configs_dir, recipes_dir
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,12 +61,21 @@ def _cat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recipe_of(config: Path) -> RecipeKeys | None:
+    """What the recipe a shipped config belongs to reads (``recipe_configs/<recipe>/<name>.yaml``); None for
+    a config file elsewhere, whose recipe is not known."""
+    folder = config.resolve().parent
+    if folder.parent != configs_dir().resolve() or folder.name not in list_recipes():
+        return None
+    return recipe_keys(recipes_dir() / f"{folder.name}.py")
+
+
 def _validate(args: argparse.Namespace) -> int:
     path = Path(args.config)
     if not path.is_file():
         path = find_config(args.config)
     cfg = load_config(path)
-    apply_overrides(cfg, args.overrides)
+    apply_overrides(cfg, args.overrides, recipe=_recipe_of(path))
     validate(cfg)
     print(f"OK: {path}")
     return 0

@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from toolkit.cli._catalog import config_for_recipe, recipe_path, split_launch_suffix
-from toolkit.config import apply_overrides, instantiate, load_config, validate
+from toolkit.config import apply_overrides, instantiate, load_config, recipe_keys, validate
 from toolkit.errors import UserError
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.training.accumulation import gradient_accumulation_steps
@@ -77,12 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(recipe: str, config: str, overrides: list[str]) -> tuple[DictConfig, Path]:
     # The same resolution as `tune run`: a recipe file, or a recipe name whose configs are looked up first.
     if recipe.endswith(".py") and Path(recipe).is_file():
+        recipe_file = Path(recipe)
         path = config_for_recipe(config, None)
     else:
-        recipe_path(recipe)  # an unknown recipe fails here, with a did-you-mean
+        recipe_file = recipe_path(recipe)  # an unknown recipe fails here, with a did-you-mean
         path = config_for_recipe(config, split_launch_suffix(recipe)[0])
     cfg = load_config(path)
-    apply_overrides(cfg, overrides)
+    apply_overrides(cfg, overrides, recipe=recipe_keys(recipe_file))
     validate(cfg)
     return cfg, path
 

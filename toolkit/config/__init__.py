@@ -16,18 +16,21 @@ from toolkit.config._errors import ConfigError, did_you_mean
 from toolkit.config._instantiate import instantiate
 from toolkit.config._parse import apply_overrides, load_config, parse_recipe_args, resolve
 from toolkit.config._recipe import recipe_main
+from toolkit.config._recipe_keys import RecipeKeys, recipe_keys
 from toolkit.config._tree import config_source
 from toolkit.config._validate import RUNTIME_ARGS, validate
 
 __all__ = [
     "RUNTIME_ARGS",
     "ConfigError",
+    "RecipeKeys",
     "apply_overrides",
     "config_source",
     "did_you_mean",
     "instantiate",
     "load_config",
     "parse_recipe_args",
+    "recipe_keys",
     "recipe_main",
     "resolve",
     "validate",

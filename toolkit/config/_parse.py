@@ -13,6 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from toolkit.config._errors import ConfigError, did_you_mean, first_line
+from toolkit.config._recipe_keys import RecipeKeys, recipe_keys
 from toolkit.config._tree import UNKNOWN_SOURCE, child_path, config_source, container_keys, set_source
 
 USAGE = "--config PATH [key=value ...] [~key ...]"
@@ -155,7 +156,26 @@ def _list_index(node: ListConfig, segment: str, override: str) -> int:
     return index
 
 
-def apply_overrides(cfg: DictConfig, overrides: Sequence[str], *, source: str | None = None) -> DictConfig:
+def _check_top_level(cfg: DictConfig, key: str, override: str, known: RecipeKeys, *, deleting: bool) -> None:
+    """Refuse an override of a top-level key that would have no effect (a typo) or break the recipe later."""
+    top = key.split(".", 1)[0]
+    if deleting:
+        if top == key and top in known.required and cfg._get_node(top) is not None:
+            raise ConfigError(
+                f"override '{override}': recipe {known.recipe} reads '{top}'; set it to null instead of deleting it"
+            )
+        return
+    if cfg._get_node(top) is not None or top in known.reads:
+        return
+    hint = did_you_mean(top, sorted(set(map(str, cfg.keys())) | known.reads))
+    raise ConfigError(
+        f"override '{override}': no key '{top}' in the config, and recipe {known.recipe} does not read one{hint}"
+    )
+
+
+def apply_overrides(
+    cfg: DictConfig, overrides: Sequence[str], *, source: str | None = None, recipe: RecipeKeys | None = None
+) -> DictConfig:
     """Apply command-line overrides to a config, in order.
 
     ``a.b.c=value`` sets a key (creating missing sections). Everything after the first ``=`` is the value:
@@ -166,12 +186,15 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str], *, source: str | 
         cfg: The config to change in place.
         overrides: The ``key=value`` / ``~key`` strings.
         source: The config file, named in errors; defaults to the file ``cfg`` was loaded from.
+        recipe: What the recipe reads (see :func:`recipe_keys`); if given, an override may create a top-level
+            key only if the recipe reads it, and may not delete one the recipe cannot do without.
 
     Returns:
         ``cfg``, for chaining.
 
     Raises:
-        ConfigError: A malformed override, a value that is not YAML, or a deletion of a key that does not exist.
+        ConfigError: A malformed override, a value that is not YAML, a deletion of a key that does not exist, or
+            (with ``recipe``) a new top-level key the recipe never reads or the deletion of one it needs.
     """
     source = source or config_source(cfg)
     for override in overrides:
@@ -179,6 +202,8 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str], *, source: str | 
             key = override[1:]
             if not _KEY_RE.match(key):
                 raise ConfigError(f"override '{override}' is malformed: expected ~key.path to delete a key")
+            if recipe is not None:
+                _check_top_level(cfg, key, override, recipe, deleting=True)
             parent, last = _walk_to_parent(cfg, key, override, create=False)
             if isinstance(parent, ListConfig):
                 del parent[_list_index(parent, last, override)]
@@ -193,6 +218,8 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str], *, source: str | 
         if not sep or not _KEY_RE.match(key):
             hint = "; keys are created without a '+'" if override.startswith("+") else ""
             raise ConfigError(f"override '{override}' is malformed: expected key.path=value or ~key.path{hint}")
+        if recipe is not None:
+            _check_top_level(cfg, key, override, recipe, deleting=False)
         value = _parse_value(text, override)
         parent, last = _walk_to_parent(cfg, key, override, create=True)
         try:
@@ -274,11 +301,13 @@ def split_config_arg(argv: Sequence[str]) -> tuple[str, list[str]]:
     return config, overrides
 
 
-def parse_recipe_args(argv: Sequence[str] | None = None) -> DictConfig:
+def parse_recipe_args(argv: Sequence[str] | None = None, *, recipe_file: str | Path | None = None) -> DictConfig:
     """Build a recipe's config from its command line.
 
     Args:
         argv: ``["--config", PATH, "key=value", "~key", ...]``; defaults to ``sys.argv[1:]``.
+        recipe_file: the recipe's source file; if given, overrides are checked against the top-level keys it
+            reads (see :func:`apply_overrides`).
 
     Returns:
         The loaded config with overrides applied and interpolation resolved. :func:`config_source` gives
@@ -293,5 +322,6 @@ def parse_recipe_args(argv: Sequence[str] | None = None) -> DictConfig:
         raise SystemExit(0)
     config, overrides = split_config_arg(args)
     cfg = load_config(config)
-    apply_overrides(cfg, overrides, source=config)
+    recipe = recipe_keys(recipe_file) if recipe_file is not None else None
+    apply_overrides(cfg, overrides, source=config, recipe=recipe)
     return resolve(cfg, source=config)

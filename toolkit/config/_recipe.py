@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import sys
@@ -80,7 +81,7 @@ def recipe_main(fn: Callable[[DictConfig], T]) -> Callable[..., T]:
             # during this (slow) import must exit quietly too.
             from torch.distributed.elastic.multiprocessing.errors import record
 
-            result = record(fn)(parse_recipe_args(sys.argv[1:]))
+            result = record(fn)(parse_recipe_args(sys.argv[1:], recipe_file=inspect.getsourcefile(fn)))
             if "TORCHELASTIC_RUN_ID" in os.environ:
                 # A torchrun worker that finished: leave without running interpreter teardown, where torch 2.13's
                 # gloo process-group destructor can deadlock or abort ("terminate called without an active
