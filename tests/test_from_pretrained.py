@@ -74,3 +74,63 @@ def test_an_activation_the_builder_does_not_compute_is_refused(tmp_path, family,
         (tmp_path / "config.json").write_text(json.dumps(config | accepted))
         with torch.device("meta"):
             build_from_hf(path=tmp_path)
+
+
+def _architecture_read_by_transformers(config) -> dict:
+    num_layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * num_layers
+    window = getattr(config, "sliding_window", None)
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    return {
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "windows": [window if t == "sliding_attention" else None for t in layer_types],
+        "attn_softcap": getattr(config, "attn_logit_softcapping", None),
+        "final_softcap": getattr(config, "final_logit_softcapping", None),
+        "softmax_scale": None if scalar is None else scalar**-0.5,
+        "rope_theta": config.rope_parameters["rope_theta"],
+        "norm_eps": config.rms_norm_eps,
+        "tied": config.tie_word_embeddings,
+    }
+
+
+def _architecture_read_by_us(model) -> dict:
+    attention = [layer.self_attn for layer in model.layers]
+    return {
+        "head_dim": attention[0].head_dim,
+        "windows": [a.sliding_window for a in attention],
+        "attn_softcap": attention[0].logit_softcap,
+        "final_softcap": model.final_logit_softcap,
+        "softmax_scale": attention[0].softmax_scale,
+        "rope_theta": attention[0].pos_embeddings.base,
+        "norm_eps": model.norm.eps,
+        "tied": model.tie_word_embeddings,
+    }
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize(
+    "model_type,fields",
+    [
+        ("llama", {}),
+        ("mistral", {}),  # no sliding_window: transformers' 4096
+        ("mistral", {"sliding_window": None}),
+        ("qwen2", {"sliding_window": 32}),  # without use_sliding_window the window is off
+        ("qwen3", {"sliding_window": 32}),
+        ("gemma2", {}),  # head_dim 256, query_pre_attn_scalar 256, window 4096, soft-caps 50 and 30
+        ("gemma2", {"sliding_window": None, "attn_logit_softcapping": None}),
+    ],
+)
+def test_a_config_without_optional_fields_reads_as_in_transformers(tmp_path, model_type, fields):
+    """A config.json that leaves fields out means transformers' defaults for them; we used to build another
+    architecture (Mistral and Gemma 2 without their 4096-token window, Qwen3 with hidden_size // heads as
+    head_dim) or refuse it (Gemma 2 without soft-caps, Qwen2 with a window it does not switch on)."""
+    transformers = pytest.importorskip("transformers")
+    dims = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **dims, **fields}))
+    with torch.device("meta"):
+        model = build_from_hf(path=tmp_path)
+    expected = _architecture_read_by_transformers(transformers.AutoConfig.from_pretrained(tmp_path))
+    assert _architecture_read_by_us(model) == expected

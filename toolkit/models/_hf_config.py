@@ -64,21 +64,35 @@ def check_activation(config: dict[str, Any], *, key: str = "hidden_act", support
         raise UserError(f"{key} {activation!r} is not supported; this architecture computes {supported[0]!r}")
 
 
-def head_dim(config: dict[str, Any]) -> int:
-    """``head_dim`` when the file gives one (Qwen3, Gemma 2, Mistral), else ``hidden_size // num_attention_heads``."""
-    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+def head_dim(config: dict[str, Any], default: int | None = None) -> int:
+    """``head_dim`` when the file gives one (Qwen3, Gemma 2, Mistral), else the architecture's ``default`` where
+    ``transformers`` has a fixed one (Qwen3: 128, Gemma 2: 256), else ``hidden_size // num_attention_heads``."""
+    return int(config.get("head_dim") or default or config["hidden_size"] // config["num_attention_heads"])
 
 
-def sliding_windows(config: dict[str, Any], *, default_layer_types: list[str] | None = None) -> list[int | None]:
-    """Per layer, the sliding attention window, or ``None`` for full attention.
+def sliding_windows(
+    config: dict[str, Any],
+    *,
+    default_window: int | None = None,
+    switched: bool = False,
+    default_layer_types: list[str] | None = None,
+) -> list[int | None]:
+    """Per layer, the sliding attention window, or ``None`` for full attention, read as ``transformers`` reads it.
 
-    transformers 5 lists ``layer_types``; older files only give ``sliding_window`` with ``use_sliding_window``
-    (Qwen, off in every released model), and the architecture implies which layers slide: all of them
-    (Mistral), or ``default_layer_types`` (Gemma 2 alternates).
+    transformers 5 lists ``layer_types``; older files only give ``sliding_window``, and the architecture implies
+    which layers slide: all of them (Mistral), or ``default_layer_types`` (Gemma 2 alternates).
+
+    Args:
+        config: the parsed ``config.json``.
+        default_window: the window of a file without ``sliding_window`` (``transformers``' default: 4096 for
+            Mistral and Gemma 2); an explicit ``null`` means none.
+        switched: the window applies only with ``use_sliding_window: true`` (Qwen; off when the file leaves it
+            out, and in every released model).
+        default_layer_types: which layers slide when the file has no ``layer_types``; all by default.
     """
     num_layers = int(config["num_hidden_layers"])
-    window = config.get("sliding_window")
-    if config.get("use_sliding_window") is False:
+    window = config.get("sliding_window", default_window)
+    if switched and not config.get("use_sliding_window", False):
         window = None
     if window is None:
         return [None] * num_layers

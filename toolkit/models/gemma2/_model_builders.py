@@ -54,10 +54,11 @@ def from_hf_config(
         UserError: a layer pattern other than Gemma 2's local/global alternation, an untied output, no final
             soft-capping, or an activation other than tanh-approximated GELU.
     """
+    # A field the file leaves out takes transformers' Gemma2Config default (4096, 50, 30, 256, 256), as there.
     _hf_config.check_activation(config, key="hidden_activation", supported=("gelu_pytorch_tanh",))
     num_layers = config["num_hidden_layers"]
     alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    windows = _hf_config.sliding_windows(config, default_layer_types=alternating)
+    windows = _hf_config.sliding_windows(config, default_window=4096, default_layer_types=alternating)
     window = windows[0]
     if windows != [window if i % 2 == 0 else None for i in range(num_layers)]:
         raise UserError("Gemma 2 checkpoints must alternate sliding-window and full-attention layers, starting local")
@@ -65,7 +66,8 @@ def from_hf_config(
         raise UserError("Gemma 2 checkpoints with an untied output projection are not supported")
     if _hf_config.llama3_rope_scaling(config) is not None:
         raise UserError("Gemma 2 checkpoints with llama3 rope scaling are not supported")
-    if config.get("final_logit_softcapping") is None:
+    final_logit_softcap = config.get("final_logit_softcapping", 30.0)
+    if final_logit_softcap is None:
         raise UserError("Gemma 2 checkpoints without final_logit_softcapping are not supported")
     return gemma2(
         linear=linear,
@@ -73,14 +75,14 @@ def from_hf_config(
         num_layers=num_layers,
         num_heads=config["num_attention_heads"],
         num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        head_dim=_hf_config.head_dim(config),
+        head_dim=_hf_config.head_dim(config, default=256),
         embed_dim=config["hidden_size"],
         intermediate_dim=config["intermediate_size"],
         max_seq_len=max_seq_len or config["max_position_embeddings"],
-        query_pre_attn_scalar=config["query_pre_attn_scalar"],
+        query_pre_attn_scalar=config.get("query_pre_attn_scalar", 256),
         norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_base=_hf_config.rope_theta(config, default=10_000.0),
         sliding_window=window,
-        attn_logit_softcap=config.get("attn_logit_softcapping"),
-        final_logit_softcap=config["final_logit_softcapping"],
+        attn_logit_softcap=config.get("attn_logit_softcapping", 50.0),
+        final_logit_softcap=final_logit_softcap,
     )

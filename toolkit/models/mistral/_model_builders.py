@@ -42,7 +42,7 @@ def from_hf_config(
         UserError: layers with different windows, rotary scaling, or an activation other than SiLU.
     """
     _hf_config.check_activation(config, supported=_hf_config.SILU)
-    windows = set(_hf_config.sliding_windows(config))
+    windows = set(_hf_config.sliding_windows(config, default_window=4096))
     if len(windows) > 1:
         raise UserError("Mistral checkpoints mixing sliding-window and full-attention layers are not supported")
     if _hf_config.llama3_rope_scaling(config) is not None:

@@ -90,7 +90,7 @@ def from_hf_config(
             Qwen2.5 uses.
     """
     _hf_config.check_activation(config, supported=_hf_config.SILU)
-    if any(_hf_config.sliding_windows(config)):
+    if any(_hf_config.sliding_windows(config, switched=True)):
         raise UserError("Qwen2 checkpoints with sliding-window layers (use_sliding_window: true) are not supported")
     if _hf_config.llama3_rope_scaling(config) is not None:
         raise UserError("Qwen2 checkpoints with llama3 rope scaling are not supported")

@@ -79,7 +79,7 @@ def from_hf_config(
     _hf_config.check_activation(config, supported=_hf_config.SILU)
     if config.get("attention_bias"):
         raise UserError("Qwen3 checkpoints with attention_bias are not supported")
-    if any(_hf_config.sliding_windows(config)):
+    if any(_hf_config.sliding_windows(config, switched=True)):
         raise UserError("Qwen3 checkpoints with sliding-window layers (use_sliding_window: true) are not supported")
     if _hf_config.llama3_rope_scaling(config) is not None:
         raise UserError("Qwen3 checkpoints with llama3 rope scaling are not supported")
@@ -89,7 +89,7 @@ def from_hf_config(
         num_layers=config["num_hidden_layers"],
         num_heads=config["num_attention_heads"],
         num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-        head_dim=_hf_config.head_dim(config),
+        head_dim=_hf_config.head_dim(config, default=128),
         embed_dim=config["hidden_size"],
         intermediate_dim=config["intermediate_size"],
         max_seq_len=max_seq_len or config["max_position_embeddings"],
