@@ -173,8 +173,14 @@ class TransformerDecoder(nn.Module):
         return self.output(h)
 
     def setup_caches(self, *, batch_size: int, max_seq_len: int | None = None, dtype: torch.dtype | None = None) -> None:
-        """Give every attention layer a KV cache for incremental decoding."""
+        """Give every attention layer a KV cache for incremental decoding.
+
+        The cache's ``dtype`` defaults to that of the keys and values the layers will compute: autocast's when it
+        is on here (mixed precision: float32 weights, bfloat16 keys), else the weights'.
+        """
         weight = self.embed_tokens.weight
+        if dtype is None and torch.is_autocast_enabled(weight.device.type):
+            dtype = torch.get_autocast_dtype(weight.device.type)
         for layer in self.layers:
             attn = layer.self_attn
             attn.kv_cache = KVCache(
