@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 
 def point(x: int, y: int = 0) -> dict[str, int]:
@@ -42,3 +42,15 @@ def fake_optimizer(params: Any, lr: float, momentum: float = 0.0) -> dict[str, A
 
 def schedule(optimizer: Any, total_steps: int, warmup_steps: int = 0) -> tuple[Any, int, int]:
     return optimizer, total_steps, warmup_steps
+
+
+def typed(
+    count: int = 1,
+    rate: float = 0.5,
+    flag: bool = False,
+    name: str = "a",
+    limit: int | None = None,
+    mode: Literal["fast", "slow"] = "fast",
+    anything: Any = None,
+) -> dict[str, Any]:
+    return {"count": count, "rate": rate, "flag": flag, "name": name, "limit": limit, "mode": mode}

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from toolkit.config import ConfigError, load_config, validate
+from toolkit.config import ConfigError, instantiate, load_config, validate
 
 T = "tests.config._targets"
 
@@ -98,3 +98,49 @@ def test_missing_value_is_reported() -> None:
 def test_missing_component_target() -> None:
     with pytest.raises(ConfigError, match="m: _component_ must be a dotted path"):
         validate(OmegaConf.create({"m": {"_component_": None}}))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("count", "abc", "expects int, got 'abc' (str)"),
+        ("count", 2.5, "expects int, got 2.5 (float)"),
+        ("count", True, "expects int, got True (bool)"),
+        ("rate", "fast", "expects float, got 'fast' (str)"),
+        ("flag", "yes", "expects bool, got 'yes' (str)"),
+        ("name", None, "expects str, got null"),
+        ("limit", "ten", "expects int or null, got 'ten' (str)"),
+        ("mode", "medium", "expects one of 'fast', 'slow', got 'medium' (str)"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_named_before_the_run(key: str, value: object, problem: str) -> None:
+    # Without the check, `max_seq_len=abc` reached torch.empty inside the model builder as a TypeError traceback.
+    cfg = OmegaConf.create({"model": {"_component_": f"{T}.typed", key: value}})
+    expected = f"<config>: model.{key}: {problem} (an argument of {T}.typed)"
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert str(info.value) == expected
+    with pytest.raises(ConfigError) as info:
+        instantiate(cfg.model)  # a recipe run without `tune` stops as clearly
+    assert str(info.value) == expected.removeprefix("<config>: ")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("count", 3), ("rate", 2), ("rate", 1e-4), ("flag", True), ("limit", None), ("limit", 4), ("mode", "slow"),
+     ("anything", "x"), ("name", "${other}")],
+)
+def test_values_that_fit_pass(key: str, value: object) -> None:
+    cfg = OmegaConf.create({"other": "b", "model": {"_component_": f"{T}.typed", key: value}})
+    validate(cfg)
+    instantiate(cfg.model)
+
+
+def test_max_seq_len_that_is_not_a_number_is_caught_in_a_shipped_config() -> None:
+    from toolkit.paths import configs_dir
+
+    path = configs_dir() / "full_finetune" / "demo.yaml"
+    cfg = load_config(path)
+    cfg.max_seq_len = "abc"
+    with pytest.raises(ConfigError, match=r"model\.max_seq_len: expects int, got 'abc' \(str\)"):
+        validate(cfg)

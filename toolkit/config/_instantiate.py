@@ -6,6 +6,8 @@ import importlib
 import inspect
 import pkgutil
 import re
+import types
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +86,60 @@ def keyword_names(sig: inspect.Signature) -> tuple[set[str], bool]:
     return names, takes_kwargs
 
 
+def annotations(target: Callable[..., Any]) -> dict[str, Any]:
+    """The evaluated parameter annotations of ``target``; ``{}`` when they cannot be evaluated."""
+    try:
+        sig = inspect.signature(target, eval_str=True)
+    except Exception:  # a forward reference to a name only imported for type checkers, or no signature at all
+        return {}
+    return {name: p.annotation for name, p in sig.parameters.items() if p.annotation is not p.empty}
+
+
+def _fits(annotation: Any, value: Any) -> bool | None:
+    """Whether a scalar config value fits an annotation; None where the annotation says nothing checkable."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        verdicts = [_fits(arg, value) for arg in typing.get_args(annotation)]
+        return True if True in verdicts else (False if all(v is False for v in verdicts) else None)
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    return None
+
+
+def _describe(annotation: Any) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(annotation))
+    if typing.get_origin(annotation) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(annotation)))
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def value_problem(annotation: Any, value: Any, *, default: Any = inspect.Parameter.empty) -> str | None:
+    """Why a scalar config value cannot be passed to a parameter of this annotation, or None if it can (or if
+    the annotation or the value is beyond a simple check: containers, classes, ``Any``).
+
+    ``null`` always fits a parameter whose default is ``None``.
+    """
+    if not isinstance(value, (str, int, float, type(None))) or (value is None and default is None):
+        return None  # a section, a list, or an object a nested component built
+    if _fits(annotation, value) is not False:
+        return None
+    shown = "null" if value is None else f"{value!r} ({type(value).__name__})"
+    return f"expects {_describe(annotation)}, got {shown}"
+
+
 def _where(source: str, path: str) -> str:
     return path if source == UNKNOWN_SOURCE else f"{source}: {path}"
 
@@ -127,6 +183,14 @@ def _instantiate_node(
     call_kwargs = {**config_kwargs, **kwargs}
     sig = signature(target)
     if sig is not None:
+        hints = annotations(target)
+        for key, value in config_kwargs.items():
+            param = sig.parameters.get(key)
+            if key in kwargs or key not in hints or param is None:
+                continue
+            problem = value_problem(hints[key], value, default=param.default)
+            if problem is not None:
+                raise ConfigError(f"{_where(source, child_path(path, key))}: {problem} (an argument of {dotted})")
         # Bind before calling, so that only a mismatch between the config and the signature becomes a
         # ConfigError; a TypeError raised inside the callable is a bug and keeps its traceback.
         try:

@@ -9,7 +9,15 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config._errors import ConfigError, did_you_mean
-from toolkit.config._instantiate import COMPONENT_KEY, TargetNotFound, keyword_names, locate, signature
+from toolkit.config._instantiate import (
+    COMPONENT_KEY,
+    TargetNotFound,
+    annotations,
+    keyword_names,
+    locate,
+    signature,
+    value_problem,
+)
 from toolkit.config._parse import interpolation_problems
 from toolkit.config._tree import child_path, config_source, container_keys
 
@@ -38,6 +46,18 @@ def _component_problems(node: DictConfig, path: str, runtime_args: Collection[st
         for key in given
         if key not in names and not takes_kwargs
     ]
+    hints = annotations(target)
+    for key in given:
+        param = sig.parameters.get(str(key))
+        if param is None or param.name not in hints or param.name in runtime_args:
+            continue
+        try:
+            value = node[key]
+        except OmegaConfBaseException:
+            continue  # reported by the interpolation check
+        problem = value_problem(hints[param.name], value, default=param.default)
+        if problem is not None:
+            problems.append((child_path(path, key), f"{problem} (an argument of {dotted})"))
     for param in sig.parameters.values():
         required = param.default is inspect.Parameter.empty and param.name in names
         if required and param.name not in given and param.name not in runtime_args:
@@ -62,8 +82,9 @@ def validate(cfg: DictConfig, *, source: str | None = None, runtime_args: Collec
     """Check a config before running anything.
 
     For every ``_component_`` node (at any depth): the target imports, every key is a parameter of it
-    (unless it takes ``**kwargs``), and every required parameter is given, except those in
-    ``runtime_args``. Also reports ``${...}`` that do not resolve and ``???`` values left unset.
+    (unless it takes ``**kwargs``), a number, boolean, string or null fits the parameter's annotation where that
+    is a plain scalar type (``max_seq_len: int`` given ``abc``), and every required parameter is given, except
+    those in ``runtime_args``. Also reports ``${...}`` that do not resolve and ``???`` values left unset.
 
     Args:
         cfg: The config (overrides already applied).
