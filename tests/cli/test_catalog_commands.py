@@ -55,6 +55,20 @@ def test_cp_config_by_every_kind_of_name(tune, tree) -> None:
     assert (tree.work / "sub" / "small.yaml").read_text() == source
 
 
+def test_cp_to_a_folder_that_does_not_exist_yet(tune, tree) -> None:
+    # The trailing slash says it is a folder: the copy keeps its name inside it, not `new/dir.yaml`.
+    assert tune("cp", "toy/small", "new/dir/").returncode == 0
+    assert (tree.work / "new" / "dir" / "small.yaml").read_text() == (tree.configs / "toy" / "small.yaml").read_text()
+    assert not (tree.work / "new" / "dir.yaml").exists()
+
+
+def test_cp_to_a_place_that_cannot_be_written_is_one_line(tune, tree) -> None:
+    (tree.work / "taken").write_text("a file, not a folder\n")
+    result = tune("cp", "toy/small", "taken/copy.yaml")
+    assert result.returncode == 1
+    assert one_line(result.stderr).startswith("tune: error: cannot copy to 'taken/copy.yaml': ")
+
+
 def test_cp_ambiguous_config_lists_candidates(tune, tree) -> None:
     result = tune("cp", "demo", "x.yaml")
     assert result.returncode == 1

@@ -128,3 +128,12 @@ def test_a_run_without_records_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "run" / "metrics.jsonl").write_text("")
     assert main(["plot", str(tmp_path / "run")]) == 1
     assert "has no records yet" in one_line(capsys.readouterr().err)
+
+
+def test_an_output_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path / "run", steps=3, start_loss=3.0)
+    (tmp_path / "taken").write_text("a file, not a folder\n")
+    output = tmp_path / "taken" / "m.png"
+    assert main(["plot", str(run), "-o", str(output)]) == 1
+    assert one_line(capsys.readouterr().err).startswith(f"tune: error: cannot write '{output}': ")

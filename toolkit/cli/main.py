@@ -44,14 +44,18 @@ def _ls(args: argparse.Namespace) -> int:
 def _cp(args: argparse.Namespace) -> int:
     source = find_recipe_or_config(args.name)
     dest = Path(args.dest)
-    if dest.is_dir():
+    # A trailing slash names a folder, also one that does not exist yet (Path() drops the slash).
+    if dest.is_dir() or args.dest.endswith(("/", os.sep)):
         dest = dest / source.name
     elif not dest.suffix:
         dest = dest.with_suffix(source.suffix)
     if dest.exists() and not args.force:
         raise UserError(f"'{dest}' already exists; add --force to overwrite it")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, dest)
+    except OSError as e:
+        raise UserError(f"cannot copy to '{dest}': {e.strerror or e}") from None
     print(f"copied {source} to {dest}")
     return 0
 

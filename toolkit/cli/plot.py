@@ -149,8 +149,12 @@ def plot(args: argparse.Namespace) -> int:
         print(_INSTALL_HINT)
         return 0
     output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    plot_runs(runs, metrics).savefig(output, dpi=120)
+    figure = plot_runs(runs, metrics)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(output, dpi=120)
+    except OSError as e:
+        raise UserError(f"cannot write '{output}': {e.strerror or e}") from None
     print(f"wrote {output}")
     return 0
 
