@@ -56,6 +56,9 @@ CASES = [
           {"prompt": "p", "chosen": "a"}, "missing column 'rejected'"),
     _case("too long", instruct_dataset, GOOD_INSTRUCT, {"input": "x" * 100, "output": "y"},
           "tokens, more than max_seq_len 64 (set truncation: true"),
+    # Trained on nothing, it would only cost compute; it used to go in silently, all of its labels ignored.
+    _case("no assistant message", CHAT, GOOD_CHAT, {"messages": [{"role": "user", "content": "hi"}]},
+          "has no token to train on (a conversation needs an assistant message)"),
 ]
 
 
@@ -68,6 +71,28 @@ def test_bad_row_names_file_and_line(tmp_path: Path, builder: Callable, good: di
     assert message.startswith(f"{source}, line 4: ")
     assert reason in message
     assert "skip_bad_rows: true" in message  # and how to go on
+
+
+def test_a_prompt_longer_than_max_seq_len_is_a_bad_row_not_an_untrained_sample(tmp_path: Path) -> None:
+    # Truncation keeps the start: with a prompt of 100 bytes and max_seq_len 64, nothing trained would be left.
+    bad = {"input": "x" * 100, "output": "y"}
+    source = _jsonl_with_bad_line_4(tmp_path / "data.jsonl", GOOD_INSTRUCT, bad)
+    with pytest.raises(UserError) as info:
+        instruct_dataset(TOK, source=source, max_seq_len=64, cache_dir=None)
+    tokens, mask = TOK.tokenize_messages(
+        [{"role": "user", "content": bad["input"]}, {"role": "assistant", "content": bad["output"]}]
+    )
+    first = mask.index(True) + 1
+    assert str(info.value).startswith(
+        f"{source}, line 4: cut to max_seq_len 64, it keeps no token to train on (the first is token {first} of "
+        f"{len(tokens)}); raise max_seq_len"
+    )
+    # A long answer is cut and kept: it still trains on its first tokens.
+    long_answer = _jsonl_with_bad_line_4(tmp_path / "long.jsonl", GOOD_INSTRUCT, {"input": "q", "output": "y" * 100})
+    dataset = instruct_dataset(TOK, source=long_answer, max_seq_len=64, cache_dir=None)
+    assert len(dataset) == 4 and dataset.report.truncated == 1
+    skipped = instruct_dataset(TOK, source=source, max_seq_len=64, skip_bad_rows=True, cache_dir=None)
+    assert len(skipped) == 3 and skipped.report.skipped == 1
 
 
 def test_invalid_json_line(tmp_path: Path) -> None:

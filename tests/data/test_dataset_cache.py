@@ -59,7 +59,7 @@ def test_hit_after_miss_and_miss_on_any_change(tmp_path: Path, source: Path) -> 
     assert build(packed=True).cache_hit  # packing reuses the tokenized samples
 
     assert not build(train_on="last_turn").cache_hit
-    assert not build(max_seq_len=8).cache_hit
+    assert not build(max_seq_len=48).cache_hit
     assert not build(system_prompt="S").cache_hit
     other = CountingTokenizer()
     other.start_header_id = other.eot_id  # same class, different output: the probe tells them apart

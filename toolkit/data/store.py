@@ -258,11 +258,21 @@ def _checked(
     for tokens, mask in encode(row):
         if not tokens:
             raise BadRowError("tokenizes to no tokens")
+        # The first token is never a target (labels are shifted): a sample must train on a later one, or it only
+        # costs compute (and a batch of such samples has no loss at all).
+        if not any(mask[1:]):
+            raise BadRowError("has no token to train on (a conversation needs an assistant message)")
         if max_seq_len is not None and len(tokens) > max_seq_len:
             if not truncation:
                 raise BadRowError(
                     f"{len(tokens)} tokens, more than max_seq_len {max_seq_len} (set truncation: true to cut "
                     "such samples, or raise max_seq_len)"
+                )
+            first = mask.index(True, 1)
+            if first >= max_seq_len:
+                raise BadRowError(
+                    f"cut to max_seq_len {max_seq_len}, it keeps no token to train on (the first is token "
+                    f"{first + 1} of {len(tokens)}); raise max_seq_len"
                 )
             tokens, mask = tokens[:max_seq_len], mask[:max_seq_len]
             truncated += 1
