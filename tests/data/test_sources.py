@@ -1,5 +1,6 @@
 """Sources: every local format, folders and globs, hub datasets (through a stand-in for `datasets`)."""
 
+import codecs
 import csv
 import json
 import sys
@@ -148,6 +149,35 @@ def test_hub_source_through_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dataset[0] == dataset[1]
     with pytest.raises(UserError, match="cannot load hub dataset 'org/missing'.*doesn't exist on the Hub"):
         open_source("org/missing")
+    # A mistyped local folder (`data/train` for `data/training`) looks like a hub id: the error says so.
+    with pytest.raises(UserError) as info:
+        open_source("data/train")
+    assert str(info.value).endswith(f"doesn't exist on the Hub; nor is it a local file or folder (under {Path.cwd()})")
+    with pytest.raises(UserError) as info:
+        open_source("data/train", format="hub")  # asked for the hub: nothing about local files
+    assert str(info.value).endswith("doesn't exist on the Hub")
+
+
+def test_a_json_array_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    # Python's json reads past the mark; the check for an array must too, or the file was read as JSON Lines.
+    path = tmp_path / "rows.json"
+    path.write_bytes(codecs.BOM_UTF8 + json.dumps(ROWS, indent=1).encode())
+    assert [row for _, row in _rows(str(path))] == ROWS
+
+
+def test_a_json_file_holding_one_object_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "export.json"
+    path.write_text(json.dumps({"version": 2, "data": ROWS}, indent=2))
+    with pytest.raises(UserError) as info:
+        list(_rows(str(path)))
+    assert str(info.value) == (
+        f"{path}: one JSON object, not rows: a .json dataset is an array of row objects, or one object per line "
+        f"(JSON Lines); its list: 'data' ({len(ROWS)} items)"
+    )
+    # JSON Lines under a .json name still reads line by line, and a broken line is still named.
+    path.write_text(json.dumps(ROWS[0]) + "\n{oops\n")
+    rows = list(_rows(str(path)))
+    assert rows[0][1] == ROWS[0] and str(rows[1][0]) == f"{path}, line 2"
 
 
 def test_hub_source_without_datasets_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ JSON array has to be parsed whole; a ``.json`` file that is really JSON Lines (m
 Every row comes with its :class:`Location` (file and 1-based line or row number), which error messages name.
 """
 
+import codecs
 import csv
 import glob
 import json
@@ -96,7 +97,7 @@ def open_source(
         looks_local = Path(source).suffix.lower() in EXTENSIONS or source.startswith((".", "/", "~"))
         if format is not None or looks_local:
             raise UserError(f"dataset source {source!r} does not exist (no such file, directory or glob match)")
-        return _hub_source(source, split=split, name=name, revision=revision)
+        return _hub_source(source, split=split, name=name, revision=revision, local_hint=True)
     if format is None:
         format = _infer_format(source, paths)
     if Path(source).expanduser().is_dir():
@@ -148,10 +149,16 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
 
 def _read_json(path: str) -> RowIterator:
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
+        # Editors on Windows start UTF-8 files with a byte-order mark; json reads past it, so must this look.
+        head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
     if not head.startswith(b"["):
         # Not an array: JSON Lines under a .json name (as many hub datasets ship), read line by line.
-        yield from _read_jsonl(path)
+        rows = _read_jsonl(path)
+        first = next(rows, None)
+        if first is not None and isinstance(first[1], UnreadableRow) and head.startswith(b"{"):
+            _refuse_one_object(path)
+        yield from ([first] if first is not None else [])
+        yield from rows
         return
     try:
         with open(path, "rb") as f:
@@ -161,6 +168,23 @@ def _read_json(path: str) -> RowIterator:
         raise UserError(f"{path}{line}: not valid JSON ({e})") from None
     for number, row in enumerate(rows, 1):
         yield Location(path, "row", number), row
+
+
+def _refuse_one_object(path: str) -> None:
+    """Raise a clear error if ``path`` is a single JSON object (``{"data": [...]}``) rather than rows."""
+    try:
+        with open(path, "rb") as f:
+            value = json.load(f)
+    except ValueError:
+        return  # not one object either: the line-by-line reading names the first bad line
+    if not isinstance(value, dict):
+        return
+    lists = [f"'{key}' ({len(v)} items)" for key, v in value.items() if isinstance(v, list)]
+    where = f"; its list: {', '.join(lists)}" if lists else ""
+    raise UserError(
+        f"{path}: one JSON object, not rows: a .json dataset is an array of row objects, or one object per line "
+        f"(JSON Lines){where}"
+    )
 
 
 def _read_jsonl(path: str) -> RowIterator:
@@ -252,7 +276,9 @@ _READERS: dict[str, Callable[[str], RowIterator]] = {
 }
 
 
-def _hub_source(source: str, *, split: str, name: str | None, revision: str | None) -> Source:
+def _hub_source(
+    source: str, *, split: str, name: str | None, revision: str | None, local_hint: bool = False
+) -> Source:
     try:
         import datasets
     except ImportError:
@@ -264,8 +290,10 @@ def _hub_source(source: str, *, split: str, name: str | None, revision: str | No
         dataset = datasets.load_dataset(source, name=name, split=split, revision=revision)
     except Exception as e:  # not found, no such split or config, offline: all the user's to fix
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # A mistyped local path looks like a hub id too: say that it was looked for here first.
+        local = f"; nor is it a local file or folder (under {Path.cwd()})" if local_hint else ""
         raise UserError(
-            f"cannot load hub dataset {source!r} (name={name}, split={split}, revision={revision}): {message}"
+            f"cannot load hub dataset {source!r} (name={name}, split={split}, revision={revision}): {message}{local}"
         ) from None
     label = f"hub:{source}" + (f"[{name}]" if name else "") + f"/{split}"
 
