@@ -61,3 +61,33 @@ def test_missing_weights_and_unknown_family(tmp_path):
         HFCheckpointer(str(out), model_family="llama3").load(deeper)
     with pytest.raises(UserError, match="unknown family 'llama9'"):
         HFCheckpointer(str(out), model_family="llama9")
+
+
+def step_folder(tmp_path, model):
+    """A folder laid out like a complete step checkpoint's model part (``model.<key>`` in DCP files)."""
+    import torch.distributed.checkpoint as dcp
+
+    step = tmp_path / "checkpoints" / "step_1"
+    dcp.save({f"model.{k}": v for k, v in model.state_dict().items()}, checkpoint_id=str(step))
+    (step / "COMPLETE").write_text("{}")
+    return step
+
+
+def test_a_step_checkpoint_loads_and_a_damaged_one_is_named(tmp_path):
+    torch.manual_seed(0)
+    model = tiny()
+    step = step_folder(tmp_path, model)
+    loaded = tiny()
+    HFCheckpointer(str(step), model_family="llama3").load(loaded)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    # Same size, unreadable content: DCP raises a CheckpointException, which is not an Exception.
+    shard = next(step.glob("*.distcp"))
+    shard.write_bytes(bytes(shard.stat().st_size))
+    with pytest.raises(UserError, match="cannot read the checkpoint"):
+        HFCheckpointer(str(step), model_family="llama3").load(tiny())
+    shard.write_bytes(b"\0" * 100)
+    with pytest.raises(UserError, match=f"{shard.name}: truncated"):
+        HFCheckpointer(str(step), model_family="llama3").load(tiny())
+    (step / "COMPLETE").unlink()  # a write that was interrupted
+    with pytest.raises(UserError, match="not a complete step checkpoint"):
+        HFCheckpointer(str(step), model_family="llama3").load(tiny())

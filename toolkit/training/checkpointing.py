@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -32,6 +34,7 @@ from toolkit.errors import UserError
 from toolkit.modules._dtensor import local_part
 from toolkit.training.distributed import barrier, shared_filesystem
 from toolkit.training.parallel import unwrap
+from toolkit.training.step_checkpoint import COMPLETE_MARKER, _check_tensors, _first_line, is_complete
 
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "generation_config.json",
@@ -131,10 +134,7 @@ class HFCheckpointer:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         metadata_file = self.checkpoint_dir / ".metadata"
-        try:
-            saved = dcp.FileSystemReader(str(self.checkpoint_dir)).read_metadata().state_dict_metadata
-        except Exception as e:
-            raise UserError(f"{metadata_file}: unreadable ({e}); the checkpoint is corrupt") from None
+        saved = check_step_checkpoint(self.checkpoint_dir).state_dict_metadata
         wanted = {}
         for name, entry in saved.items():
             if not name.startswith("model.") or not isinstance(entry, TensorStorageMetadata):
@@ -152,8 +152,10 @@ class HFCheckpointer:
             # Sharded targets load collectively, each rank reading its part; whole ones alone.
             sharded = any(isinstance(t, DTensor) for t in wanted.values())
             dcp.load(wanted, checkpoint_id=str(self.checkpoint_dir), no_dist=not sharded)
-        except Exception as e:
-            raise UserError(f"{self.checkpoint_dir}: cannot read the checkpoint ({e}); a file may be corrupt") from None
+        except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
+            raise UserError(
+                f"{self.checkpoint_dir}: cannot read the checkpoint ({read_error(e)}); a file may be corrupt"
+            ) from None
         loaded.update(name[len("model."):] for name in wanted)
 
     def _load_tensor(self, file: Path, reader, hf_key: str, targets: dict[str, torch.Tensor], loaded: set[str]) -> None:
@@ -242,7 +244,7 @@ class HFCheckpointer:
         """
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        saved = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
+        saved = check_step_checkpoint(Path(checkpoint_dir)).state_dict_metadata
         specs, names = {}, {}
         for key in model.state_dict():
             entry = saved.get(prefix + key)
@@ -290,7 +292,12 @@ class HFCheckpointer:
             tmp_dir.mkdir(parents=True)
         if collective:
             barrier()
-        yield tmp_dir
+        try:
+            yield tmp_dir
+        except BaseException:
+            if not collective:  # alone, nothing else writes there: leave no half-written folder behind
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
         if not lead:
             return
         shutil.rmtree(tmp_dir / _SHARDS_DIR, ignore_errors=True)
@@ -399,11 +406,39 @@ def dcp_tensor_reader(
             if i + 1 < len(keys) and sum(specs[k].nbytes for k in batch) + specs[keys[i + 1]].nbytes <= batch_bytes:
                 continue
             wanted = {names.get(k, k): torch.empty(specs[k].shape, dtype=specs[k].dtype) for k in batch}
-            dcp.load(wanted, checkpoint_id=str(checkpoint_dir), no_dist=True)
+            try:
+                dcp.load(wanted, checkpoint_id=str(checkpoint_dir), no_dist=True)
+            except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
+                raise UserError(f"{checkpoint_dir}: cannot read the checkpoint ({read_error(e)}); a file may be corrupt") from None
             yield from ((k, wanted.pop(names.get(k, k))) for k in batch)
             batch = []
 
     return read
+
+
+def check_step_checkpoint(path: Path) -> Metadata:
+    """The ``torch.distributed.checkpoint`` metadata of the step checkpoint ``path``, once it is known to be complete
+    (its marker), its metadata readable and every file it indexes whole (by size).
+
+    Raises:
+        UserError: an incomplete checkpoint, or a missing, truncated or unreadable file; the message names it.
+    """
+    if not is_complete(path):
+        raise UserError(
+            f"{path}: not a complete step checkpoint (no {COMPLETE_MARKER} marker: its writing was interrupted)"
+        )
+    _check_tensors(path, {})  # the metadata and the files' sizes; no tensors to compare yet
+    return dcp.FileSystemReader(str(path)).read_metadata()
+
+
+def read_error(error: BaseException) -> str:
+    """One line saying why reading a checkpoint failed: for ``torch.distributed.checkpoint``'s exception, which
+    wraps every rank's (exception, traceback), the kind of the first rank's own error (an unpickling error's text
+    is torch.load's advice to load untrusted files with weights_only=False: not for a corrupt checkpoint)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        inner = next(iter(error.failures.values()))
+        return f"{type(inner[0] if isinstance(inner, tuple) else inner).__name__} reading its tensors"
+    return _first_line(error)
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
