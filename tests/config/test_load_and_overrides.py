@@ -244,3 +244,18 @@ def test_overrides_checked_against_the_recipe_keys(tmp_path) -> None:
     # Without the recipe (a config on its own), any key may be created.
     apply_overrides(cfg, ["batch_sze=64"])
     assert cfg.batch_sze == 64
+
+
+def test_a_component_is_not_replaced_by_a_plain_value() -> None:
+    cfg = OmegaConf.create({"optimizer": {"_component_": "torch.optim.AdamW", "lr": 0.1}, "plain": {"a": 1}})
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(cfg, ["optimizer=adam"])
+    assert str(info.value) == (
+        "override 'optimizer=adam': 'optimizer' is a component (_component_: torch.optim.AdamW); set "
+        "optimizer._component_=... to change it, its keys as optimizer.<name>=..., or optimizer=null to drop it"
+    )
+    # A whole new node, null, or a section without a component may still replace it.
+    apply_overrides(cfg, ["optimizer={_component_: torch.optim.SGD, lr: 1}", "plain=7"])
+    assert cfg.optimizer._component_ == "torch.optim.SGD" and cfg.plain == 7
+    apply_overrides(cfg, ["optimizer=null"])
+    assert cfg.optimizer is None

@@ -173,6 +173,18 @@ def _check_top_level(cfg: DictConfig, key: str, override: str, known: RecipeKeys
     )
 
 
+def _check_not_replacing_a_component(parent: Any, last: str, key: str, value: Any, override: str) -> None:
+    # `optimizer=adam` would turn a component into a string the recipe then fails to instantiate, far from here.
+    if isinstance(parent, ListConfig) or value is None or isinstance(value, (dict, list)):
+        return
+    existing = parent._get_node(last)
+    if isinstance(existing, DictConfig) and not existing._is_none() and existing._get_node("_component_") is not None:
+        raise ConfigError(
+            f"override '{override}': '{key}' is a component (_component_: {existing._get_node('_component_')}); "
+            f"set {key}._component_=... to change it, its keys as {key}.<name>=..., or {key}=null to drop it"
+        )
+
+
 def apply_overrides(
     cfg: DictConfig, overrides: Sequence[str], *, source: str | None = None, recipe: RecipeKeys | None = None
 ) -> DictConfig:
@@ -222,6 +234,7 @@ def apply_overrides(
             _check_top_level(cfg, key, override, recipe, deleting=False)
         value = _parse_value(text, override)
         parent, last = _walk_to_parent(cfg, key, override, create=True)
+        _check_not_replacing_a_component(parent, last, key, value, override)
         try:
             if isinstance(parent, ListConfig):
                 parent[_list_index(parent, last, override)] = value
