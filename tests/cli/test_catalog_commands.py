@@ -129,6 +129,14 @@ def test_validate_refuses_deleting_a_key_the_recipe_reads(tune) -> None:
     )
 
 
+def test_validate_without_a_config_names_only_what_is_missing(tune) -> None:
+    result = tune("validate")
+    assert result.returncode == 1
+    assert one_line(result.stderr) == (
+        "tune: error: the following arguments are required: config; see `tune validate --help`"
+    )
+
+
 def test_validate_unknown_config(tune) -> None:
     result = tune("validate", "toy/smal")
     assert result.returncode == 1

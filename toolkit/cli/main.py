@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a config, apply overrides and check every _component_ against its signature.",
     )
     check.add_argument("config", help="config file, recipe/config, or a config name only one recipe has")
-    check.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, as for tune run")
+    # default=[]: without it argparse lists the optional overrides as required when the config is missing.
+    check.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="overrides, as for tune run")
     check.set_defaults(handler=_validate)
 
     # Parsed by its own parser (overrides may follow its flags), like `tune run`; listed here for `tune --help`.
