@@ -54,6 +54,7 @@ from toolkit.training import (
     parallelize,
     plan_parallelism,
     precision_policy,
+    profiler_settings,
     resolve_flex_attention,
     sdpa_preference,
     set_seed,
@@ -79,6 +80,7 @@ def train(cfg: DictConfig) -> None:
     env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     precision = precision_policy(cfg.dtype, device=env.device)
     output_dir = Path(cfg.output_dir)
+    profiler_options = profiler_settings(cfg.get("profiler"))  # a misspelled option stops here, before any output
     # The newest complete step checkpoint with `resume_from: auto` (always after a restart by torchrun), or None.
     resume = on_rank_zero(start_run, output_dir, overwrite=cfg.overwrite, resume_from=cfg.resume_from)
 
@@ -208,7 +210,7 @@ def train(cfg: DictConfig) -> None:
 
     # --- Training loop ------------------------------------------------------------------------------------------
     # A torch.profiler trace of a window of steps (`profiler.enabled`), and on GPU the model FLOPs utilization.
-    profiler = StepProfiler(output_dir, rank=env.rank, **(cfg.get("profiler") or {}))
+    profiler = StepProfiler(output_dir, rank=env.rank, **profiler_options)
     flops = flops_per_token(unwrap(model), seq_len=cfg.max_seq_len)
     peak_flops = measure_peak_flops(env.device, precision.compute_dtype)
     model.train()

@@ -98,6 +98,17 @@ def test_refuses_to_overwrite_a_finished_run(single_run):
     assert (single_run / "metrics.jsonl").read_text() == before
 
 
+
+def test_a_misspelled_profiler_option_stops_before_overwriting(single_run):
+    # `overwrite=true` would clear the finished run; the typo must stop the run first, in one line.
+    before = (single_run / "metrics.jsonl").read_text()
+    result = tune("run", "full_finetune_single_device", "--config", "demo", f"output_dir={single_run}", *FAST,
+                  "overwrite=true", "profiler.enabeld=true")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "profiler.enabeld" in result.stderr and "did you mean 'enabled'" in result.stderr
+    assert (single_run / "metrics.jsonl").read_text() == before
+
 def test_batch_size_that_does_not_divide_is_one_line_error(tmp_path):
     result = tune(
         "run", "--nproc_per_node", "2", "full_finetune_distributed", "--config", "demo",

@@ -7,7 +7,8 @@ import torch
 
 from toolkit.models.llama3 import llama3, lora_llama3
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
-from toolkit.training import StepProfiler, flops_per_token, step_metrics
+from toolkit.errors import UserError
+from toolkit.training import StepProfiler, flops_per_token, profiler_settings, step_metrics
 from toolkit.training.step import StepResult
 
 DIMS = dict(vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64, max_seq_len=64)
@@ -71,6 +72,19 @@ def test_profiler_off_or_other_rank_writes_nothing(tmp_path, kwargs):
     _steps(StepProfiler(tmp_path, rank=0, **kwargs), 6)
     assert not (tmp_path / "profile").exists()
 
+
+
+def test_profiler_settings_accept_its_options_and_name_a_misspelled_one():
+    options = dict(enabled=True, wait_steps=1, warmup_steps=0, active_steps=2, ranks=[0, 1], record_shapes=True,
+                   with_stack=False)
+    assert profiler_settings(options) == options
+    assert profiler_settings(None) == {}
+    with pytest.raises(UserError, match=r"profiler.activ_steps: .*did you mean 'active_steps'"):
+        profiler_settings(dict(enabled=True, activ_steps=2))
+    with pytest.raises(UserError, match="profiler.rank: "):  # the recipe's own argument, not an option
+        profiler_settings(dict(rank=1))
+    with pytest.raises(UserError, match="expected a section"):
+        profiler_settings(True)
 
 def _load_compare_benchmark():
     """benchmarks/compare.py as a module (it imports nothing heavy at the top)."""

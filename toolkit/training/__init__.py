@@ -46,7 +46,7 @@ from toolkit.training.parallel import (
     unwrap,
 )
 from toolkit.training.precision import PrecisionPolicy, precision_policy
-from toolkit.training.profiling import StepProfiler, flops_per_token, measure_peak_flops
+from toolkit.training.profiling import StepProfiler, flops_per_token, measure_peak_flops, profiler_settings
 from toolkit.training.step_checkpoint import (
     StepCheckpointer,
     TrainingState,
@@ -119,6 +119,7 @@ __all__ = [
     "peak_memory_gib",
     "plan_parallelism",
     "precision_policy",
+    "profiler_settings",
     "prepare_output_dir",
     "rank_stats",
     "resolve_flex_attention",

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from toolkit.config import did_you_mean
 from toolkit.errors import UserError
 
 
@@ -96,6 +99,29 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
             self._memory = False
 
+
+
+def profiler_settings(section: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The config's ``profiler`` section as :class:`StepProfiler`'s keyword arguments, checked: a recipe calls this
+    before it writes anything, so a misspelled option stops the run before the output folder is touched rather
+    than after the model is built.
+
+    Raises:
+        UserError: an option :class:`StepProfiler` does not take (with a did-you-mean) or a section that is not a
+            mapping.
+    """
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise UserError(f"profiler: expected a section of options (enabled, wait_steps, ...), got {section!r}")
+    accepted = [name for name in inspect.signature(StepProfiler).parameters if name not in ("output_dir", "rank")]
+    for key in section:
+        if key not in accepted:
+            raise UserError(
+                f"profiler.{key}: not an option of the profiler{did_you_mean(str(key), accepted)}; "
+                f"its options are {', '.join(accepted)}"
+            )
+    return dict(section)
 
 def _matmul_weights(model: nn.Module) -> tuple[int, int]:
     """(trainable, frozen) weights that multiply activations: every 2-D weight but a (separate) input embedding."""
