@@ -191,9 +191,12 @@ def adapter(output_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_lora_sigkill_then_resume_is_bitwise_exact(tmp_path):
-    reference = run(tmp_path / "reference", recipe="lora_finetune")
+    # With adapter dropout, so that every random draw between the checkpoint and the kill must repeat on resume
+    # (the data loader's iterator once drew from the global RNG, which the resumed run then drew once more).
+    dropout = "model.lora_dropout=0.1"
+    reference = run(tmp_path / "reference", dropout, recipe="lora_finetune")
     assert reference.returncode == 0, reference.stderr
-    kill_then_resume(tmp_path / "run", "after_step:7:1", "save_merged=false", recipe="lora_finetune")
+    kill_then_resume(tmp_path / "run", "after_step:7:1", dropout, "save_merged=false", recipe="lora_finetune")
     assert losses(tmp_path / "run") == losses(tmp_path / "reference")
     assert_bitwise_equal(adapter(tmp_path / "run"), adapter(tmp_path / "reference"))
     # Offline, the last step checkpoint becomes the same PEFT adapter and merged model as the run's own export.

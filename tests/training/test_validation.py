@@ -57,6 +57,20 @@ def test_matches_a_float64_reference_and_restores_train_mode():
     assert all(p.grad is None for p in model.parameters())
 
 
+
+def test_validation_leaves_the_training_rng_as_it_was():
+    # A DataLoader's iterator draws a seed from the global RNG: validating must not shift the training's later
+    # random numbers (dropout masks), so that a run with validation trains as one without, and resumes exactly.
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    iter(loader(0, 1))
+    assert not torch.equal(torch.rand(4), expected)  # what the plain iterator does: the test can fail
+    model, batches = tiny_model(), loader(0, 1)
+    torch.manual_seed(0)
+    validation_loss(model, batches, device=CPU)
+    assert torch.equal(torch.rand(4), expected)
+
 def test_keeps_eval_mode_and_refuses_a_set_without_targets():
     model = tiny_model().eval()
     validation_loss(model, loader(0, 1), device=CPU)

@@ -3,6 +3,7 @@
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
@@ -15,6 +16,8 @@ from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import gradient_scale, start_global_token_count
 from toolkit.training.optim import OptimizerInBackward
 from toolkit.training.parallel import clip_grad_norm, gradient_sync
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,18 @@ def make_grad_scaler(*, enabled: bool, device: torch.device, sharded: bool) -> t
     return torch.amp.GradScaler(device.type)
 
 
+def iterate_loader(loader: Iterable[T]) -> Iterator[T]:
+    """``iter(loader)`` that leaves the global RNG as it was.
+
+    A ``DataLoader`` draws its workers' base seed from the global RNG each time an iterator is made. A resumed run
+    makes its iterator after restoring the RNG state of its checkpoint, where the uninterrupted run made its
+    iterator before step 1: that one extra draw would shift every later random number (dropout masks), and
+    validation, run or not, would shift them too. Nothing in our datasets is random per worker.
+    """
+    with torch.random.fork_rng(devices=[]):
+        return iter(loader)
+
+
 def global_batches(
     loader: Iterable[dict[str, torch.Tensor]], sampler: GlobalBatchSampler, *, accum_steps: int
 ) -> Iterator[tuple[int, list[dict[str, torch.Tensor]]]]:
@@ -154,7 +169,7 @@ def global_batches(
     epoch = sampler.epoch
     while True:
         micro_batches: list[dict[str, torch.Tensor]] = []
-        for micro_batch in loader:
+        for micro_batch in iterate_loader(loader):
             micro_batches.append(micro_batch)
             if len(micro_batches) == accum_steps:
                 yield epoch, micro_batches

@@ -23,6 +23,7 @@ from toolkit.errors import UserError
 from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.parallel import unwrap
+from toolkit.training.step import iterate_loader
 
 
 class SizedBatches(Protocol):
@@ -114,7 +115,7 @@ def validation_loss(
         "labels": torch.full((1, 1), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long, device=device),
     }
     try:
-        batches = iter(loader)
+        batches = iterate_loader(loader)  # validation draws nothing from the training's RNG
         for _ in range(_max_over_ranks(len(loader), device=device)):
             batch = next(batches, None)
             batch = idle_batch if batch is None else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
