@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from toolkit.errors import UserError
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES
 from toolkit.modules.peft import (
     LoRALinear,
@@ -128,12 +129,12 @@ def test_qlora_stores_every_layer_projection_in_nf4(family: str, tmp_path: Path)
 def test_builder_arguments_are_checked(family: str):
     _, build = builders(family)
     with torch.device("meta"):
-        with pytest.raises(ValueError, match="unknown"):
+        with pytest.raises(UserError, match="unknown"):
             build(**DIMS[family], max_seq_len=MAX_SEQ_LEN, lora_attn_modules=["qkv_proj"])
-        with pytest.raises(ValueError, match="no adapters"):
+        with pytest.raises(UserError, match="no adapters"):
             build(**DIMS[family], max_seq_len=MAX_SEQ_LEN, lora_attn_modules=[])
         if family in TIED:
-            with pytest.raises(ValueError, match="ties"):
+            with pytest.raises(UserError, match="ties"):
                 build(**DIMS[family], max_seq_len=MAX_SEQ_LEN, lora_attn_modules=["q_proj"], apply_lora_to_output=True)
 
 

@@ -145,11 +145,11 @@ def test_disable_adapters_gives_the_base():
 
 
 def test_builder_arguments_are_checked():
-    with pytest.raises(ValueError, match="unknown"):
+    with pytest.raises(UserError, match="unknown"):
         lora_llama3(**DIMS, lora_attn_modules=["qkv_proj"], lora_rank=4, lora_alpha=8)
-    with pytest.raises(ValueError, match="ties"):
+    with pytest.raises(UserError, match="ties"):
         lora_llama3(**dict(DIMS, tie_word_embeddings=True), **LORA, lora_rank=4, lora_alpha=8)
-    with pytest.raises(ValueError, match="no adapters"):
+    with pytest.raises(UserError, match="no adapters"):
         lora_llama3(**DIMS, lora_attn_modules=[], lora_rank=4, lora_alpha=8)
 
 

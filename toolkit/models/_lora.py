@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from toolkit.errors import UserError
 from toolkit.models._decoder import LinearFactory
 from toolkit.modules.peft import DoRALinear, LoRALinear, NF4Linear
 
@@ -52,16 +53,16 @@ def lora_linear(
             unadapted output projection keep the model dtype.
 
     Raises:
-        ValueError: an unknown attention module, or nothing to adapt.
+        UserError: an unknown attention module, or nothing to adapt.
     """
     unknown = sorted(set(lora_attn_modules) - set(ATTN_MODULES))
     if unknown:
-        raise ValueError(f"lora_attn_modules: unknown {unknown}; choose from {list(ATTN_MODULES)}")
+        raise UserError(f"lora_attn_modules: unknown {unknown}; choose from {list(ATTN_MODULES)}")
     adapted = set(lora_attn_modules) | (set(MLP_MODULES) if apply_lora_to_mlp else set())
     if apply_lora_to_output:
         adapted.add("output")
     if not adapted:
-        raise ValueError("no adapters: set lora_attn_modules, apply_lora_to_mlp or apply_lora_to_output")
+        raise UserError("no adapters: set lora_attn_modules, apply_lora_to_mlp or apply_lora_to_output")
     adapter_cls = DoRALinear if use_dora else LoRALinear
 
     def linear(name: str, in_dim: int, out_dim: int, *, bias: bool = False) -> nn.Module:
@@ -102,7 +103,7 @@ def lora_builder(builder: Callable[..., Model]) -> Callable[..., Model]:
         model = builder(**kwargs, linear=lora_linear(**lora))
         # A tied output projection is the embedding, never made by `linear`: an output adapter has nowhere to go.
         if lora.get("apply_lora_to_output") and not isinstance(getattr(model, "output", None), LoRALinear):
-            raise ValueError(
+            raise UserError(
                 "apply_lora_to_output: this model ties its output projection to the embedding; set it false"
             )
         return model
