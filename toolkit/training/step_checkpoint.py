@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -374,12 +375,14 @@ class StepCheckpointer:
                 f"{path / TRAINER_STATE}: holds the {trainer['model_state']} model, but this recipe saves the "
                 f"{'trainable' if self.trainable_only else 'full'} one; resume with the recipe that wrote it"
             )
+        from toolkit.training.checkpointing import read_error  # it imports this module
+
         tensors = self._tensor_state(state)
         _check_tensors(path, tensors)
         try:
             dcp.load(tensors, checkpoint_id=str(path))
-        except Exception as e:  # DCP wraps each rank's failure; its text names the item and the file
-            raise UserError(f"{path}: cannot read the checkpoint ({_first_line(e)}); a file may be corrupt") from None
+        except (Exception, CheckpointException) as e:  # DCP's own exception, every rank's failure, is a BaseException
+            raise UserError(f"{path}: cannot read the checkpoint ({read_error(e)}); a file may be corrupt") from None
         set_model_state_dict(state.model, tensors["model"], options=self._options(strict=not self.trainable_only))
         set_optimizer_state_dict(
             state.model,
