@@ -8,7 +8,7 @@ import torch
 
 from tests.launch import run_tune
 from toolkit.errors import UserError
-from toolkit.training import parallel_dims, precision_policy
+from toolkit.training import StepCheckpointer, find_resume_checkpoint, parallel_dims, precision_policy
 
 FAST = ["max_steps=2", "dataset.num_samples=64", "progress_bar=false", "~eval_tasks", "batch_size=4", "micro_batch_size=2"]
 
@@ -114,3 +114,56 @@ def test_held_out_evaluation_under_zero3_matches_ddp(tmp_path):
         lines[strategy] = [line for line in result.stdout.splitlines() if line.startswith("held-out accuracy")]
         assert len(lines[strategy]) == 2 and all(line.endswith("/6)") for line in lines[strategy])
     assert lines["zero3"] == lines["ddp"]
+
+
+def completed_by_job(monkeypatch, output_dir: Path, step: int, job: str) -> Path:
+    """A ``step_<step>`` folder in ``output_dir`` marked complete by the torchrun job ``job``."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
+    path = output_dir / "checkpoints" / f"step_{step}"
+    path.mkdir(parents=True)
+    StepCheckpointer(output_dir, every_n_steps=1)._finish(path)
+    return path
+
+
+def test_a_restart_resumes_from_its_own_newest_checkpoint_not_resume_from(tmp_path, monkeypatch):
+    monkeypatch.delenv("TUNE_INJECT_FAULT", raising=False)
+    started_from = completed_by_job(monkeypatch, tmp_path / "earlier", 3, "job-a")
+    output_dir = tmp_path / "run"
+    stale = completed_by_job(monkeypatch, output_dir, 9, "job-a")  # another run's, left in output_dir
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    # A first launch resumes from the folder it is given, whatever output_dir holds.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert find_resume_checkpoint(str(started_from), output_dir) == started_from
+    # Restarted before it completed a checkpoint of its own, it goes back there (not to the stale one)...
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert find_resume_checkpoint(str(started_from), output_dir) == started_from
+    # ...and once it has one, to its newest.
+    own = completed_by_job(monkeypatch, output_dir, 6, "job-b")
+    assert find_resume_checkpoint(str(started_from), output_dir) == own
+    assert find_resume_checkpoint("auto", output_dir) == stale  # auto: the newest in output_dir, as before
+
+
+def test_max_restarts_after_resume_from_continues_from_the_new_checkpoint(tmp_path):
+    """A run started from another run's step_3 saves step_4, loses rank 1 after step 5, and is restarted by torchrun:
+    it must go on from step_4, not from step_3 again (promise 3: only the steps since the last checkpoint are lost)."""
+    tiny = [*FAST[1:], "dist_timeout_s=60"]  # FAST without its max_steps
+    first = run_tune(
+        "run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path / 'first'}", *tiny,
+        "max_steps=3", "save_every_n_steps=3", timeout_s=120, check=True,
+    )
+    started_from = tmp_path / "first" / "checkpoints" / "step_3"
+    assert first.returncode == 0 and (started_from / "COMPLETE").is_file()
+    result = run_tune(
+        "run", "--nproc_per_node", "2", "--max_restarts", "1", "full_finetune_distributed", "--config", "demo",
+        f"output_dir={tmp_path / 'second'}", *tiny, "max_steps=6", "save_every_n_steps=2",
+        f"resume_from={started_from}", env={"TUNE_INJECT_FAULT": "after_step:5:1"}, timeout_s=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = [line for line in result.stdout.splitlines() if line.startswith("resumed at step")]
+    assert resumed == [f"resumed at step 3 from {started_from}",
+                       f"resumed at step 4 from {tmp_path / 'second' / 'checkpoints' / 'step_4'}"], result.stdout
+    assert "restart 1: resuming from" in result.stderr and "not from resume_from=" in result.stderr
+    import json
+
+    steps = [json.loads(line)["step"] for line in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [4, 5, 6]

@@ -121,13 +121,35 @@ def find_resume_checkpoint(resume_from: str | None, output_dir: str | Path) -> P
 
     ``resume_from`` is ``None`` (start fresh), ``auto`` (the newest complete checkpoint in ``output_dir``, or a fresh
     start when there is none) or a ``step_<N>`` folder. Workers restarted by torchrun (``--max_restarts``) resume
-    ``auto`` whatever the config says: that is how a run recovers from a dead rank.
+    from the newest complete checkpoint in ``output_dir`` whatever the config says: that is how a run recovers from
+    a dead rank, losing only the steps since. A run started from a ``step_<N>`` folder goes back to that folder only
+    while its own job has completed no checkpoint of its own (older ones in ``output_dir``, of another run, are not
+    its own); on a first launch, the folder is always what it means.
 
     Raises:
         UserError: ``resume_from`` names a folder that is missing or not a complete checkpoint.
     """
-    if resume_from is None and restart_count() > 0:
-        resume_from = "auto"
+    restarts = restart_count()
+    if restarts > 0 and resume_from not in (None, "auto"):
+        own = next((p for p in reversed(list_checkpoints(output_dir)) if _written_by_this_job(p)), None)
+        if own is not None:
+            log.warning(
+                "restart %d: resuming from %s, the newest checkpoint this run completed, not from resume_from=%s, "
+                "where it started",
+                restarts, own, resume_from,
+            )
+            return own
+        log.warning(
+            "restart %d: resuming from resume_from=%s again: this run completed no checkpoint since it started there",
+            restarts, resume_from,
+        )
+    elif restarts > 0:
+        newest = latest_checkpoint(output_dir)
+        if newest is not None:
+            log.warning("restart %d: resuming from %s, the newest complete checkpoint in output_dir", restarts, newest)
+        else:
+            log.warning("restart %d: no complete checkpoint in %s yet: starting from the beginning", restarts, output_dir)
+        return newest
     if resume_from is None:
         return None
     if resume_from == "auto":
@@ -143,6 +165,14 @@ def find_resume_checkpoint(resume_from: str | None, output_dir: str | Path) -> P
             f"interrupted, or it is not a step checkpoint){hint}"
         )
     return path
+
+
+def _written_by_this_job(path: Path) -> bool:
+    # The marker names the job that completed the checkpoint (_job_key: the same across torchrun's restarts).
+    try:
+        return json.loads((path / COMPLETE_MARKER).read_text()).get("job") == _job_key()
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _rng_state() -> dict[str, Any]:
@@ -329,7 +359,8 @@ class StepCheckpointer:
             log.error("checkpoint %s was not completed: %s", path, future.exception())
             return
         inject_fault("save", step=checkpoint_step(path), rank=self.rank)
-        _write_atomically(path / COMPLETE_MARKER, json.dumps({"step": checkpoint_step(path)}) + "\n")
+        marker = {"step": checkpoint_step(path), "job": _job_key()}  # the job: see find_resume_checkpoint
+        _write_atomically(path / COMPLETE_MARKER, json.dumps(marker) + "\n")
         self._prune(newest=path)
 
     def _prune(self, *, newest: Path) -> None:
