@@ -53,9 +53,17 @@ def test_two_process_export_equals_the_model_and_loads_in_transformers(strategy,
 
 
 def test_single_process_export_streams_the_same_files_as_save(tmp_path):
+    from toolkit.models.llama3 import hf_config
+
     model = tiny_model()
-    checkpointer = HFCheckpointer(None, model_family="llama3")
+    # A source checkpoint with what the model cannot tell: its token ids and a longer context than the training's.
+    (tmp_path / "source").mkdir()
+    source = hf_config(model) | {"max_position_embeddings": 4096, "bos_token_id": 5, "eos_token_id": 6}
+    (tmp_path / "source" / "config.json").write_text(json.dumps(source))
+    checkpointer = HFCheckpointer(str(tmp_path / "source"), model_family="llama3")
     exported = checkpointer.export(model, tmp_path / "export", max_shard_bytes=20_000)
     saved = checkpointer.save(model, tmp_path / "save", max_shard_bytes=20_000)
     for name in sorted(p.name for p in saved.iterdir()):
         assert (exported / name).read_bytes() == (saved / name).read_bytes(), name
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["max_position_embeddings"], config["bos_token_id"], config["eos_token_id"]) == (4096, 5, 6)

@@ -13,6 +13,7 @@ import math
 import pkgutil
 import shutil
 import struct
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,14 +31,24 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import toolkit.models
-from toolkit.errors import UserError
+from toolkit.errors import UserError, read_json
 from toolkit.modules._dtensor import local_part
 from toolkit.training.distributed import barrier, shared_filesystem
 from toolkit.training.parallel import unwrap
 from toolkit.training.step_checkpoint import COMPLETE_MARKER, _check_tensors, _first_line, is_complete
 
+# Copied from the source checkpoint into an export when there: the tokenizer (fast or slow, and the chat template,
+# which transformers keeps in its own file) and the generation settings.
 _TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+# Keys of the source's config.json an export drops before laying the model's own over it: the rotary settings in
+# both spellings (transformers 5 reads its ``rope_parameters`` over the ``rope_theta``/``rope_scaling`` we write),
+# the dtype in both spellings (``dtype`` wins over our ``torch_dtype``), custom code and quantization (the export
+# is the family's standard architecture, dense).
+_NOT_FROM_SOURCE = (
+    "rope_scaling", "rope_theta", "rope_parameters", "dtype", "torch_dtype", "auto_map", "quantization_config",
 )
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SHARDS_DIR = ".shards"  # an export's intermediate per-rank shards, removed when it completes
@@ -93,6 +104,9 @@ class HFCheckpointer:
             model_family = toolkit.models.read_hf_config(self.checkpoint_dir)[1]
         self.family_name = model_family
         self.family = load_model_family(model_family)
+        # The source's config.json, which an export keeps (token ids, context length...) where the model agrees.
+        source_config = self.checkpoint_dir / "config.json" if self.checkpoint_dir is not None else None
+        self.source_config = read_json(source_config) if source_config and source_config.is_file() else None
 
     @torch.no_grad()
     def load(self, model: nn.Module, *, ignore_missing: Callable[[str], bool] | None = None) -> None:
@@ -246,10 +260,15 @@ class HFCheckpointer:
 
         saved = check_step_checkpoint(Path(checkpoint_dir)).state_dict_metadata
         specs, names = {}, {}
-        for key in model.state_dict():
+        for key, tensor in model.state_dict().items():
             entry = saved.get(prefix + key)
             if not isinstance(entry, TensorStorageMetadata):
                 raise UserError(f"{checkpoint_dir}: no tensor {prefix + key!r}; is it a checkpoint of this model?")
+            if tuple(entry.size) != tuple(tensor.shape):  # config.json describes the model: it must fit the tensors
+                raise UserError(
+                    f"{checkpoint_dir}: {prefix + key!r} has shape {tuple(entry.size)} but the model expects "
+                    f"{tuple(tensor.shape)}; is it a checkpoint of this model?"
+                )
             hf_key = self.family.tune_key_to_hf(key)
             specs[hf_key] = _TensorSpec(tuple(entry.size), entry.properties.dtype)
             names[hf_key] = prefix + key
@@ -270,7 +289,7 @@ class HFCheckpointer:
         files = _plan_files(specs, max_shard_bytes)
         rank = dist.get_rank() if collective and dist.is_initialized() else 0
         world_size = dist.get_world_size() if collective and all_ranks and dist.is_initialized() else 1
-        with self._output_folder(output_dir, model, collective=collective) as tmp_dir:
+        with self._output_folder(output_dir, model, _files_dtype(specs), collective=collective) as tmp_dir:
             read = source(tmp_dir)
             for i, (name, keys) in enumerate(files.items()):
                 if i % world_size == rank:
@@ -282,8 +301,11 @@ class HFCheckpointer:
         return Path(output_dir)
 
     @contextlib.contextmanager
-    def _output_folder(self, output_dir: str | Path, model: nn.Module, *, collective: bool = False) -> Iterator[Path]:
-        """A temporary folder to fill, renamed to ``output_dir`` (with config and tokenizer files) when complete."""
+    def _output_folder(
+        self, output_dir: str | Path, model: nn.Module, dtype: torch.dtype | None, *, collective: bool = False
+    ) -> Iterator[Path]:
+        """A temporary folder to fill, renamed to ``output_dir`` (with config and tokenizer files) when complete;
+        ``dtype`` is the weights' in the files."""
         output_dir = Path(output_dir)
         tmp_dir = output_dir.with_name(f".{output_dir.name}.partial")
         lead = not collective or not dist.is_initialized() or dist.get_rank() == 0
@@ -301,7 +323,10 @@ class HFCheckpointer:
         if not lead:
             return
         shutil.rmtree(tmp_dir / _SHARDS_DIR, ignore_errors=True)
-        (tmp_dir / "config.json").write_text(json.dumps(self.family.hf_config(unwrap(model)), indent=2))
+        config = export_config(self.source_config, self.family.hf_config(unwrap(model)))
+        if dtype is not None:
+            config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        (tmp_dir / "config.json").write_text(json.dumps(config, indent=2))
         if self.checkpoint_dir is not None:
             for name in _TOKENIZER_FILES:
                 if (self.checkpoint_dir / name).is_file():
@@ -309,6 +334,29 @@ class HFCheckpointer:
         if output_dir.exists():
             shutil.rmtree(output_dir)
         tmp_dir.rename(output_dir)
+
+
+def export_config(source: dict | None, ours: dict[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` of an export: the family's ``hf_config`` of the model (``ours``) laid over the source
+    checkpoint's, so that what the model cannot tell (token ids, generation and tokenizer settings...) is kept.
+
+    Every key ``ours`` writes is ours (the architecture is the model's); :data:`_NOT_FROM_SOURCE` keys come from
+    ours alone. ``max_position_embeddings`` is the larger of the two: a model built for a shorter training length
+    (``max_seq_len``) still serves the source's context. A source of another ``model_type`` is not used.
+    """
+    if not isinstance(source, dict) or source.get("model_type") != ours.get("model_type"):
+        return ours
+    config = {key: value for key, value in source.items() if key not in _NOT_FROM_SOURCE}
+    config.update(ours)
+    if isinstance(source.get("max_position_embeddings"), int):
+        config["max_position_embeddings"] = max(source["max_position_embeddings"], ours["max_position_embeddings"])
+    return config
+
+
+def _files_dtype(specs: dict[str, "_TensorSpec"]) -> torch.dtype | None:
+    """The dtype most floating-point tensors are written in (the config's ``torch_dtype``), or None."""
+    counts = Counter(spec.dtype for spec in specs.values() if spec.dtype.is_floating_point)
+    return counts.most_common(1)[0][0] if counts else None
 
 
 @dataclass(frozen=True)
