@@ -695,3 +695,40 @@ def test_nothing_fits_and_unknown_memory_are_user_errors():
         _plan(device_memory_gb=1)
     with pytest.raises(UserError, match="device_memory_gb"):
         _plan(device_memory_gb=None)
+
+
+def test_auto_on_a_cpu_never_picks_cpu_offload():
+    # On 2 CPU processes with 0.0545 GiB each, the demo fits only zero3+offload (50.1 MiB of 50.2 usable; zero3
+    # needs 56.9). The CPU has no device memory to offload from and parallel_dims refuses cpu_offload there, so
+    # auto must say that nothing fits rather than pick a plan the recipe then refuses with "remove cpu_offload".
+    with torch.device("meta"):
+        model = llama3_demo()
+    args = dict(model=model, strategy="auto", cpu_offload=False, batch_size=32, micro_batch_size=16,
+                device_memory_gb=0.0545, world_size=2, local_world_size=2, max_seq_len=64, dtype="fp32",
+                activation_checkpointing=False)
+    from toolkit.training.memory import plan_parallelism
+
+    with pytest.raises(UserError, match="^no data-parallel strategy fits 2 device"):
+        plan_parallelism(**args, device=torch.device("cpu"))
+    # Planned for a GPU of that size, offloading is what fits.
+    strategy, estimate, _ = choose_strategy(model, device_memory_bytes=int(0.0545 * GIB), world_size=2,
+                                            micro_batch_size=16, max_seq_len=64, dtype="fp32")
+    assert (strategy, estimate.cpu_offload) == ("zero3", True)
+    assert all(not offload for _, offload in candidate_strategies(world_size=2, cpu_offload=False))
+
+
+def test_auto_micro_batch_for_the_step_inside_backward_is_the_whole_share():
+    # The step inside backward cannot accumulate: where only a smaller micro batch fits, auto must refuse (naming
+    # why) instead of choosing one that check_optimizer_in_backward then refuses with a micro batch that does not fit.
+    def plan(**overrides):
+        return _plan(optimizer_in_backward=True, **overrides)[1]
+
+    assert _plan(device_memory_gb=60)[1].accumulation_steps > 1  # the case: with accumulation, less than 8 fits
+    with pytest.raises(UserError, match="optimizer_in_backward cannot accumulate gradients, so each process takes "
+                                        "its 8 sequences"):
+        plan(device_memory_gb=60)
+    fits = plan(device_memory_gb=1000)
+    assert (fits.micro_batch_size, fits.accumulation_steps) == (8, 1)
+    # data_parallel: auto too: the strategy is chosen for the whole share, not for 1 sequence.
+    both = plan(strategy="auto", device_memory_gb=1000)
+    assert both.accumulation_steps == 1 and both.strategy in ("zero2", "zero3")

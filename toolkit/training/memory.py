@@ -391,7 +391,7 @@ def estimate_memory(
 # --- Choosing a strategy -------------------------------------------------------------------------------------------
 
 
-def candidate_strategies(*, world_size: int, num_nodes: int = 1) -> list[tuple[str, bool]]:
+def candidate_strategies(*, world_size: int, num_nodes: int = 1, cpu_offload: bool = True) -> list[tuple[str, bool]]:
     """``(strategy, cpu_offload)`` pairs in the order ``auto`` tries them: least communication first.
 
     - ``ddp``: one bucketed gradient all-reduce per step, overlapped with backward; nothing else.
@@ -408,11 +408,14 @@ def candidate_strategies(*, world_size: int, num_nodes: int = 1) -> list[tuple[s
       depends on the shard count, so ``hsdp``'s variant (less inter-node traffic) is tried before ``zero3``'s.
 
     One process has nothing to shard over (``apply_data_parallel`` leaves the model as it is): only ``ddp``.
+    ``cpu_offload=False`` leaves out the offloaded variants: training on the CPU has no device memory to offload
+    from, and ``parallel_dims`` refuses ``cpu_offload`` there.
     """
     if world_size == 1:
         return [("ddp", False)]
     sharded = ["zero2", *(["hsdp"] if num_nodes > 1 else []), "zero3"]
-    return [("ddp", False), ("zero1", False), *((s, False) for s in sharded), *((s, True) for s in sharded)]
+    offloaded = [(s, True) for s in sharded] if cpu_offload else []
+    return [("ddp", False), ("zero1", False), *((s, False) for s in sharded), *offloaded]
 
 
 def choose_strategy(
@@ -432,11 +435,13 @@ def choose_strategy(
     gradient_accumulation_steps: int = 1,
     headroom: float = 0.9,
     kernels: StepKernels = StepKernels(),
+    cpu_offload: bool = True,
 ) -> tuple[str, MemoryEstimate, str]:
     """The cheapest strategy (order: :func:`candidate_strategies`) whose estimate fits ``headroom`` of the device.
 
     The other arguments are those of :func:`estimate_memory`. With ``optimizer_in_backward`` on several processes,
-    only the FSDP2 strategies are candidates (see :mod:`toolkit.training.optim`).
+    only the FSDP2 strategies are candidates (see :mod:`toolkit.training.optim`); with ``cpu_offload=False`` (training
+    on the CPU), no offloaded one is.
 
     Returns:
         ``(strategy, estimate, reason)``: the ``data_parallel`` value, its estimate (``estimate.cpu_offload`` says
@@ -448,7 +453,7 @@ def choose_strategy(
     usable = int(headroom * device_memory_bytes)
     budget = f"{format_bytes(usable)} usable ({headroom:.0%} of {format_bytes(device_memory_bytes)})"
     estimates = []
-    for strategy, offload in candidate_strategies(world_size=world_size, num_nodes=num_nodes):
+    for strategy, offload in candidate_strategies(world_size=world_size, num_nodes=num_nodes, cpu_offload=cpu_offload):
         if optimizer_in_backward and world_size > 1 and strategy not in _SHARDED:
             continue
         estimate = estimate_memory(
@@ -552,9 +557,10 @@ def plan_parallelism(
     """Resolve ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory estimate.
 
     ``data_parallel: auto`` picks the least-communicating strategy whose estimate fits ``headroom`` of the device
-    at the configured micro batch (at 1 when that is ``auto`` too). ``micro_batch_size: auto`` then picks the
-    largest micro batch that divides this rank's share of ``batch_size`` (so the global batch, and the training,
-    stay the same) and whose estimate fits. Given values pass through, checked.
+    at the configured micro batch (at 1 when that is ``auto`` too), never one with ``cpu_offload`` on a CPU.
+    ``micro_batch_size: auto`` then picks the largest micro batch that divides this rank's share of ``batch_size``
+    (so the global batch, and the training, stay the same) and whose estimate fits; with ``optimizer_in_backward``,
+    which cannot accumulate, that share whole or nothing. Given values pass through, checked.
 
     Args:
         model: the model, on the meta device (only shapes are read).
@@ -592,13 +598,17 @@ def plan_parallelism(
     common = dict(world_size=world_size, max_seq_len=max_seq_len, dtype=dtype,
                   activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
                   optimizer_in_backward=optimizer_in_backward, kernels=kernels)
-    micro = 1 if auto_batch else micro_batch_size
+    micro = micro_batch_size
+    if auto_batch:
+        # The step inside backward takes this rank's share of the batch at once (it cannot accumulate).
+        whole = optimizer_in_backward and batch_size >= world_size and batch_size % world_size == 0
+        micro = batch_size // world_size if whole else 1
     steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=world_size)
     reasons = []
     if strategy == "auto":
         strategy, estimate, reason = choose_strategy(
             model, device_memory_bytes=memory, num_nodes=num_nodes, micro_batch_size=micro,
-            gradient_accumulation_steps=steps, headroom=headroom, **common,
+            gradient_accumulation_steps=steps, headroom=headroom, cpu_offload=device.type != "cpu", **common,
         )
         cpu_offload = estimate.cpu_offload
         reasons.append(f"data_parallel: auto -> {reason}")
@@ -620,7 +630,10 @@ def _largest_micro_batch(
             f"batch_size: {batch_size} must be a positive multiple of the number of processes ({world_size})"
         )
     per_rank = batch_size // world_size
-    for micro in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
+    # The step inside backward cannot accumulate: this rank's share of the batch in one micro batch, or nothing.
+    divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+    candidates = [per_rank] if common["optimizer_in_backward"] else divisors
+    for micro in sorted(candidates, reverse=True):
         estimate = estimate_memory(
             model, strategy=strategy, num_nodes=num_nodes, cpu_offload=cpu_offload, micro_batch_size=micro,
             gradient_accumulation_steps=per_rank // micro, world_size=world_size, **common,
@@ -632,6 +645,13 @@ def _largest_micro_batch(
             )
     fixes = _activation_fixes(common["activation_checkpointing"], common["activation_offloading"]) + [
         "a shorter max_seq_len", "a sharded data_parallel strategy", "LoRA/QLoRA"]
+    if common["optimizer_in_backward"]:
+        raise UserError(
+            f"micro_batch_size: auto: optimizer_in_backward cannot accumulate gradients, so each process takes its "
+            f"{per_rank} sequences of the batch at once, and {per_rank} sequences of {common['max_seq_len']} tokens "
+            f"do not fit {format_bytes(usable)} per device under {strategy} (needs {format_bytes(estimate.total)}); "
+            f"try a smaller batch_size, {', '.join(fixes)}, or optimizer_in_backward=false"
+        )
     raise UserError(
         f"micro_batch_size: auto: not even 1 sequence of {common['max_seq_len']} tokens fits {format_bytes(usable)} "
         f"per device under {strategy} (needs {format_bytes(estimate.total)}); try {', '.join(fixes)}"
