@@ -158,3 +158,73 @@ def test_head_counts_must_match_and_family_must_convert(tmp_path):
         MetaCheckpointer(str(tmp_path), model_family="llama3").load(tiny())
     with pytest.raises(UserError, match=r"'qwen2_5' has no Meta checkpoint conversion"):
         MetaCheckpointer(str(tmp_path), model_family="qwen2_5").load(tiny())
+
+
+def lora_step_checkpoint(tmp_path):
+    """A LoRA run's step checkpoint (adapters only) on a two-file Meta base, and the model it holds."""
+    from omegaconf import OmegaConf
+
+    from toolkit.data import GlobalBatchSampler
+    from toolkit.training import StepCheckpointer, TrainingState
+
+    (tmp_path / "meta").mkdir()
+    write_meta(tiny(), tmp_path / "meta", num_files=2)
+    cfg = OmegaConf.create({
+        "seed": 0,
+        "model": {"_component_": "toolkit.models.llama3.lora_llama3", "lora_attn_modules": ["q_proj", "v_proj"],
+                  "lora_rank": 2, "lora_alpha": 4, **SIZE},
+        "checkpointer": {"_component_": "toolkit.training.meta_checkpoint.MetaCheckpointer",
+                         "checkpoint_dir": str(tmp_path / "meta"), "model_family": "llama3"},
+    })
+    model = instantiate(cfg.model)
+    instantiate(cfg.checkpointer).load(model, ignore_missing=is_adapter_key)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.requires_grad_(is_adapter_key(name))
+            if is_adapter_key(name):
+                param.normal_(std=0.1)  # as if trained: B starts at zero, which would hide a missing adapter
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    state = TrainingState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                          GlobalBatchSampler(8, global_batch_size=4))
+    step = StepCheckpointer(tmp_path / "run", every_n_steps=1, trainable_only=True).save(1, state, config=cfg)
+    return step, model.eval()
+
+
+def assert_merged_logits(folder, model):
+    """``folder`` loads in transformers and gives the LoRA model's logits (fp32, merged weights against the
+    adapter path: 1e-4 absolute on logits of magnitude ~1)."""
+    transformers = pytest.importorskip("transformers")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, model(tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.interop
+def test_a_lora_step_checkpoint_on_a_meta_base_exports_merged(tmp_path):
+    # tune export used to read the base with HFCheckpointer whatever the run's checkpointer: "no *.safetensors".
+    from toolkit.training.step_export import export_step_checkpoint
+
+    step, model = lora_step_checkpoint(tmp_path)
+    written = export_step_checkpoint(step, tmp_path / "export", merged=True)
+    assert written == [tmp_path / "export" / "adapter", tmp_path / "export" / "merged"]
+    assert_merged_logits(written[1], model)
+
+
+@pytest.mark.interop
+def test_a_moved_meta_base_is_named_and_found_with_base(tmp_path, capsys):
+    from toolkit.cli.main import main
+
+    step, model = lora_step_checkpoint(tmp_path)
+    (tmp_path / "meta").rename(tmp_path / "moved")
+    out = tmp_path / "export"
+    capsys.readouterr()
+    assert main(["export", str(step), "--output", str(out), "--merged"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"base checkpoint {tmp_path / 'meta'} (checkpointer.checkpoint_dir) is gone" in err
+    assert "merged" in err and "--base" in err and not out.exists()
+    # Without --merged the adapters need no base.
+    assert main(["export", str(step), "--output", str(out)]) == 0
+    assert main(["export", str(step), "--output", str(out), "--merged", "--overwrite", "--base", str(tmp_path / "moved")]) == 0
+    assert_merged_logits(out / "merged", model)

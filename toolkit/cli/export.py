@@ -19,37 +19,15 @@ def parse_size(text: str) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    """Run ``tune export`` (see :func:`toolkit.training.step_export.export_step_checkpoint`)."""
+    """Run ``tune export`` (see :func:`toolkit.training.step_export.export_step_checkpoint`, which checks the
+    checkpoint and ``--output`` before it writes anything)."""
     # Imported here so that `tune --help` and the other commands do not pay for importing torch.
-    from omegaconf import OmegaConf
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from toolkit.training.checkpointing import check_step_checkpoint, read_error
-    from toolkit.training.step_checkpoint import _first_line
     from toolkit.training.step_export import export_step_checkpoint
 
-    checkpoint, output = Path(args.checkpoint), Path(args.output)
-    max_shard_bytes = parse_size(args.max_shard_size)
-    # --overwrite replaces the output folder: never the checkpoint itself, nor a folder holding it.
-    if output.resolve() in (checkpoint.resolve(), *checkpoint.resolve().parents):
-        raise UserError(f"--output: {output} holds the checkpoint {checkpoint}; choose another folder")
-    if output.exists() and not args.overwrite:
-        raise UserError(f"{output} exists; pass --overwrite to replace it")
-    # Every file is checked before anything is written: a damaged checkpoint is one line naming the file.
-    check_step_checkpoint(checkpoint)
-    config = checkpoint / "config.yaml"
-    try:
-        OmegaConf.load(config)
-    except FileNotFoundError:
-        raise UserError(f"{config}: missing; {checkpoint} is not a step checkpoint") from None
-    except Exception as e:
-        raise UserError(f"{config}: unreadable ({_first_line(e)})") from None
-    try:
-        written = export_step_checkpoint(
-            checkpoint, output, merged=args.merged, overwrite=args.overwrite, max_shard_bytes=max_shard_bytes
-        )
-    except CheckpointException as e:  # a BaseException: the tensors' bytes are corrupt though their sizes are right
-        raise UserError(f"{checkpoint}: cannot read the checkpoint ({read_error(e)}); a file may be corrupt") from None
+    written = export_step_checkpoint(
+        Path(args.checkpoint), Path(args.output), merged=args.merged, overwrite=args.overwrite,
+        max_shard_bytes=parse_size(args.max_shard_size), base=args.base,
+    )
     for path in written:
         print(f"wrote {path}")
     return 0
@@ -72,4 +50,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--merged", action="store_true", help="adapters: also write the merged model")
     parser.add_argument("--max_shard_size", default="5GB", metavar="SIZE", help="largest safetensors file (default 5GB)")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    parser.add_argument(
+        "--base", metavar="DIR",
+        help="where the run's base checkpoint (its checkpointer.checkpoint_dir) is now, if it moved since the run",
+    )
     parser.set_defaults(handler=export)

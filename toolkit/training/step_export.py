@@ -3,23 +3,76 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 
 from toolkit.config import instantiate
 from toolkit.errors import UserError
-from toolkit.training.checkpointing import DEFAULT_MAX_SHARD_BYTES, HFCheckpointer
-from toolkit.training.step_checkpoint import COMPLETE_MARKER, _read_trainer_state, is_complete
+from toolkit.training.checkpointing import DEFAULT_MAX_SHARD_BYTES, HFCheckpointer, check_step_checkpoint, read_error
+from toolkit.training.step_checkpoint import _first_line, _read_trainer_state
 
 
-def _checkpointer(cfg) -> HFCheckpointer:
+def check_export(checkpoint: Path, output_dir: Path, *, overwrite: bool) -> DictConfig:
+    """Everything an export checks before it writes anything; returns the run's config (``config.yaml``).
+
+    Raises:
+        UserError: ``output_dir`` is or holds the checkpoint (even with ``overwrite``), or exists without
+            ``overwrite``; the checkpoint is incomplete, a file of it is missing, truncated or unreadable.
+    """
+    # overwrite replaces the output folder: never the checkpoint itself, nor a folder holding it.
+    if output_dir.resolve() in (checkpoint.resolve(), *checkpoint.resolve().parents):
+        raise UserError(f"--output: {output_dir} holds the checkpoint {checkpoint}; choose another folder")
+    if output_dir.exists() and not overwrite:
+        raise UserError(f"{output_dir} exists; pass --overwrite to replace it")
+    check_step_checkpoint(checkpoint)  # the marker, the metadata and every file's size
+    config = checkpoint / "config.yaml"
+    try:
+        return OmegaConf.load(config)
+    except FileNotFoundError:
+        raise UserError(f"{config}: missing; {checkpoint} is not a step checkpoint") from None
+    except Exception as e:
+        raise UserError(f"{config}: unreadable ({_first_line(e)})") from None
+
+
+def _names(node: Any, value: str) -> bool:
+    """Whether the (resolved) config ``node`` holds ``value`` anywhere."""
+    if isinstance(node, dict):
+        return any(_names(v, value) for v in node.values())
+    if isinstance(node, list):
+        return any(_names(v, value) for v in node)
+    return node == value
+
+
+def _checkpointer(cfg: DictConfig, checkpoint: Path, *, merged: bool) -> HFCheckpointer:
+    """The run's own checkpointer (``cfg.checkpointer``: HFCheckpointer, MetaCheckpointer...), on its base folder
+    when that is still there.
+
+    A full checkpoint holds every weight, so its base gives only the tokenizer files and the config.json facts an
+    export keeps; without it, the export is written from the model alone. The base is needed when the model is
+    built from it (``model_family: auto``, ``build_from_hf``) and to merge adapters into it.
+
+    Raises:
+        UserError: the base recorded in the run's config is gone where it is needed; says what to do.
+    """
     base = cfg.checkpointer.get("checkpoint_dir")
-    # The tokenizer files come from the base checkpoint when it is still there; the weights never need it for a
-    # full checkpoint.
-    base = base if base and Path(base).expanduser().is_dir() else None
-    return HFCheckpointer(base, model_family=cfg.checkpointer.model_family)
+    if base is None or Path(base).expanduser().is_dir():
+        return instantiate(cfg.checkpointer)
+    if cfg.checkpointer.get("model_family") == "auto":
+        need = "the model family and architecture are read from its config.json"
+    elif _names(OmegaConf.to_container(cfg.model, resolve=True), base):
+        need = "the model is built from it"
+    elif merged:
+        need = "the adapters are merged into its weights"
+    else:
+        return instantiate(cfg.checkpointer, checkpoint_dir=None)
+    raise UserError(
+        f"{checkpoint / 'config.yaml'}: the run's base checkpoint {base} (checkpointer.checkpoint_dir) is gone, and "
+        f"{need}; restore it there, or pass --base with the folder it moved to"
+    )
 
 
 def export_step_checkpoint(
@@ -29,34 +82,44 @@ def export_step_checkpoint(
     merged: bool = False,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    base: str | Path | None = None,
 ) -> list[Path]:
     """Write the model of ``checkpoint`` (a ``checkpoints/step_<N>`` folder) in Hugging Face layout.
 
     A full checkpoint becomes a Hugging Face model folder (config, sharded safetensors, tokenizer files of the base
     when it is still on disk), streamed a piece at a time, whatever the world size that wrote it. An adapter-only
     checkpoint (LoRA, DoRA, QLoRA) becomes ``<output_dir>/adapter`` in PEFT's format and, with ``merged``, the base
-    with the adapters merged in, ``<output_dir>/merged``; its base comes from the config's checkpoint (or the seed
-    for a random base, as in the demo).
+    with the adapters merged in, ``<output_dir>/merged``; its base comes from the config's checkpointer (any of
+    them: Hugging Face, Meta...), or the seed for a random base, as in the demo. Nothing is written before the
+    checkpoint and ``output_dir`` are checked (:func:`check_export`).
+
+    Args:
+        base: where the run's base checkpoint (its ``checkpointer.checkpoint_dir``) is now, if it moved.
 
     Returns:
         the folders written.
 
     Raises:
-        UserError: not a complete checkpoint, a base that is gone, or ``output_dir`` exists without ``overwrite``.
+        UserError: see :func:`check_export`; a base that is gone where it is needed, or a corrupt tensor.
     """
     checkpoint, output_dir = Path(checkpoint), Path(output_dir)
-    if not is_complete(checkpoint):
-        raise UserError(f"{checkpoint}: not a complete step checkpoint (no {COMPLETE_MARKER} marker)")
-    if output_dir.exists() and not overwrite:
-        raise UserError(f"{output_dir} exists; pass --overwrite to replace it")
+    cfg = check_export(checkpoint, output_dir, overwrite=overwrite)
     trainer = _read_trainer_state(checkpoint)
-    cfg = OmegaConf.load(checkpoint / "config.yaml")
-    checkpointer = _checkpointer(cfg)
+    if base is not None:
+        if not Path(base).expanduser().is_dir():
+            raise UserError(f"--base: {base} is not a folder")
+        cfg.checkpointer.checkpoint_dir = str(base)  # the config's model reads it through the interpolation too
+    checkpointer = _checkpointer(cfg, checkpoint, merged=merged and trainer["model_state"] != "full")
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    if trainer["model_state"] == "full":
-        return [checkpointer.save_from_dcp(model, checkpoint, output_dir, max_shard_bytes=max_shard_bytes)]
-    return _export_adapters(checkpoint, output_dir, cfg, model, checkpointer, merged=merged, max_shard_bytes=max_shard_bytes)
+    try:
+        if trainer["model_state"] == "full":
+            return [checkpointer.save_from_dcp(model, checkpoint, output_dir, max_shard_bytes=max_shard_bytes)]
+        return _export_adapters(
+            checkpoint, output_dir, cfg, model, checkpointer, merged=merged, max_shard_bytes=max_shard_bytes
+        )
+    except CheckpointException as e:  # a BaseException: the tensors' bytes are corrupt though their sizes are right
+        raise UserError(f"{checkpoint}: cannot read the checkpoint ({read_error(e)}); a file may be corrupt") from None
 
 
 def _export_adapters(checkpoint, output_dir, cfg, model, checkpointer, *, merged: bool, max_shard_bytes: int):
@@ -74,8 +137,6 @@ def _export_adapters(checkpoint, output_dir, cfg, model, checkpointer, *, merged
             model = instantiate(cfg.model)
         materialize(model, device=torch.device("cpu"))
         if base is not None:
-            if checkpointer.checkpoint_dir is None:
-                raise UserError(f"checkpointer.checkpoint_dir: the base {base} is gone; it is needed to merge")
             checkpointer.load(model, ignore_missing=is_adapter_key)
         else:
             init_weights(model)
