@@ -37,6 +37,7 @@ from toolkit.training import (
     apply_float8,
     check_float8_device,
     check_optimizer_in_backward,
+    claim_output_dir,
     compile_model,
     destroy_distributed,
     flops_per_token,
@@ -81,7 +82,8 @@ def train(cfg: DictConfig) -> None:
     precision = precision_policy(cfg.dtype, device=env.device)
     output_dir = Path(cfg.output_dir)
     profiler_options = profiler_settings(cfg.get("profiler"))  # a misspelled option stops here, before any output
-    # The newest complete step checkpoint with `resume_from: auto` (always after a restart by torchrun), or None.
+    # The checkpoint to resume from (`resume_from`; after a restart by torchrun, the run's own newest), or None for
+    # a fresh start. The folder is only checked here: nothing in it is cleared or written until the inputs are built.
     resume = on_rank_zero(start_run, output_dir, overwrite=cfg.overwrite, resume_from=cfg.resume_from)
 
     # --- Model: built on the meta device (no memory), then sharded or wrapped, materialized, initialized or loaded --
@@ -177,6 +179,9 @@ def train(cfg: DictConfig) -> None:
     else:
         optimizer = shard_optimizer_state(instantiate(fused_by_default(cfg.optimizer), trainable), dims=dims)
     lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
+
+    if resume is None:  # an old run in output_dir (overwrite=true) is cleared now that every input has been built
+        on_rank_zero(claim_output_dir, output_dir, overwrite=cfg.overwrite)
 
     # --- Step checkpoints: resume exactly where a run stopped, on any number of processes ----------------------------
     state = TrainingState(model, optimizer, lr_scheduler, sampler, grad_scaler)

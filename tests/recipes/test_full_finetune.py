@@ -109,6 +109,17 @@ def test_a_misspelled_profiler_option_stops_before_overwriting(single_run):
     assert "profiler.enabeld" in result.stderr and "did you mean 'enabled'" in result.stderr
     assert (single_run / "metrics.jsonl").read_text() == before
 
+
+def test_bad_data_stops_an_overwriting_run_before_it_clears_the_old_one(single_run):
+    # The data is built after the output folder is checked: `overwrite=true` must clear the old run only once
+    # everything that can fail on the user's input (model, checkpoint, tokenizer, data) is built.
+    before = sorted(p.relative_to(single_run) for p in single_run.rglob("*"))
+    result = tune("run", "full_finetune_single_device", "--config", "demo", f"output_dir={single_run}", *FAST,
+                  "overwrite=true", "dataset.num_samples=-1")
+    assert result.returncode == 2, result.stderr
+    assert "num_samples must be >= 0" in result.stderr
+    assert sorted(p.relative_to(single_run) for p in single_run.rglob("*")) == before
+
 def test_batch_size_that_does_not_divide_is_one_line_error(tmp_path):
     result = tune(
         "run", "--nproc_per_node", "2", "full_finetune_distributed", "--config", "demo",

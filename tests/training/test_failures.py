@@ -8,7 +8,14 @@ import torch
 
 from tests.launch import run_tune
 from toolkit.errors import UserError
-from toolkit.training import StepCheckpointer, find_resume_checkpoint, parallel_dims, precision_policy
+from toolkit.training import (
+    StepCheckpointer,
+    claim_output_dir,
+    find_resume_checkpoint,
+    parallel_dims,
+    precision_policy,
+    start_run,
+)
 
 FAST = ["max_steps=2", "dataset.num_samples=64", "progress_bar=false", "~eval_tasks", "batch_size=4", "micro_batch_size=2"]
 
@@ -142,6 +149,33 @@ def test_a_restart_resumes_from_its_own_newest_checkpoint_not_resume_from(tmp_pa
     assert find_resume_checkpoint(str(started_from), output_dir) == own
     assert find_resume_checkpoint("auto", output_dir) == stale  # auto: the newest in output_dir, as before
 
+
+
+def test_a_fresh_start_checks_the_folder_first_and_clears_it_only_when_claimed(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    old = tmp_path / "run"
+    (old / "final").mkdir(parents=True)
+    (old / "metrics.jsonl").write_text("{}\n")
+    (old / "notes.txt").write_text("the user's own file")
+    with pytest.raises(UserError, match="already holds a run"):
+        start_run(old, overwrite=False, resume_from=None)
+    # overwrite=true: checked, but nothing is removed until the recipe claims the folder (its inputs all built).
+    assert start_run(old, overwrite=True, resume_from=None) is None
+    assert (old / "metrics.jsonl").is_file() and (old / "final").is_dir()
+    claim_output_dir(old, overwrite=True)
+    assert sorted(p.name for p in old.iterdir()) == [".job", "notes.txt"]
+    # A restart of the same job before its first checkpoint starts afresh over its own files, without overwrite.
+    (old / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert start_run(old, overwrite=False, resume_from=None) is None
+    claim_output_dir(old, overwrite=False)
+    assert not (old / "metrics.jsonl").exists()
+    # Another job's files are not its own.
+    (old / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    with pytest.raises(UserError, match="already holds a run"):
+        start_run(old, overwrite=False, resume_from=None)
 
 def test_max_restarts_after_resume_from_continues_from_the_new_checkpoint(tmp_path):
     """A run started from another run's step_3 saves step_4, loses rank 1 after step 5, and is restarted by torchrun:

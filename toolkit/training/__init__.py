@@ -50,6 +50,7 @@ from toolkit.training.profiling import StepProfiler, flops_per_token, measure_pe
 from toolkit.training.step_checkpoint import (
     StepCheckpointer,
     TrainingState,
+    claim_output_dir,
     find_resume_checkpoint,
     latest_checkpoint,
     start_run,
@@ -86,6 +87,7 @@ __all__ = [
     "breakpoint_on_rank",
     "check_float8_device",
     "check_optimizer_in_backward",
+    "claim_output_dir",
     "choose_strategy",
     "chunked_cross_entropy_sum",
     "clip_grad_norm",

@@ -498,10 +498,11 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def prepare_output_dir(output_dir: str | Path, *, overwrite: bool) -> Path:
+def prepare_output_dir(output_dir: str | Path, *, overwrite: bool, check_only: bool = False) -> Path:
     """Check that ``output_dir`` holds no finished or started run, or clear our files from it if ``overwrite``.
 
     Only what a run writes (``metrics.jsonl``, ``final/``, ``checkpoints/``) is removed; other files are kept.
+    ``check_only`` makes the check and touches nothing (a recipe checks first and clears once its inputs are built).
 
     Raises:
         UserError: the folder already holds a run and ``overwrite`` is False.
@@ -514,6 +515,8 @@ def prepare_output_dir(output_dir: str | Path, *, overwrite: bool) -> Path:
             f"output_dir: {output_dir} already holds a run ({existing[0].name}); "
             "pass overwrite=true to replace it, or choose another output_dir"
         )
+    if check_only:
+        return output_dir
     for path in existing:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     output_dir.mkdir(parents=True, exist_ok=True)

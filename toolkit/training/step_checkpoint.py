@@ -533,20 +533,37 @@ def _job_key() -> str:
 
 
 def start_run(output_dir: str | Path, *, overwrite: bool, resume_from: str | None) -> Path | None:
-    """Prepare ``output_dir`` for this run and return the checkpoint to resume from (None: a fresh start).
+    """The checkpoint to resume from (None: a fresh start), having checked that a fresh start may use ``output_dir``.
 
-    Run it on rank zero (``on_rank_zero``). Resuming leaves the folder as it is (the metrics log is cut back to
-    the checkpoint's step once it has loaded). A fresh start checks the folder like ``prepare_output_dir``; a
-    worker restarted by torchrun before the first checkpoint was written starts afresh over its own job's files.
+    Run it on rank zero (``on_rank_zero``), first thing. It writes nothing: a fresh start then calls
+    :func:`claim_output_dir` once everything that can fail on the user's input (model, weights, tokenizer, data)
+    is built, so a run that stops on a bad input leaves an old run in the folder as it was, even with
+    ``overwrite``. Resuming leaves the folder as it is (the metrics log is cut back to the checkpoint's step once it
+    has loaded).
+
+    Raises:
+        UserError: ``resume_from`` is not a complete checkpoint, or the folder holds a run and ``overwrite`` is off.
     """
     from toolkit.training.checkpointing import prepare_output_dir
 
-    output_dir = Path(output_dir)
     resume = find_resume_checkpoint(resume_from, output_dir)
-    if resume is not None:
-        return resume
-    owner = output_dir / _OWNER_FILE
-    ours = restart_count() > 0 and owner.is_file() and owner.read_text() == _job_key()
-    prepare_output_dir(output_dir, overwrite=overwrite or ours)
-    owner.write_text(_job_key())
-    return None
+    if resume is None:
+        prepare_output_dir(output_dir, overwrite=overwrite or _own_folder(output_dir), check_only=True)
+    return resume
+
+
+def claim_output_dir(output_dir: str | Path, *, overwrite: bool) -> None:
+    """For a fresh start (:func:`start_run` returned None), before the run's first write: clear what an old run
+    wrote into ``output_dir`` (``overwrite``) and mark the folder as this job's. A worker restarted by torchrun
+    before its first checkpoint starts afresh over its own job's files. Run it on rank zero (``on_rank_zero``).
+    """
+    from toolkit.training.checkpointing import prepare_output_dir
+
+    prepare_output_dir(output_dir, overwrite=overwrite or _own_folder(output_dir))
+    (Path(output_dir) / _OWNER_FILE).write_text(_job_key())
+
+
+def _own_folder(output_dir: str | Path) -> bool:
+    # A restarted worker's folder holds its own job's files (marked by claim_output_dir), not another run's.
+    owner = Path(output_dir) / _OWNER_FILE
+    return restart_count() > 0 and owner.is_file() and owner.read_text() == _job_key()
