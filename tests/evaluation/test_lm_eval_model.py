@@ -157,3 +157,22 @@ def test_processes_score_and_generate_disjoint_shares(demo_model, monkeypatch):
     assert [merged[i][0] for i in range(len(scoring))] == pytest.approx([s for s, _ in scores], abs=1e-4)
     assert [merged[i][1] for i in range(len(scoring))] == [greedy for _, greedy in scores]
     assert [{**generated_0, **generated_1}[i] for i in range(len(generating))] == texts
+
+
+def test_a_sampled_answer_is_the_same_on_any_number_of_processes(demo_model, monkeypatch):
+    # lm-eval's `repeats` (self-consistency tasks) sends copies of one request side by side: on 2 processes each
+    # copy of a pair went to another process, and both processes drew from generators seeded alike, so the pair's
+    # two samples were one and the same, and the answers differed from one process's.
+    settings = {"do_sample": True, "temperature": 1.0, "max_gen_toks": 6}
+    sampled = [request("generate_until", prompt, settings) for prompt in ("a", "a", "a", "a", "b")]
+    alone = ToolkitLM(demo_model, TOKENIZER, seed=3).generate_until(sampled)
+    assert len(set(alone[:4])) == 4, "4 samples of one prompt, 4 draws"
+    # A request's sample does not depend on the requests before it either (a lone copy gets the first's).
+    assert ToolkitLM(demo_model, TOKENIZER, seed=3).generate_until(sampled[:1]) == alone[:1]
+    shares: list[dict] = []
+    monkeypatch.setattr(ToolkitLM, "_all_gather", lambda self, mine, count: shares.append(mine) or [None] * count)
+    for rank in (0, 1):
+        ToolkitLM(demo_model, TOKENIZER, seed=3, rank=rank, world_size=2).generate_until(sampled)
+    merged = {**shares[0], **shares[1]}
+    # Exactly equal: the same draws for the same request, on one process or two.
+    assert [merged[i] for i in range(len(sampled))] == alone

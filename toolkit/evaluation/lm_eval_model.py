@@ -6,6 +6,7 @@ it when it is missing.
 """
 
 import contextlib
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -64,8 +65,10 @@ class ToolkitLM(LM):
     returns every answer and the harness computes the same metrics on each. A model sharded by FSDP2 all-gathers
     each layer's weights in every forward, a collective, so there every process runs as many scoring batches as the
     busiest one (idle ones on a single token), and every process generates for every request (the same weights and
-    prompts give the same tokens, and sampling draws from generators seeded alike), rather than stopping after
-    different numbers of tokens. lm-eval's own splitting needs an ``accelerate`` object before 0.4.11 and pads the
+    prompts give the same tokens), rather than stopping after different numbers of tokens. A sampled generation draws
+    from a generator of its own, seeded from ``seed`` and the request's index, so its text does not depend on which
+    process generates it or on the requests before it, and copies of one request (lm-eval's ``repeats``) are
+    different draws. lm-eval's own splitting needs an ``accelerate`` object before 0.4.11 and pads the
     requests of uneven ranks with duplicates; this way works the same on every 0.4 release.
 
     Args:
@@ -76,7 +79,7 @@ class ToolkitLM(LM):
         autocast: context for forward passes (mixed precision without FSDP2), e.g. the recipe's precision policy's.
         rank: this process's rank among ``world_size`` processes that share the work.
         world_size: processes that call every method together with the same requests.
-        seed: seeds the generator for sampled generations.
+        seed: with each request's index, seeds the generator of its sampled generation.
         apply_chat_template: contexts are conversations rendered by :meth:`apply_chat_template` (lm-eval's option of
             the same name).
 
@@ -112,7 +115,8 @@ class ToolkitLM(LM):
         self.max_seq_len: int = model.max_seq_len
         self._device = model.embed_tokens.weight.device
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
-        self.generator = torch.Generator(device=self._device).manual_seed(seed)
+        self.seed = seed
+        self._generate_calls = 0  # a later generate_until call gets other draws than an earlier one
         self.chat = ChatTemplate(tokenizer) if apply_chat_template else None
 
     # --- chat templates -------------------------------------------------------------------------------------------
@@ -239,7 +243,8 @@ class ToolkitLM(LM):
         settings = [self._generation_settings(request) for request in requests]
         # Under FSDP2 every process generates for every request (see the class docstring); else each its share.
         mine = range(len(requests)) if self.sharded else range(self.process_rank, len(requests), self.num_processes)
-        texts = {i: self._generate(requests[i].args[0], **settings[i]) for i in mine}
+        call, self._generate_calls = self._generate_calls, self._generate_calls + 1
+        texts = {i: self._generate(requests[i].args[0], **settings[i], generator=self._generator(call, i)) for i in mine}
         return [texts[i] for i in range(len(requests))] if self.sharded else self._all_gather(texts, len(requests))
 
     def _generation_settings(self, request: Instance) -> dict:
@@ -263,9 +268,15 @@ class ToolkitLM(LM):
             "top_p": kwargs.get("top_p"),
         }
 
+    def _generator(self, call: int, index: int) -> torch.Generator:
+        """The random stream of request ``index`` of this adapter's ``call``-th ``generate_until``: the same on every
+        process, and another for every request (a hash of the three numbers seeds it)."""
+        digest = hashlib.sha256(f"{self.seed},{call},{index}".encode()).digest()
+        return torch.Generator(device=self._device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
     def _generate(
         self, context: str, *, until: list[str], max_new_tokens: int, temperature: float, top_k: int | None,
-        top_p: float | None,
+        top_p: float | None, generator: torch.Generator,
     ) -> str:
         prompt = self.encode_context(context) or [self.tokenizer.bos_id]
 
@@ -277,7 +288,7 @@ class ToolkitLM(LM):
             generated = generate(
                 self.model, prompt[-(self.max_seq_len - 1) :], max_new_tokens=max_new_tokens,
                 stop_tokens=self.tokenizer.stop_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                generator=self.generator, stop_when=reached_stop_string if until else None,
+                generator=generator, stop_when=reached_stop_string if until else None,
             )
         text = self.tokenizer.decode(generated)
         for stop in until:
