@@ -137,3 +137,23 @@ def test_an_output_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys):
     output = tmp_path / "taken" / "m.png"
     assert main(["plot", str(run), "-o", str(output)]) == 1
     assert one_line(capsys.readouterr().err).startswith(f"tune: error: cannot write '{output}': ")
+
+
+def test_an_output_without_a_suffix_is_a_png_at_that_very_path(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path / "run", steps=3, start_loss=3.0)
+    output = tmp_path / "runs"
+    assert main(["plot", str(run), "-o", str(output)]) == 0
+    # matplotlib alone would write runs.png while we said "wrote .../runs".
+    assert output.read_bytes().startswith(PNG_SIGNATURE) and not output.with_suffix(".png").exists()
+    assert f"wrote {output}" in capsys.readouterr().out
+
+
+def test_an_output_format_matplotlib_cannot_write_is_a_one_line_error(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path / "run", steps=3, start_loss=3.0)
+    assert main(["plot", str(run), "-o", str(tmp_path / "runs.xyz")]) == 1
+    error = one_line(capsys.readouterr().err)
+    assert error.startswith(f"tune: error: cannot write '{tmp_path / 'runs.xyz'}': no image format 'xyz'")
+    assert "png" in error
+    assert not (tmp_path / "runs.xyz").exists()

@@ -149,10 +149,17 @@ def plot(args: argparse.Namespace) -> int:
         print(_INSTALL_HINT)
         return 0
     output = Path(args.output)
+    # The suffix names the format (runs.svg, runs.pdf); a name without one is a PNG at exactly that path, where
+    # matplotlib alone would add ".png" to it.
+    image_format = output.suffix[1:].lower() or "png"
+    formats = importlib.import_module("matplotlib.backend_bases").FigureCanvasBase.get_supported_filetypes()
+    if image_format not in formats:
+        choices = ", ".join(sorted(formats))
+        raise UserError(f"cannot write '{output}': no image format '{image_format}'; choose from {choices}")
     figure = plot_runs(runs, metrics)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(output, dpi=120)
+        figure.savefig(output, dpi=120, format=image_format)
     except OSError as e:
         raise UserError(f"cannot write '{output}': {e.strerror or e}") from None
     print(f"wrote {output}")
@@ -172,7 +179,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("run_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's output_dir (has metrics.jsonl)")
     parser.add_argument(
-        "--output", "-o", default="metrics.png", metavar="FILE", help="PNG to write (default: %(default)s)"
+        "--output", "-o", default="metrics.png", metavar="FILE",
+        help="image to write: a PNG, unless its suffix names another format, e.g. .svg or .pdf (default: %(default)s)",
     )
     parser.add_argument(
         "--metrics",
