@@ -244,7 +244,9 @@ class ToolkitLM(LM):
         # Under FSDP2 every process generates for every request (see the class docstring); else each its share.
         mine = range(len(requests)) if self.sharded else range(self.process_rank, len(requests), self.num_processes)
         call, self._generate_calls = self._generate_calls, self._generate_calls + 1
-        texts = {i: self._generate(requests[i].args[0], **settings[i], generator=self._generator(call, i)) for i in mine}
+        texts = {
+            i: self._generate(requests[i].args[0], **settings[i], generator=self._generator(call, i)) for i in mine
+        }
         return [texts[i] for i in range(len(requests))] if self.sharded else self._all_gather(texts, len(requests))
 
     def _generation_settings(self, request: Instance) -> dict:
