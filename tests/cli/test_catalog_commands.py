@@ -121,6 +121,21 @@ def test_validate_refuses_a_new_key_the_recipe_never_reads(tune) -> None:
     )
 
 
+
+def test_validate_checks_a_copied_config_against_the_recipe_given(tune, tree) -> None:
+    copy = tree.work / "mine.yaml"
+    copy.write_text((tree.configs / "toy" / "small.yaml").read_text())
+    # Outside recipe_configs/ the recipe is not known: the override passes, and the output says what was not checked.
+    result = tune("validate", str(copy), "mesage=hi")
+    assert result.returncode == 0 and "pass --recipe" in result.stdout
+    for recipe in ("toy", "toy_distributed", str(tree.recipes / "toy.py")):
+        result = tune("validate", "--recipe", recipe, str(copy), "mesage=hi")
+        assert result.returncode == 1
+        assert "no key 'mesage' in the config, and recipe toy does not read one; did you mean 'message'?" in result.stderr
+    assert tune("validate", "--recipe", "toy", str(copy), "message=hi").stdout == f"OK: {copy}\n"
+    result = tune("validate", "--recipe", "tyo", str(copy))
+    assert result.returncode == 1 and "unknown recipe 'tyo'" in result.stderr
+
 def test_validate_refuses_deleting_a_key_the_recipe_reads(tune) -> None:
     result = tune("validate", "toy/small", "~message")
     assert result.returncode == 1
