@@ -216,7 +216,7 @@ def train(cfg: DictConfig) -> None:
     state = TrainingState(model, optimizer, lr_scheduler, sampler, grad_scaler)
     checkpoints = StepCheckpointer(
         output_dir, every_n_steps=cfg.save_every_n_steps, keep_last_n=cfg.keep_last_n, async_save=cfg.async_save,
-        trainable_only=True,
+        trainable_only=True, base_checkpoint=checkpointer.checkpoint_dir,
     )
     step = checkpoints.load(resume, state, config=cfg) if resume is not None else 0
 

@@ -2,6 +2,7 @@
 (the conversion of real runs: tests/recipes/test_resume.py)."""
 
 import json
+import shutil
 
 import pytest
 
@@ -209,3 +210,123 @@ def test_the_python_api_checks_what_the_command_checks(tmp_path):
     with pytest.raises(UserError, match=message):
         export_step_checkpoint(step, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+# --- a step checkpoint keeps its base's config.json and tokenizer files: it exports alone ---------------------------
+
+
+def write_base(folder):
+    """A tiny Llama base as transformers saves it (bos 5, eos 6, pad 7, 128 positions), with a tokenizer.json."""
+    import tokenizers
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, bos_token_id=5, eos_token_id=6, pad_token_id=7,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    vocab = {f"w{i}": i for i in range(64)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "w5", "eos_token": "w6", "pad_token": "w7"}))
+
+
+def write_run_on_a_base(tmp_path, *, model_family="llama3"):
+    """A step checkpoint of a full fine-tune of ``write_base`` (trained at 32 tokens), which keeps its base's files as
+    the recipes' StepCheckpointer does, and the trained model."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from toolkit.config import instantiate
+    from toolkit.data import GlobalBatchSampler
+    from toolkit.training import StepCheckpointer, TrainingState
+
+    write_base(tmp_path / "base")
+    model_cfg = {"_component_": "toolkit.models.llama3.llama3", "vocab_size": 64, "num_layers": 1, "num_heads": 2,
+                 "num_kv_heads": 1, "embed_dim": 16, "intermediate_dim": 32, "max_seq_len": 32}
+    if model_family == "auto":
+        model_cfg = {"_component_": "toolkit.models.build_from_hf", "path": "${checkpointer.checkpoint_dir}",
+                     "max_seq_len": 32}
+    cfg = OmegaConf.create({
+        "seed": 0,
+        "model": model_cfg,
+        "checkpointer": {"_component_": "toolkit.training.HFCheckpointer", "checkpoint_dir": str(tmp_path / "base"),
+                         "model_family": model_family},
+    })
+    model = instantiate(cfg.model)
+    checkpointer = instantiate(cfg.checkpointer)
+    checkpointer.load(model)
+    torch.nn.init.normal_(model.layers[0].mlp.up_proj.weight)  # as if trained: not the base's weights
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = TrainingState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                          GlobalBatchSampler(8, global_batch_size=4))
+    step = StepCheckpointer(tmp_path / "run", every_n_steps=1, base_checkpoint=checkpointer.checkpoint_dir).save(
+        1, state, config=cfg
+    )
+    return step, model.eval()
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("model_family", ["llama3", "auto"])
+def test_a_checkpoint_whose_base_is_gone_exports_with_the_base_files_it_keeps(model_family, tmp_path, caplog):
+    # It used to write config.json from the model alone (transformers' token ids 1/2/None, 32 positions) and no
+    # tokenizer; with model_family auto it stopped, the architecture being read from the base's config.json.
+    transformers = pytest.importorskip("transformers")
+    step, model = write_run_on_a_base(tmp_path, model_family=model_family)
+    base_files = {p.name: p.read_bytes() for p in (tmp_path / "base").iterdir() if p.suffix != ".safetensors"}
+    (tmp_path / "base").rename(tmp_path / "wiped")
+    shutil.rmtree(tmp_path / "wiped")
+    assert main(["export", str(step), "--output", str(tmp_path / "hf")]) == 0
+    assert not caplog.records, "nothing is missing: no notice"
+    loaded = assert_same_logits(tmp_path / "hf", model)
+    config = loaded.config
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id, config.max_position_embeddings) == (5, 6, 7, 128)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == base_files[name], name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer("w9 w3")["input_ids"][-2:]) == (5, 6, [9, 3])
+
+
+@pytest.mark.interop
+def test_the_base_files_the_run_had_win_over_a_changed_base(tmp_path):
+    pytest.importorskip("transformers")
+    step, _ = write_run_on_a_base(tmp_path)
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    (tmp_path / "base" / "config.json").write_text(json.dumps(config | {"bos_token_id": 9}))
+    (tmp_path / "base" / "tokenizer.json").write_text("{}")
+    (tmp_path / "base" / "merges.txt").write_text("a b\n")  # the copy lacks it: the base's is taken
+    assert main(["export", str(step), "--output", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["bos_token_id"] == 5
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (step / "base_files" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "hf" / "merges.txt").read_text() == "a b\n"
+
+
+@pytest.mark.interop
+def test_an_old_checkpoint_whose_base_is_gone_exports_with_a_one_line_notice(tmp_path, caplog):
+    pytest.importorskip("transformers")
+    step, model = write_run_on_a_base(tmp_path)
+    shutil.rmtree(step / "base_files")  # as checkpoints were written before they kept them
+    shutil.rmtree(tmp_path / "base")
+    assert main(["export", str(step), "--output", str(tmp_path / "hf")]) == 0
+    (notice,) = [r.getMessage() for r in caplog.records]
+    assert "\n" not in notice and f"base checkpoint {tmp_path / 'base'} is gone" in notice, notice
+    assert "token ids" in notice and "tokenizer files are not known" in notice and "--base" in notice
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+    assert assert_same_logits(tmp_path / "hf", model).config.max_position_embeddings == 32
+
+
+@pytest.mark.interop
+def test_a_run_from_a_step_checkpoint_exports_its_base_files(tmp_path):
+    # checkpointer.checkpoint_dir=<run>/checkpoints/step_N starts a new run from its weights: its final export takes
+    # the config.json facts and the tokenizer from the checkpoint's copy of its base's files.
+    pytest.importorskip("transformers")
+    from toolkit.training import HFCheckpointer
+
+    step, model = write_run_on_a_base(tmp_path)
+    shutil.rmtree(tmp_path / "base")
+    final = HFCheckpointer(str(step), model_family="llama3").save(model, tmp_path / "final")
+    assert assert_same_logits(final, model).config.bos_token_id == 5
+    assert (final / "tokenizer.json").read_bytes() == (step / "base_files" / "tokenizer.json").read_bytes()

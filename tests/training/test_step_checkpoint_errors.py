@@ -67,3 +67,63 @@ def test_resume_from_a_corrupt_checkpoint_is_one_line_and_exit_2(tmp_path):
     assert result.stderr.strip().count("\n") == 0, result.stderr[-2000:]
     assert f"{damaged}: cannot read the checkpoint" in result.stderr
     assert not (tmp_path / "second" / "metrics.jsonl").exists()
+
+
+# --- the base's config.json and tokenizer files, kept in every checkpoint for export ---------------------------------
+
+
+def test_every_checkpoint_keeps_the_base_files_with_async_saves_pruning_and_resume(tmp_path, caplog, monkeypatch):
+    from toolkit.training import step_checkpoint
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text('{"bos_token_id": 5}')
+    (base / "tokenizer.json").write_text('{"model": {}}')
+    (base / "tokenizer.model").write_bytes(bytes(2000))  # over the limit below: left out, and said so
+    (base / "model.safetensors").write_bytes(bytes(100))  # weights: never copied
+    monkeypatch.setattr(step_checkpoint, "MAX_BASE_FILE_BYTES", 1000)
+    cfg = OmegaConf.create({"model": {"in_features": 4, "out_features": 3}})
+    checkpoints = StepCheckpointer(tmp_path / "run", every_n_steps=1, keep_last_n=2, async_save=True, base_checkpoint=base)
+    state = training_state(0)
+    for step in (1, 2, 3):
+        path = checkpoints.save(step, state, config=cfg)
+    checkpoints.wait()
+    (too_large,) = [r.getMessage() for r in caplog.records]
+    assert f"{base / 'tokenizer.model'}: 0 MB, too large" in too_large and "\n" not in too_large
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [".base_files", "step_2", "step_3"]
+    for step in ("step_2", "step_3"):
+        kept = root / step / "base_files"
+        assert sorted(p.name for p in kept.iterdir()) == ["config.json", "tokenizer.json"]
+        assert (kept / "config.json").read_text() == '{"bos_token_id": 5}'
+    assert (root / "step_3" / "base_files" / "tokenizer.json").stat().st_nlink == 3, "hard links, not copies"
+    # Resuming reads none of it, and a new run's first save copies the base afresh (older checkpoints keep theirs).
+    resumed = training_state(1)
+    assert StepCheckpointer(tmp_path / "run", every_n_steps=1).load(path, resumed, config=cfg) == 3
+    assert torch.equal(resumed.model.weight, state.model.weight)
+    (base / "config.json").write_text('{"bos_token_id": 8}')
+    again = StepCheckpointer(tmp_path / "run", every_n_steps=1, base_checkpoint=base).save(4, resumed, config=cfg)
+    assert (again / "base_files" / "config.json").read_text() == '{"bos_token_id": 8}'
+    assert (root / "step_3" / "base_files" / "config.json").read_text() == '{"bos_token_id": 5}'
+
+
+def test_a_run_started_from_a_step_checkpoint_keeps_that_checkpoints_base_files(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "tokenizer_config.json").write_text("{}")
+    cfg = OmegaConf.create({"model": {"in_features": 4, "out_features": 3}})
+    first = StepCheckpointer(tmp_path / "first", every_n_steps=1, base_checkpoint=base).save(1, training_state(0), config=cfg)
+    second = StepCheckpointer(tmp_path / "second", every_n_steps=1, base_checkpoint=first).save(
+        1, training_state(0), config=cfg
+    )
+    assert [p.name for p in (second / "base_files").iterdir()] == ["tokenizer_config.json"]
+
+
+def test_a_base_without_such_files_adds_no_folder(tmp_path):
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "meta" / "params.json").write_text("{}")
+    cfg = OmegaConf.create({"model": {"in_features": 4, "out_features": 3}})
+    step = StepCheckpointer(tmp_path / "run", every_n_steps=1, base_checkpoint=tmp_path / "meta").save(
+        1, training_state(0), config=cfg
+    )
+    assert sorted(p.name for p in step.parent.iterdir()) == ["step_1"] and not (step / "base_files").exists()

@@ -35,7 +35,13 @@ from toolkit.errors import UserError, read_json
 from toolkit.modules._dtensor import local_part
 from toolkit.training.distributed import barrier, shared_filesystem
 from toolkit.training.parallel import unwrap
-from toolkit.training.step_checkpoint import COMPLETE_MARKER, _check_tensors, _first_line, is_complete
+from toolkit.training.step_checkpoint import (
+    COMPLETE_MARKER,
+    _check_tensors,
+    _first_line,
+    base_files_dir,
+    is_complete,
+)
 
 # Copied from the source checkpoint into an export when there: the tokenizer (fast or slow, and the chat template,
 # which transformers keeps in its own file) and the generation settings.
@@ -104,9 +110,25 @@ class HFCheckpointer:
             model_family = toolkit.models.read_hf_config(self.checkpoint_dir)[1]
         self.family_name = model_family
         self.family = load_model_family(model_family)
-        # The source's config.json, which an export keeps (token ids, context length...) where the model agrees.
-        source_config = self.checkpoint_dir / "config.json" if self.checkpoint_dir is not None else None
-        self.source_config = read_json(source_config) if source_config and source_config.is_file() else None
+        # Where an export takes the source's config.json (token ids, context length... where the model agrees) and
+        # tokenizer files from, the first folder holding each: a step checkpoint's copy of its base's, or the folder.
+        self.source_dirs: tuple[Path, ...] = ()
+        self.source_config: dict | None = None
+        if self.checkpoint_dir is not None:
+            self.prefer_source_files(self.checkpoint_dir)
+            self.prefer_source_files(base_files_dir(self.checkpoint_dir))
+
+    def prefer_source_files(self, folder: Path | None) -> None:
+        """Take an export's ``config.json`` and tokenizer files from ``folder`` first (a step checkpoint's
+        ``base_files``: the base's files as the run had them), and from the earlier folders for those it lacks."""
+        if folder is None:
+            return
+        self.source_dirs = (Path(folder), *self.source_dirs)
+        source_config = self._source_file("config.json")
+        self.source_config = read_json(source_config) if source_config is not None else None
+
+    def _source_file(self, name: str) -> Path | None:
+        return next((folder / name for folder in self.source_dirs if (folder / name).is_file()), None)
 
     @torch.no_grad()
     def load(self, model: nn.Module, *, ignore_missing: Callable[[str], bool] | None = None) -> None:
@@ -327,10 +349,9 @@ class HFCheckpointer:
         if dtype is not None:
             config["torch_dtype"] = str(dtype).removeprefix("torch.")
         (tmp_dir / "config.json").write_text(json.dumps(config, indent=2))
-        if self.checkpoint_dir is not None:
-            for name in _TOKENIZER_FILES:
-                if (self.checkpoint_dir / name).is_file():
-                    shutil.copy2(self.checkpoint_dir / name, tmp_dir / name)
+        for name in _TOKENIZER_FILES:
+            if (source := self._source_file(name)) is not None:
+                shutil.copy2(source, tmp_dir / name)
         if output_dir.exists():
             shutil.rmtree(output_dir)
         tmp_dir.rename(output_dir)

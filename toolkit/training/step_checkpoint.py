@@ -9,6 +9,8 @@
 ``trainer_state.json``     step, data position, LR schedule, loss scale, and what wrote it.
 ``rng/rank_<r>.pt``        each rank's RNG states (Python, NumPy, torch CPU, CUDA).
 ``config.yaml``            the config of the run that wrote it.
+``base_files/``            the base checkpoint's ``config.json`` and tokenizer files, so the checkpoint exports
+                           alone (token ids, context length, tokenizer) once the base folder is gone.
 ``COMPLETE``               written last, atomically: a folder without it is ignored by resume and pruned.
 =========================  ============================================================================
 
@@ -60,6 +62,11 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 CHECKPOINTS_DIR = "checkpoints"
 COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
+BASE_FILES_DIR = "base_files"
+# The run's copy of its base files (once per process, at its first save), hard-linked into each step_<N>/base_files.
+_BASE_FILES_SNAPSHOT = ".base_files"
+# A tokenizer is a few MB (Llama 3's tokenizer.json 9 MB, Gemma's 33 MB); what is larger is not metadata to copy.
+MAX_BASE_FILE_BYTES = 50 * 2**20
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Config sections a checkpoint's tensors depend on: resuming with any of them changed is refused. A checkpoint of
 # the trainable part only also depends on the frozen base it was trained on.
@@ -222,6 +229,51 @@ def _from_json(value: Any) -> Any:
     return value
 
 
+def base_files_dir(checkpoint: str | Path) -> Path | None:
+    """The ``base_files`` folder of the step checkpoint ``checkpoint`` (the base's ``config.json`` and tokenizer
+    files, as the run had them), or None: not a step checkpoint, or one written before they were kept."""
+    folder = Path(checkpoint) / BASE_FILES_DIR
+    return folder if folder.is_dir() and (Path(checkpoint) / ".metadata").is_file() else None
+
+
+def _snapshot_base_files(base: Path, snapshot: Path) -> list[Path]:
+    """Copy into ``snapshot`` the files of the base checkpoint ``base`` an export takes from it (``config.json``, the
+    tokenizer and generation files), each at most :data:`MAX_BASE_FILE_BYTES`; a step checkpoint's are its own
+    ``base_files``. Returns the copies (none: no snapshot folder either)."""
+    from toolkit.training.checkpointing import _TOKENIZER_FILES  # it imports this module
+
+    source = base_files_dir(base) or base
+    shutil.rmtree(snapshot, ignore_errors=True)  # a former launch's: its links in older checkpoints stay as they are
+    snapshot.mkdir(parents=True)
+    copies = []
+    for name in ("config.json", *_TOKENIZER_FILES):
+        file = source / name
+        if not file.is_file():
+            continue
+        size = file.stat().st_size
+        if size > MAX_BASE_FILE_BYTES:
+            log.warning(
+                "%s: %d MB, too large to keep a copy in every step checkpoint's %s; tune export takes it from the "
+                "base folder while that exists", file, size // 2**20, BASE_FILES_DIR,
+            )
+            continue
+        shutil.copy2(file, snapshot / name)
+        copies.append(snapshot / name)
+    if not copies:
+        snapshot.rmdir()
+    return copies
+
+
+def _link_or_copy(files: list[Path], folder: Path) -> None:
+    # A hard link costs no time and no space; a filesystem without them (some FUSE mounts) gets a copy.
+    folder.mkdir()
+    for file in files:
+        try:
+            os.link(file, folder / file.name)
+        except OSError:
+            shutil.copy2(file, folder / file.name)
+
+
 def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -243,6 +295,10 @@ class StepCheckpointer:
             memory); the next save, or :meth:`wait`, waits for it.
         trainable_only: save only the parameters that train (adapters); the frozen rest comes from the base
             checkpoint on resume.
+        base_checkpoint: the run's base checkpoint folder (``checkpointer.checkpoint_dir``), if any. Every checkpoint
+            keeps its ``config.json`` and tokenizer files in ``base_files/`` (written by rank zero, before the
+            marker), so that ``tune export`` still knows the token ids and the tokenizer once the base is gone. They
+            are copied from the base once, at the process's first save, and hard-linked into each checkpoint.
     """
 
     def __init__(
@@ -253,6 +309,7 @@ class StepCheckpointer:
         keep_last_n: int | None = None,
         async_save: bool = False,
         trainable_only: bool = False,
+        base_checkpoint: str | Path | None = None,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise UserError(f"save_every_n_steps must be a positive number of steps or null, got {every_n_steps}")
@@ -263,6 +320,8 @@ class StepCheckpointer:
         self.keep_last_n = keep_last_n
         self.async_save = async_save
         self.trainable_only = trainable_only
+        self.base_checkpoint = Path(base_checkpoint).expanduser() if base_checkpoint is not None else None
+        self._base_files: list[Path] | None = None  # rank 0: the snapshot's files, once taken
         if every_n_steps is not None and not shared_filesystem(self.root):
             raise UserError(
                 f"save_every_n_steps: every rank writes its part of a step checkpoint into {self.root}, but that "
@@ -332,6 +391,11 @@ class StepCheckpointer:
             (path / "rng").mkdir(parents=True)
             _write_atomically(path / TRAINER_STATE, json.dumps(self._trainer_state(step, state, strategy), indent=2))
             OmegaConf.save(config, path / "config.yaml")
+            if self.base_checkpoint is not None:
+                if self._base_files is None:
+                    self._base_files = _snapshot_base_files(self.base_checkpoint, self.root / _BASE_FILES_SNAPSHOT)
+                if self._base_files:
+                    _link_or_copy(self._base_files, path / BASE_FILES_DIR)
         barrier()
         torch.save(_rng_state(), path / "rng" / f"rank_{self.rank}.pt")
         tensors = self._tensor_state(state)

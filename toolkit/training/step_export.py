@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from toolkit.config import instantiate
 from toolkit.errors import UserError
 from toolkit.training.checkpointing import DEFAULT_MAX_SHARD_BYTES, HFCheckpointer, check_step_checkpoint, read_error
-from toolkit.training.step_checkpoint import _first_line, _read_trainer_state
+from toolkit.training.step_checkpoint import _first_line, _read_trainer_state, base_files_dir
+
+log = logging.getLogger(__name__)
 
 
 def check_export(checkpoint: Path, output_dir: Path, *, overwrite: bool) -> DictConfig:
@@ -49,18 +52,38 @@ def _names(node: Any, value: str) -> bool:
 
 def _checkpointer(cfg: DictConfig, checkpoint: Path, *, merged: bool) -> HFCheckpointer:
     """The run's own checkpointer (``cfg.checkpointer``: HFCheckpointer, MetaCheckpointer...), on its base folder
-    when that is still there.
+    when that is still there, taking an export's ``config.json`` facts and tokenizer files from the checkpoint's
+    copy of them (``base_files``) first: they are the files the run trained with, and the base may have changed.
 
     A full checkpoint holds every weight, so its base gives only the tokenizer files and the config.json facts an
-    export keeps; without it, the export is written from the model alone. The base is needed when the model is
-    built from it (``model_family: auto``, ``build_from_hf``) and to merge adapters into it.
+    export keeps, and the copy stands in for a base that is gone; without either, the export is written from the
+    model alone, which a warning says. The base is needed when the model is built from it (``model_family: auto``,
+    ``build_from_hf``), where the copy's config.json serves as well, and to merge adapters into it, where nothing
+    but its weights will do.
 
     Raises:
         UserError: the base recorded in the run's config is gone where it is needed; says what to do.
     """
     base = cfg.checkpointer.get("checkpoint_dir")
-    if base is None or Path(base).expanduser().is_dir():
-        return instantiate(cfg.checkpointer)
+    copy = base_files_dir(checkpoint)
+    if base is not None and not Path(base).expanduser().is_dir():
+        if copy is not None and not merged:
+            # The copy is a base without weights: the model and the family read its config.json through the config.
+            cfg.checkpointer.checkpoint_dir = str(copy)
+        else:
+            return _without_base(cfg, checkpoint, base, merged=merged)
+    checkpointer = instantiate(cfg.checkpointer)
+    checkpointer.prefer_source_files(copy)
+    return checkpointer
+
+
+def _without_base(cfg: DictConfig, checkpoint: Path, base: str, *, merged: bool) -> HFCheckpointer:
+    """The checkpointer of a run whose base is gone and whose checkpoint holds no copy of its files (or adapters to
+    merge into its weights).
+
+    Raises:
+        UserError: the base is needed (see :func:`_checkpointer`).
+    """
     if cfg.checkpointer.get("model_family") == "auto":
         need = "the model family and architecture are read from its config.json"
     elif _names(OmegaConf.to_container(cfg.model, resolve=True), base):
@@ -87,7 +110,8 @@ def export_step_checkpoint(
     """Write the model of ``checkpoint`` (a ``checkpoints/step_<N>`` folder) in Hugging Face layout.
 
     A full checkpoint becomes a Hugging Face model folder (config, sharded safetensors, tokenizer files of the base
-    when it is still on disk), streamed a piece at a time, whatever the world size that wrote it. An adapter-only
+    as the checkpoint keeps them in ``base_files``, or as the base folder has them), streamed a piece at a time,
+    whatever the world size that wrote it. An adapter-only
     checkpoint (LoRA, DoRA, QLoRA) becomes ``<output_dir>/adapter`` in PEFT's format and, with ``merged``, the base
     with the adapters merged in, ``<output_dir>/merged``; its base comes from the config's checkpointer (any of
     them: Hugging Face, Meta...), or the seed for a random base, as in the demo. Nothing is written before the
@@ -109,27 +133,33 @@ def export_step_checkpoint(
         if not Path(base).expanduser().is_dir():
             raise UserError(f"--base: {base} is not a folder")
         cfg.checkpointer.checkpoint_dir = str(base)  # the config's model reads it through the interpolation too
+    base = cfg.checkpointer.get("checkpoint_dir")  # the adapters' base, named in adapter_config.json
     checkpointer = _checkpointer(cfg, checkpoint, merged=merged and trainer["model_state"] != "full")
+    if trainer["model_state"] == "full" and base is not None and not checkpointer.source_dirs:
+        log.warning(
+            "%s: the run's base checkpoint %s is gone and this checkpoint keeps no copy of its files: the token ids "
+            "(bos/eos/pad) and the tokenizer files are not known, and config.json is written from the model alone; "
+            "pass --base with the base's new place to add them", checkpoint, base,
+        )
     with torch.device("meta"):
         model = instantiate(cfg.model)
     try:
         if trainer["model_state"] == "full":
             return [checkpointer.save_from_dcp(model, checkpoint, output_dir, max_shard_bytes=max_shard_bytes)]
         return _export_adapters(
-            checkpoint, output_dir, cfg, model, checkpointer, merged=merged, max_shard_bytes=max_shard_bytes
+            checkpoint, output_dir, cfg, model, checkpointer, base=base, merged=merged, max_shard_bytes=max_shard_bytes
         )
     except CheckpointException as e:  # a BaseException: the tensors' bytes are corrupt though their sizes are right
         raise UserError(f"{checkpoint}: cannot read the checkpoint ({read_error(e)}); a file may be corrupt") from None
 
 
-def _export_adapters(checkpoint, output_dir, cfg, model, checkpointer, *, merged: bool, max_shard_bytes: int):
+def _export_adapters(checkpoint, output_dir, cfg, model, checkpointer, *, base, merged: bool, max_shard_bytes: int):
     from toolkit.modules.peft import get_merged_state_dict, init_adapters, is_adapter_key
     from toolkit.training.init import init_weights, materialize, set_seed
     from toolkit.training.peft import save_peft_adapter
 
     saved = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items() if is_adapter_key(k)}
     dcp.load({f"model.{k}": v for k, v in saved.items()}, checkpoint_id=str(checkpoint), no_dist=True)
-    base = cfg.checkpointer.get("checkpoint_dir")
     if merged:
         # The frozen base, as the recipe built it: loaded, or drawn from the seed in the same order.
         set_seed(cfg.seed)
