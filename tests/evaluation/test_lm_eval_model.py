@@ -176,3 +176,10 @@ def test_a_sampled_answer_is_the_same_on_any_number_of_processes(demo_model, mon
     merged = {**shares[0], **shares[1]}
     # Exactly equal: the same draws for the same request, on one process or two.
     assert [merged[i] for i in range(len(sampled))] == alone
+
+
+@pytest.mark.parametrize("batch_size", [0, None, "auto", 2.5, True])
+def test_a_batch_size_that_is_not_a_positive_count_is_named(demo_model, batch_size):
+    # lm-eval's own backends take "auto"; ours needs a count (lm_eval.batch_size=null or auto in a config).
+    with pytest.raises(UserError, match=rf"^lm_eval batch_size must be a positive integer, got {batch_size!r}$"):
+        ToolkitLM(demo_model, TOKENIZER, batch_size=batch_size)

@@ -104,8 +104,8 @@ class ToolkitLM(LM):
             raise ValueError(
                 "ToolkitLM needs a tokenizer that keeps every token (max_seq_len=None); it truncates from the left itself"
             )
-        if batch_size < 1:
-            raise UserError(f"lm_eval batch_size must be a positive integer, got {batch_size}")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise UserError(f"lm_eval batch_size must be a positive integer, got {batch_size!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
