@@ -113,6 +113,27 @@ def test_the_table_shows_the_metrics(setup, tmp_path, capsys):
     assert re.search(r"^demo_choice samples +2 \(0-shot\)$", table, flags=re.M)
 
 
+
+def test_a_group_reports_the_samples_of_its_tasks(tmp_path, capsys, write_lm_eval_task):
+    pytest.importorskip("lm_eval")
+    import yaml
+
+    for name, count in [("part_a", 3), ("part_b", 2)]:
+        write_lm_eval_task(
+            tmp_path / "tasks", name, [{"question": f"Which colour is {i}?", "gold": i % 3} for i in range(count)],
+            output_type="multiple_choice", doc_to_text="{{question}}", doc_to_choice=CHOICES, doc_to_target="{{gold}}",
+            metric_list=[{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        )
+    (tmp_path / "tasks" / "parts.yaml").write_text(yaml.safe_dump({
+        "group": "parts", "task": ["part_a", "part_b"],
+        "aggregate_metric_list": [{"metric": "acc", "aggregation": "mean", "weight_by_size": True}],
+    }))
+    report = run_eval(tmp_path / "out", "checkpointer.checkpoint_dir=null", "lm_eval.tasks=[parts]",
+                      f"lm_eval.include_path={tmp_path / 'tasks'}")["lm_eval"]
+    # lm-eval counts the documents of tasks only; a group's are those of its tasks (was null, "None" in the table).
+    assert {task: r["samples"] for task, r in report.items()} == {"parts": 5, "part_a": 3, "part_b": 2}
+    assert re.search(r"^parts samples +5 \(0-shot\)$", capsys.readouterr().out, flags=re.M)
+
 @pytest.mark.parametrize("data_parallel", ["ddp", "zero3"])
 def test_two_processes_report_what_one_does(setup, tmp_path, data_parallel):
     # ddp: whole copies, each process scores and generates for its share of the requests. zero3: FSDP2, every

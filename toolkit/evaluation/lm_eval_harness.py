@@ -132,7 +132,7 @@ def run_lm_eval(
 
     Returns:
         On rank 0, ``{task: {"metrics": {name: value}, "num_fewshot": n, "samples": n}}`` for every task and group
-        lm-eval reports. Metric names are lm-eval's (``acc``, ``acc_stderr``, ``exact_match``...); a filter other
+        lm-eval reports (a group's samples: those of its tasks). Metric names are lm-eval's (``acc``, ``acc_stderr``, ``exact_match``...); a filter other
         than the default stays after a comma (``exact_match,strict-match``). ``None`` on other ranks.
 
     Raises:
@@ -159,10 +159,20 @@ def run_lm_eval(
         task: {
             "metrics": _metrics(values),
             "num_fewshot": results.get("n-shot", {}).get(task),
-            "samples": results.get("n-samples", {}).get(task, {}).get("effective"),
+            "samples": _samples(results, task),
         }
         for task, values in results["results"].items()
     }
+
+
+def _samples(results: dict[str, Any], task: str) -> int | None:
+    """Documents scored for ``task``; for a group (lm-eval counts tasks only), those of its tasks together."""
+    count = results.get("n-samples", {}).get(task, {}).get("effective")
+    subtasks = results.get("group_subtasks", {}).get(task)
+    if count is None and subtasks:
+        counts = [_samples(results, subtask) for subtask in subtasks]
+        count = None if None in counts else sum(counts)
+    return count
 
 
 def _metrics(values: dict[str, Any]) -> dict[str, float]:
