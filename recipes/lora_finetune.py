@@ -171,7 +171,10 @@ def train(cfg: DictConfig) -> None:
         activation_offloading=cfg.activation_offloading,
     )
     autocast = precision.autocast(env.device, sharded=dims.is_sharded)
-    grad_scaler = make_grad_scaler(enabled=precision.needs_grad_scaler, device=env.device, sharded=dims.is_sharded)
+    grad_scaler = make_grad_scaler(
+        enabled=precision.needs_grad_scaler, device=env.device, sharded=dims.is_sharded,
+        data_parallel_size=env.world_size,  # fp16: the same steps overflow on any number of processes
+    )
 
     # --- Data: every rank reads its slice of each global batch, in an order independent of the world size ---------
     tokenizer = instantiate(cfg.tokenizer)
@@ -203,10 +206,11 @@ def train(cfg: DictConfig) -> None:
 
     # --- Optimizer and schedule (after sharding: FSDP2 parameters are DTensors) ---------------------------------
     trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer_cfg = fused_by_default(cfg.optimizer, grad_scaler=grad_scaler)  # torch's Adam(W): fused when it can be
     if cfg.get("optimizer_in_backward"):  # one optimizer per parameter, stepped in backward; gradients freed at once
-        optimizer = OptimizerInBackward(trainable, partial(instantiate, fused_by_default(cfg.optimizer)))
+        optimizer = OptimizerInBackward(trainable, partial(instantiate, optimizer_cfg))
     else:
-        optimizer = shard_optimizer_state(instantiate(fused_by_default(cfg.optimizer), trainable), dims=dims)
+        optimizer = shard_optimizer_state(instantiate(optimizer_cfg, trainable), dims=dims)
     lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
 
     if resume is None:  # an old run in output_dir (overwrite=true) is cleared now that every input has been built

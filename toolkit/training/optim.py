@@ -38,7 +38,7 @@ from toolkit.training.parallel import SHARDED_STRATEGIES, ParallelDims
 _FUSABLE = {f"torch.optim.{name}" for name in ("Adam", "AdamW", "adam.Adam", "adamw.AdamW")}
 
 
-def fused_by_default(optimizer_cfg: DictConfig) -> DictConfig:
+def fused_by_default(optimizer_cfg: DictConfig, *, grad_scaler: torch.amp.GradScaler | None = None) -> DictConfig:
     """``optimizer_cfg`` with ``fused: true`` added when it builds torch's Adam or AdamW and sets neither ``fused``
     nor ``foreach``; otherwise unchanged (other optimizers, torchao's 8-bit AdamW among them, have no such switch).
 
@@ -46,9 +46,25 @@ def fused_by_default(optimizer_cfg: DictConfig) -> DictConfig:
     multi-tensor loop on CUDA and one loop per parameter on the CPU; the arithmetic is the same. It works under
     every strategy: plain tensors, DDP, ZeroRedundancyOptimizer (which passes it to the optimizer it wraps) and
     FSDP2's DTensor shards, also with the step inside backward. ``fused: false`` (or ``foreach``) in the config
-    keeps torch's choice.
+    keeps torch's choice. The exception is fp16 under FSDP2 (``grad_scaler`` a ``ShardedGradScaler``): the fused
+    kernel takes that scaler's overflow flag, which has another shape than the plain scaler's, and fails on it;
+    there torch's choice is kept.
+
+    Raises:
+        UserError: ``fused: true`` set in the config with a ``ShardedGradScaler``.
     """
-    if optimizer_cfg.get("_component_") not in _FUSABLE or "fused" in optimizer_cfg or "foreach" in optimizer_cfg:
+    if optimizer_cfg.get("_component_") not in _FUSABLE:
+        return optimizer_cfg
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if isinstance(grad_scaler, ShardedGradScaler):
+        if optimizer_cfg.get("fused"):
+            raise UserError(
+                "optimizer.fused: torch's fused Adam cannot step with FSDP2's fp16 loss scaler (dtype fp16-mixed "
+                "under zero2, zero3 or hsdp); set optimizer.fused=false, or train in bf16"
+            )
+        return optimizer_cfg
+    if "fused" in optimizer_cfg or "foreach" in optimizer_cfg:
         return optimizer_cfg
     fused = optimizer_cfg.copy()
     with open_dict(fused):  # (the recipes' configs may be read-only in structure)

@@ -134,15 +134,23 @@ def optimizer_step(
     return grad_norm
 
 
-def make_grad_scaler(*, enabled: bool, device: torch.device, sharded: bool) -> torch.amp.GradScaler | None:
-    """A loss scaler for fp16; the sharded variant agrees on overflow across ranks."""
+def make_grad_scaler(
+    *, enabled: bool, device: torch.device, sharded: bool, data_parallel_size: int = 1, init_scale: float = 2.0**16
+) -> torch.amp.GradScaler | None:
+    """A loss scaler for fp16; the sharded variant agrees on overflow across ranks.
+
+    :func:`forward_backward` multiplies each rank's loss by ``data_parallel_size`` (the gradient reduction
+    averages), so each rank's backward carries values that many times larger than one process's would. The scale
+    starts at ``init_scale / data_parallel_size`` so that the product, and with it which steps overflow and are
+    skipped, is the same on any number of processes (the scale then doubles and halves alike).
+    """
     if not enabled:
         return None
     if sharded:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler(device.type)
-    return torch.amp.GradScaler(device.type)
+        return ShardedGradScaler(device.type, init_scale=init_scale / data_parallel_size)
+    return torch.amp.GradScaler(device.type, init_scale=init_scale / data_parallel_size)
 
 
 def iterate_loader(loader: Iterable[T]) -> Iterator[T]:

@@ -494,7 +494,11 @@ class StepCheckpointer:
                 group["lr"] = lr
         state.sampler.load_state_dict(trainer["sampler"])
         if state.grad_scaler is not None and trainer["grad_scaler"]:
-            state.grad_scaler.load_state_dict(trainer["grad_scaler"])
+            scaler = dict(trainer["grad_scaler"])
+            # The scale is per rank's loss, which carries the world size (see make_grad_scaler): on another number
+            # of processes the same effective scale is this one times old / new.
+            scaler["scale"] = scaler["scale"] * trainer["world_size"] / self.world_size
+            state.grad_scaler.load_state_dict(scaler)
         rng_file = path / "rng" / f"rank_{self.rank % trainer['world_size']}.pt"
         try:
             _set_rng_state(torch.load(rng_file, weights_only=True))
