@@ -4,13 +4,14 @@ tasks of lm-evaluation-harness.
     tune run eval --config demo                                              # outputs/full_finetune_demo/final
     tune run eval --config demo checkpointer.checkpoint_dir=null             # a random model (from `seed`)
     tune run eval_distributed --nproc_per_node 2 --config demo data_parallel=zero3
-    tune run eval --config demo adapter_dir=outputs/lora_finetune_demo/final/adapter model=...  # see the config
+    tune run eval --config demo checkpointer.checkpoint_dir=null adapter_dir=outputs/lora_finetune_demo/final/adapter
     tune run eval --config demo 'lm_eval.tasks=[arc_easy]' lm_eval.limit=100   # pip install "tunekit[eval]"
     tune run eval --config any_model 'lm_eval.tasks=[gsm8k]' lm_eval.apply_chat_template=true  # a chat fine-tune
 
 The base weights come from ``checkpointer.checkpoint_dir`` (a Hugging Face folder, or one of our step checkpoints;
 ``null``: random initialization from ``seed``, a baseline). With ``adapter_dir``, a PEFT LoRA/DoRA adapter folder
-is loaded on top; ``model`` must then be the LoRA builder with the adapter's targets, rank and alpha.
+is loaded on top: a plain ``model`` is built as its LoRA/DoRA version with the targets, rank and alpha of the
+adapter's ``adapter_config.json``; a LoRA builder in ``model`` is used as it is, and must match the adapter.
 
 ``dataset`` (if set) is scored by the mean token cross-entropy over all its target tokens (perplexity = its
 exponential), the same on any number of processes up to float rounding. ``eval_tasks`` (if set, ``{"prompt",
@@ -49,7 +50,7 @@ from toolkit.training import (
     sdpa_preference,
     set_seed,
 )
-from toolkit.training.peft import fill_adapter_model
+from toolkit.training.peft import adapter_linear, fill_adapter_model
 from toolkit.training.validation import ValidationSampler, validation_loss
 
 
@@ -110,14 +111,13 @@ def evaluate(cfg: DictConfig) -> None:
 
     # --- Model: built on the meta device, then loaded (or initialized from the seed), then its adapter -------------
     set_seed(cfg.seed)  # the same seed as training gives the same random base (LoRA on a random base)
+    checkpointer = instantiate(cfg.checkpointer)
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    if cfg.adapter_dir is not None and not adapter_modules(model):
-        raise UserError(
-            f"adapter_dir: {cfg.adapter_dir} needs a model with adapters; set model._component_ to the LoRA "
-            "builder (e.g. toolkit.models.llama3.lora_llama3_demo) with the adapter's targets, rank and alpha"
-        )
-    checkpointer = instantiate(cfg.checkpointer)
+        if cfg.adapter_dir is not None and not adapter_modules(model):
+            # A plain builder: its LoRA/DoRA version, with the settings the adapter's adapter_config.json records.
+            linear = adapter_linear(cfg.adapter_dir, model_family=checkpointer.family_name)
+            model = instantiate(cfg.model, linear=linear)
 
     # The base from the checkpoint (or random from `seed`); on a LoRA model, the adapters of adapter_dir, or B = 0.
     fill = partial(fill_adapter_model, checkpointer=checkpointer, adapter_dir=cfg.adapter_dir)

@@ -2,8 +2,12 @@
 
     tune run generate --config demo prompt="reverse: hello"
     tune run generate --config demo checkpoint_dir=outputs/my_run/final temperature=0.8 top_p=0.9
+    tune run generate --config demo checkpoint_dir=null adapter_dir=outputs/lora_finetune_demo/final/adapter
 
-The prompt is sent as one user message in the tokenizer's chat format; the reply is printed.
+The weights come from ``checkpoint_dir`` (``null``: random from ``seed``, the LoRA demo's base). With ``adapter_dir``,
+a PEFT LoRA/DoRA adapter folder is loaded on top: a plain ``model`` is built as its LoRA/DoRA version with the
+settings of the adapter's ``adapter_config.json`` (a LoRA builder in ``model`` is used as it is). The prompt is sent
+as one user message in the tokenizer's chat format; the reply is printed.
 """
 
 import torch
@@ -11,17 +15,26 @@ from omegaconf import DictConfig
 
 from toolkit.config import instantiate, recipe_main
 from toolkit.generation import generate
+from toolkit.modules.peft import adapter_modules
 from toolkit.training import init_distributed, materialize, precision_policy, set_seed
+from toolkit.training.peft import adapter_linear, fill_adapter_model
 
 
 @recipe_main
 def main(cfg: DictConfig) -> None:
     env = init_distributed(device=cfg.device)
-    set_seed(cfg.seed)
+    set_seed(cfg.seed)  # the same seed as training gives the same random base (LoRA on a random base)
+    checkpointer = instantiate(cfg.checkpointer)
+    adapter_dir = cfg.get("adapter_dir")  # absent from configs copied before it existed
     with torch.device("meta"):
         model = instantiate(cfg.model)
+        if adapter_dir is not None and not adapter_modules(model):
+            # A plain builder: its LoRA/DoRA version, with the settings the adapter's adapter_config.json records.
+            linear = adapter_linear(adapter_dir, model_family=checkpointer.family_name)
+            model = instantiate(cfg.model, linear=linear)
     materialize(model, device=env.device, dtype=precision_policy(cfg.dtype, device=env.device).param_dtype)
-    instantiate(cfg.checkpointer).load(model)
+    # The base (or random from the seed), then the adapter's weights on a LoRA model.
+    fill_adapter_model(model, checkpointer, adapter_dir=adapter_dir)
     tokenizer = instantiate(cfg.tokenizer)
 
     prompt = tokenizer.prompt_tokens([{"role": "user", "content": str(cfg.prompt)}])

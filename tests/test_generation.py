@@ -1,11 +1,18 @@
-"""toolkit.generation: where generation stops, and the sampling settings."""
+"""toolkit.generation: where generation stops, and the sampling settings; `tune run generate` with an adapter."""
+
+from pathlib import Path
 
 import pytest
 import torch
 
+import toolkit.generation
+from tests.launch import run_recipe_here
 from toolkit.errors import UserError
 from toolkit.generation import generate, sample_next_token
-from toolkit.models.llama3 import llama3_demo
+from toolkit.models.llama3 import llama3_demo, lora_llama3_demo
+from toolkit.modules.peft import get_adapter_params, get_merged_state_dict, init_adapters, is_adapter_key
+from toolkit.training import HFCheckpointer
+from toolkit.training.peft import save_peft_adapter
 
 
 def test_stop_when_ends_generation_after_the_token_it_accepts():
@@ -78,3 +85,55 @@ def test_kv_cache_decoding_under_autocast_matches_the_full_forward():
     # The same bfloat16 math with and without a cache (other kernels may round differently): a couple of bfloat16
     # steps (2**-7 at magnitude 2) on logits of magnitude ~2.
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1).float(), full.float(), atol=2e-2, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def demo_base(tmp_path_factory) -> Path:
+    """A random demo Llama (the generate demo config's architecture) in Hugging Face layout."""
+    torch.manual_seed(0)
+    return HFCheckpointer(None, model_family="llama3").save(
+        llama3_demo(max_seq_len=64), tmp_path_factory.mktemp("base") / "base"
+    )
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_generate_with_an_adapter_on_the_plain_config_replies_as_the_merged_model(
+    demo_base, use_dora, tmp_path, capsys, monkeypatch
+):
+    # A LoRA/DoRA demo model with known adapters, exported as the lora_finetune recipe exports its result: the PEFT
+    # adapter, and the base with the adapters merged in (final/adapter, final/merged).
+    model = lora_llama3_demo(
+        max_seq_len=64, lora_attn_modules=["q_proj", "v_proj", "o_proj"], apply_lora_to_mlp=True,
+        apply_lora_to_output=True, lora_rank=4, lora_alpha=8, use_dora=use_dora,
+    )
+    HFCheckpointer(str(demo_base), model_family="llama3").load(model, ignore_missing=is_adapter_key)
+    init_adapters(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in get_adapter_params(model).values():
+            param.add_(0.5 * torch.randn(param.shape, generator=gen))
+    adapter = save_peft_adapter(model, tmp_path / "adapter", model_family="llama3")
+    merged = HFCheckpointer(None, model_family="llama3").save(
+        model, tmp_path / "merged", state_dict=get_merged_state_dict(model)
+    )
+
+    replies = []
+
+    def recording_generate(*args, **kwargs) -> list[int]:
+        replies.append(generate(*args, **kwargs))
+        return replies[-1]
+
+    # The recipe's reply as tokens (a random base answers bytes that print alike, as replacement characters).
+    monkeypatch.setattr(toolkit.generation, "generate", recording_generate)
+
+    def reply(*overrides: str) -> tuple[list[int], str]:
+        run_recipe_here("generate", "demo", "prompt=reverse: hello", "max_new_tokens=16", *overrides)
+        return replies[-1], capsys.readouterr().out
+
+    # The demo config's plain `model` (llama3_demo): the LoRA model is built from adapter_config.json.
+    adapted = reply(f"checkpoint_dir={demo_base}", f"adapter_dir={adapter}")
+    # Greedy decoding of W x + s B A x and of the merged (W + s B A) x: logits ~1e-7 apart (float32 rounding), so
+    # the same argmax at every step.
+    assert adapted == reply(f"checkpoint_dir={merged}")
+    assert len(adapted[0]) == 16 and adapted[1].strip()
+    assert adapted[0] != reply(f"checkpoint_dir={demo_base}")[0], "the adapter changes the reply"

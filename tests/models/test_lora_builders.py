@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import UserError
+from toolkit.models import build_from_hf
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES
 from toolkit.modules.peft import (
     LoRALinear,
@@ -20,7 +21,7 @@ from toolkit.modules.peft import (
     is_nf4,
 )
 from toolkit.training import HFCheckpointer
-from toolkit.training.peft import save_peft_adapter
+from toolkit.training.peft import adapter_linear, fill_adapter_model, save_peft_adapter
 
 # Tiny architectures that keep each family's quirks: Llama 2's multi-head attention, Mistral's sliding window and
 # explicit head_dim, Qwen2.5's q/k/v biases (untied output, so the output adapter is exercised), Qwen3's q/k norms
@@ -161,6 +162,40 @@ def test_every_public_size_has_lora_and_qlora_builders_of_that_size(family: str,
     assert is_nf4(qlora.layers[0].mlp.up_proj.weight) and not is_nf4(lora.layers[0].mlp.up_proj.weight)
 
 
+def perturb_adapters(model: nn.Module) -> None:
+    """Nonzero adapters (B = 0 would compute the base whatever the adapters' placement)."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in get_adapter_params(model).values():
+            param.add_(0.1 * torch.randn(param.shape, generator=gen))
+
+
+@pytest.mark.parametrize("targets", ["attention", "all"])
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_plain_builder_rebuilds_the_model_of_a_saved_adapter(family: str, use_dora: bool, targets: str, tmp_path):
+    # What `tune run generate/eval adapter_dir=...` does with a plain `model`: the adapter's settings come from its
+    # adapter_config.json, the projections from the family's builder.
+    _, base_dir = save_base(family, tmp_path / "base")
+    lora = dict(lora_attn_modules=["k_proj", "o_proj"]) if targets == "attention" else all_targets(family)
+    model = lora_model(family, base_dir, **lora, use_dora=use_dora)
+    perturb_adapters(model)
+    adapter = save_peft_adapter(model, tmp_path / "adapter", model_family=family)
+    plain, _ = builders(family)
+    linear = adapter_linear(adapter, model_family=family)
+    rebuilt = plain(**DIMS[family], max_seq_len=MAX_SEQ_LEN, linear=linear).eval()
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    assert {k: v.shape for k, v in rebuilt.state_dict().items()} == expected
+    assert [(n, type(m)) for n, m in rebuilt.named_modules()] == [(n, type(m)) for n, m in model.named_modules()]
+    # Loaded as the recipes load it: the same function, bitwise (the same modules computing in the same order).
+    fill_adapter_model(rebuilt, HFCheckpointer(str(base_dir), model_family=family), adapter_dir=adapter)
+    with torch.no_grad():
+        assert torch.equal(rebuilt(tokens()), model(tokens()))
+    # The any_model configs' builder: the architecture from config.json, the adapters from adapter_config.json.
+    from_folder = build_from_hf(path=base_dir, max_seq_len=MAX_SEQ_LEN, linear=linear)
+    assert {k: v.shape for k, v in from_folder.state_dict().items()} == expected
+
+
 @pytest.mark.interop
 @pytest.mark.parametrize("family", FAMILIES)
 def test_peft_loads_the_exported_adapter_onto_transformers(family: str, tmp_path: Path):
@@ -168,10 +203,7 @@ def test_peft_loads_the_exported_adapter_onto_transformers(family: str, tmp_path
     peft = pytest.importorskip("peft")
     base, base_dir = save_base(family, tmp_path / "base")
     model = lora_model(family, base_dir, **all_targets(family))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in get_adapter_params(model).values():
-            param.add_(0.1 * torch.randn(param.shape, generator=gen))
+    perturb_adapters(model)
     adapter = save_peft_adapter(model, tmp_path / "adapter", model_family=family, base_model_name_or_path=str(base_dir))
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     theirs = peft.PeftModel.from_pretrained(hf_model, adapter).eval()

@@ -1,5 +1,6 @@
 """The eval recipe end to end: a fine-tuned demo model beats a random one, 2 processes report what 1 does, and a
-LoRA adapter loads on its base."""
+LoRA adapter loads on its base, with the LoRA model restated in the config or built from the adapter's settings (by
+the generate recipe too)."""
 
 import json
 import math
@@ -7,7 +8,9 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import torch
 
+import toolkit.generation
 from tests.launch import run_recipe_here, run_tune
 from toolkit.errors import UserError
 
@@ -80,20 +83,35 @@ def test_two_processes_report_what_one_does(fine_tuned, fine_tuned_report, tmp_p
     assert sharded["val_loss"] == pytest.approx(fine_tuned_report["val_loss"], rel=1e-6)
 
 
-def test_lora_adapter_on_its_random_base(tmp_path):
-    train = tmp_path / "lora"
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    """The LoRA demo (a random base from the seed) trained for 20 steps: ``final/adapter`` and ``final/merged``."""
+    train = tmp_path_factory.mktemp("lora")
     tune(
         "run", "lora_finetune_single_device", "--config", "demo", f"output_dir={train}", "max_steps=20",
         "batch_size=16", "dataset.num_samples=320", "progress_bar=false", "save_every_n_steps=null", *TASK,
     )
-    small = ["dataset.num_samples=32", "eval_tasks.num_samples=8"]
-    # The eval recipe rebuilds the training run's random base from the same seed; the LoRA model without an adapter
-    # folder computes exactly that base (B = 0).
-    lora = ["checkpointer.checkpoint_dir=null", LORA_MODEL, *small]
-    without = evaluate_here(tmp_path / "base", *lora)
-    adapted = evaluate_here(tmp_path / "adapted", *lora, f"adapter_dir={train / 'final' / 'adapter'}")
+    return train
+
+
+SMALL = ["dataset.num_samples=32", "eval_tasks.num_samples=8"]
+# The eval recipe rebuilds the training run's random base from the same seed.
+LORA = ["checkpointer.checkpoint_dir=null", LORA_MODEL, *SMALL]
+
+
+@pytest.fixture(scope="module")
+def lora_report(lora_run, tmp_path_factory) -> dict:
+    """The adapter evaluated on the LoRA model restated in the config."""
+    return evaluate_here(tmp_path_factory.mktemp("adapted"), *LORA, f"adapter_dir={lora_run / 'final' / 'adapter'}")
+
+
+def test_lora_adapter_on_its_random_base(lora_run, lora_report, tmp_path):
+    train = lora_run
+    # The LoRA model without an adapter folder computes exactly that base (B = 0).
+    without = evaluate_here(tmp_path / "base", *LORA)
+    adapted = lora_report
     # The training run's own export of base and adapter merged, as a plain model: the same function.
-    merged = evaluate_here(tmp_path / "merged", f"checkpointer.checkpoint_dir={train / 'final' / 'merged'}", *small)
+    merged = evaluate_here(tmp_path / "merged", f"checkpointer.checkpoint_dir={train / 'final' / 'merged'}", *SMALL)
     assert adapted["adapter_dir"] == str(train / "final" / "adapter")
     assert 0 <= adapted["accuracy"] <= 1 and adapted["val_tokens"] == without["val_tokens"] == merged["val_tokens"]
     assert adapted["val_loss"] < without["val_loss"], "20 LoRA steps lower the loss: the adapter was applied"
@@ -102,16 +120,46 @@ def test_lora_adapter_on_its_random_base(tmp_path):
     assert merged["val_loss"] == pytest.approx(adapted["val_loss"], rel=1e-5)
     # The adapter on a sharded base (2 processes, FSDP2): the random base and the adapter land in every shard.
     sharded = evaluate(
-        tmp_path / "sharded", *lora, f"adapter_dir={train / 'final' / 'adapter'}", "data_parallel=zero3",
+        tmp_path / "sharded", *LORA, f"adapter_dir={train / 'final' / 'adapter'}", "data_parallel=zero3",
         "--nproc_per_node", "2", recipe="eval_distributed",
     )
     assert sharded["val_tokens"] == adapted["val_tokens"]
     assert sharded["val_loss"] == pytest.approx(adapted["val_loss"], rel=1e-6)  # as in the test above
 
 
-def test_adapter_needs_a_lora_model(tmp_path):
+def test_adapter_on_the_plain_model_config_needs_no_restated_lora_model(lora_run, lora_report, tmp_path):
+    # The demo config's own `model` (llama3_demo): the LoRA model comes from the adapter's adapter_config.json.
+    plain = evaluate_here(
+        tmp_path, "checkpointer.checkpoint_dir=null", *SMALL, f"adapter_dir={lora_run / 'final' / 'adapter'}"
+    )
+    # The same modules built in the same order: the same random base, adapter and arithmetic, so the same numbers.
+    assert plain == lora_report
+
+
+def test_generate_rebuilds_the_lora_demo_from_its_seed_and_adapter(lora_run, monkeypatch, capsys):
+    # The generate config's header example: the LoRA demo's random base from the seed, its adapter on the plain
+    # llama3_demo. The model generate decodes with must compute the run's own merged export.
+    generate, models = toolkit.generation.generate, []
+
+    def recording_generate(model, *args, **kwargs) -> list[int]:
+        models.append(model)
+        return generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(toolkit.generation, "generate", recording_generate)
+    run_recipe_here("generate", "demo", "checkpoint_dir=null", f"adapter_dir={lora_run / 'final' / 'adapter'}")
+    adapted = capsys.readouterr().out
+    run_recipe_here("generate", "demo", f"checkpoint_dir={lora_run / 'final' / 'merged'}")
+    assert adapted == capsys.readouterr().out
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # fp32 rounding only: W x + s B A x versus the merged (W + s B A) x differ by ~5e-6 on these logits (up to
+        # ~8); the base of another seed is off by ~4.
+        torch.testing.assert_close(models[0](tokens), models[1](tokens), atol=1e-4, rtol=0)
+
+
+def test_adapter_dir_must_be_an_adapter_folder(tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    with pytest.raises(UserError, match="needs a model with adapters.*lora_llama3_demo"):
+    with pytest.raises(UserError, match=r"adapter_config\.json: missing; is .* a PEFT adapter folder"):
         evaluate_here(tmp_path, "checkpointer.checkpoint_dir=null", f"adapter_dir={adapter}")
     assert not (tmp_path / "eval.json").exists()

@@ -1,6 +1,7 @@
 """PEFT-format adapters: save and load, offline merge (`tune merge`), and interop with `peft`/`transformers`."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from toolkit.models import from_pretrained
 from toolkit.models.llama3 import llama3, lora_llama3
 from toolkit.modules.peft import get_adapter_params, init_adapters, is_adapter_key
 from toolkit.training import HFCheckpointer, materialize
-from toolkit.training.peft import load_peft_adapter, merge_adapter_into_checkpoint, save_peft_adapter
+from toolkit.training.peft import adapter_linear, load_peft_adapter, merge_adapter_into_checkpoint, save_peft_adapter
 
 DIMS = dict(
     vocab_size=97, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64, max_seq_len=64,
@@ -125,6 +126,30 @@ def test_merge_refuses_an_adapter_for_another_model(tmp_path: Path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("change,refused", [
+    ({"target_modules": ["q_proj", "down_proj"]}, r"down_proj.*gate_proj.*up_proj.*all three or none"),
+    ({"target_modules": ["q_proj", "gate_proj", "up_proj"]}, r"down_proj.*all three or none"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, r"'embed_tokens'.*q_proj.*lm_head"),
+    ({"target_modules": ["qkv_proj"]}, r"'qkv_proj'"),
+    ({"target_modules": []}, r"target_modules"),
+    ({"target_modules": r".*\.(q_proj|v_proj)"}, r"target_modules.*pattern"),
+    ({"layers_to_transform": [0]}, r"layers_to_transform=\[0\]"),
+    ({"use_rslora": True}, r"use_rslora"),
+])
+def test_adapter_targets_our_builders_cannot_express_are_refused(tmp_path: Path, change: dict, refused: str):
+    base_dir = save_base(tmp_path / "base")
+    adapter = save_peft_adapter(adapted_model(base_dir, use_dora=False), tmp_path / "adapter", model_family="llama3")
+    config_file = adapter / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **change}))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(config_file))}: .*{refused}"):
+        adapter_linear(adapter, model_family="llama3")
+
+
+def test_adapter_linear_needs_an_adapter_folder(tmp_path: Path):
+    with pytest.raises(UserError, match="adapter_config.json: missing; is .* a PEFT adapter folder"):
+        adapter_linear(tmp_path, model_family="llama3")
+
+
 def hf_llama(base_dir: Path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
@@ -169,12 +194,18 @@ def test_we_load_an_adapter_peft_wrote(tmp_path: Path):
     materialize(model, device=torch.device("cpu"))
     with pytest.raises(UserError, match="down_proj"):
         load_peft_adapter(model, tmp_path / "adapter", model_family="llama3")
+    with pytest.raises(UserError, match="adapter_config.json: .*down_proj"):
+        adapter_linear(tmp_path / "adapter", model_family="llama3")
     config.target_modules = ["q_proj", "v_proj"]
     theirs = peft.get_peft_model(hf_llama(base_dir), config).eval()
     theirs.save_pretrained(tmp_path / "adapter2")
     HFCheckpointer(str(base_dir), model_family="llama3").load(model, ignore_missing=is_adapter_key)
     load_peft_adapter(model, tmp_path / "adapter2", model_family="llama3")
+    # The plain builder with the settings of PEFT's adapter_config.json builds the same model.
+    rebuilt = llama3(**DIMS, linear=adapter_linear(tmp_path / "adapter2", model_family="llama3"))
+    rebuilt.load_state_dict(model.state_dict())
     with torch.no_grad():
         expected = theirs(tokens()).logits
         assert (expected - hf_llama(base_dir)(tokens()).logits).abs().max() > 1e-2  # the adapters matter
         torch.testing.assert_close(model.eval()(tokens()), expected, atol=1e-4, rtol=0)
+        assert torch.equal(rebuilt.eval()(tokens()), model(tokens()))

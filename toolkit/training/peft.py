@@ -4,7 +4,8 @@ A PEFT LoRA adapter is a folder with ``adapter_config.json`` and ``adapter_model
 the Hugging Face module names under ``base_model.model.``: ``base_model.model.model.layers.0.self_attn.q_proj.
 lora_A.weight`` (``[r, in]``), ``...lora_B.weight`` (``[out, r]``) and, for DoRA, ``...lora_magnitude_vector``
 (``[out]``). ``peft.PeftModel.from_pretrained(transformers_model, folder)`` loads what we write, and we load what
-PEFT writes for the same targets.
+PEFT writes for the same targets. :func:`adapter_linear` builds the model an adapter folder fits from any plain
+builder, with the settings its ``adapter_config.json`` records.
 """
 
 import json
@@ -19,6 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from toolkit.errors import UserError, read_json
+from toolkit.models._decoder import LinearFactory
+from toolkit.models._lora import ATTN_MODULES, MLP_MODULES, lora_linear
 from toolkit.modules._dtensor import copy_full_
 from toolkit.modules.peft import DoRALinear, adapter_modules, init_adapters, is_adapter_key
 from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _TOKENIZER_FILES, _weight_files, load_model_family
@@ -30,6 +33,13 @@ _PEFT_PREFIX = "base_model.model."
 # Our adapter parameter names -> PEFT's, per adapted module.
 _TO_PEFT = {"lora_a.weight": "lora_A.weight", "lora_b.weight": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
 _FROM_PEFT = {v: k for k, v in _TO_PEFT.items()}
+# Where the projections lora_linear can adapt sit in our decoders (layer 0 stands for every layer), with the names
+# lora_linear knows them by.
+_ADAPTABLE = {
+    **{f"layers.0.self_attn.{name}": name for name in ATTN_MODULES},
+    **{f"layers.0.mlp.{name}": name for name in MLP_MODULES},
+    "output": "output",
+}
 
 
 def _hf_module_name(family: Any, module_name: str) -> str:
@@ -125,9 +135,8 @@ def save_peft_adapter(
     return _write_atomically(Path(output_dir), write)
 
 
-def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], float]:
-    """The config, the tensors by Hugging Face module name (``{"model.layers.0.self_attn.q_proj": {"lora_A.weight":
-    ...}}``) and the scale ``lora_alpha / r`` of a PEFT LoRA adapter folder.
+def _read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
+    """The ``adapter_config.json`` of a PEFT LoRA adapter folder, checked for the PEFT options we reproduce.
 
     Raises:
         UserError: missing or unreadable files, or a PEFT option we do not reproduce; the message names the file.
@@ -152,6 +161,18 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, di
     for key in ("r", "lora_alpha"):
         if not isinstance(config.get(key), (int, float)) or config[key] <= 0:
             raise UserError(f"{config_file}: {key} must be a positive number, got {config.get(key)!r}")
+    return config
+
+
+def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], float]:
+    """The config, the tensors by Hugging Face module name (``{"model.layers.0.self_attn.q_proj": {"lora_A.weight":
+    ...}}``) and the scale ``lora_alpha / r`` of a PEFT LoRA adapter folder.
+
+    Raises:
+        UserError: missing or unreadable files, or a PEFT option we do not reproduce; the message names the file.
+    """
+    config = _read_adapter_config(adapter_dir)
+    weights_file = Path(adapter_dir) / ADAPTER_WEIGHTS
     try:
         flat = load_file(str(weights_file))
     except SafetensorError as e:
@@ -173,6 +194,72 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, di
         if ("lora_magnitude_vector" in params) != bool(config.get("use_dora", False)):
             raise UserError(f"{weights_file}: {module}: a DoRA magnitude is present iff use_dora in {ADAPTER_CONFIG}")
     return config, by_module, config["lora_alpha"] / config["r"]
+
+
+def adapter_linear(adapter_dir: str | Path, *, model_family: str) -> LinearFactory:
+    """The projection factory (``linear=`` of every builder) of the model a PEFT adapter folder fits.
+
+    Any plain builder of ``model_family`` given it (``llama3_demo(linear=...)``, ``build_from_hf``) builds the
+    LoRA/DoRA model the adapter was saved from, so a recipe given a base and an adapter needs no restated LoRA
+    model. ``r``, ``lora_alpha``, ``use_dora`` and ``target_modules`` come from ``adapter_config.json``; the Hugging
+    Face module names of ``target_modules`` are matched as PEFT matches them (a module's name, or its end after a
+    dot) against the family's names for our adaptable projections (``q_proj``... ``o_proj``, ``gate_proj``,
+    ``up_proj``, ``down_proj``, and the output projection, ``lm_head``). The model is for inference: no dropout.
+    :func:`load_peft_adapter` then checks the weights against the model.
+
+    Args:
+        adapter_dir: a PEFT LoRA/DoRA adapter folder (ours or PEFT's).
+        model_family: the ``toolkit.models`` family of the base, whose weight-name conversion maps the names.
+
+    Raises:
+        UserError: no adapter folder, a PEFT option we do not reproduce, or targets our builders cannot express
+            (a module they do not adapt, some of the feed-forward's projections only, some layers only, a regular
+            expression); the message names ``adapter_config.json``.
+    """
+    config = _read_adapter_config(adapter_dir)
+    config_file = Path(adapter_dir) / ADAPTER_CONFIG
+    for key in ("layers_to_transform", "layers_pattern", "exclude_modules"):
+        if config.get(key):
+            raise UserError(
+                f"{config_file}: {key}={config[key]!r} is not supported: our LoRA builders adapt the same "
+                "projections in every layer"
+            )
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        raise UserError(
+            f"{config_file}: target_modules={targets!r} is a pattern, which is not supported; list the module names"
+        )
+    if not targets:
+        raise UserError(f"{config_file}: target_modules is empty; nothing to adapt")
+    family = load_model_family(model_family)
+    hf_names = {_hf_module_name(family, path): name for path, name in _ADAPTABLE.items()}
+    known = [hf_name.rpartition(".")[2] for hf_name in hf_names]
+    adapted = set()
+    for target in targets:
+        found = {name for hf_name, name in hf_names.items() if hf_name == target or hf_name.endswith(f".{target}")}
+        if not found:
+            raise UserError(
+                f"{config_file}: target_modules has {target!r}, which our LoRA builders do not adapt; they adapt "
+                f"{', '.join(known)}"
+            )
+        adapted |= found
+    mlp = adapted & set(MLP_MODULES)
+    if mlp and mlp != set(MLP_MODULES):
+        hf_mlp = {name: hf_name.rpartition(".")[2] for hf_name, name in hf_names.items() if name in MLP_MODULES}
+        has = ", ".join(hf_mlp[name] for name in MLP_MODULES if name in mlp)
+        lacks = ", ".join(hf_mlp[name] for name in MLP_MODULES if name not in mlp)
+        raise UserError(
+            f"{config_file}: target_modules has {has} but not {lacks}; our LoRA builders adapt the feed-forward's "
+            f"{', '.join(hf_mlp.values())} all three or none"
+        )
+    return lora_linear(
+        lora_attn_modules=[name for name in ATTN_MODULES if name in adapted],
+        apply_lora_to_mlp=bool(mlp),
+        apply_lora_to_output="output" in adapted,
+        lora_rank=config["r"],
+        lora_alpha=config["lora_alpha"],
+        use_dora=bool(config.get("use_dora", False)),
+    )
 
 
 def fill_adapter_model(
