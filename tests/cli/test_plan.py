@@ -182,3 +182,28 @@ def test_plan_counts_8bit_adamw_and_the_step_inside_backward(plan) -> None:
     assert float(_row(lighter, "optimizer state")[0]) < float(_row(adamw, "optimizer state")[0]) / 3
     assert float(_row(lighter, "grads")[0]) < float(_row(adamw, "grads")[0]) / 5
     assert "auto picks: data_parallel=ddp" in adamw and "auto picks: data_parallel=zero2" in lighter
+
+
+def test_auto_micro_batch_may_plan_cpu_offload_as_a_gpu_run_would(plan) -> None:
+    # 70B full on 8 x 80 GB fits only with cpu_offload (zero3 needs 82 GiB of 72). Plans are for GPUs: with
+    # micro_batch_size auto, tune plan must pick what a GPU run picks, not stop as if on a CPU with nothing to offload to.
+    args = ("full_finetune", "--config", "llama3_1_70b", "--nproc_per_node", "8", "--device-memory-gb", "80")
+    fixed = plan(*args, "micro_batch_size=1", "batch_size=8", "data_parallel=auto")
+    auto = plan(*args, "micro_batch_size=auto", "batch_size=8", "data_parallel=auto")
+    assert fixed.returncode == 0 and auto.returncode == 0, auto.stderr
+    assert "auto picks: data_parallel=zero3 with cpu_offload: true" in fixed.stdout
+    assert "micro_batch_size: auto -> 1 sequences per device" in auto.stdout
+    assert "auto picks: data_parallel=zero3 with cpu_offload: true" in auto.stdout
+
+
+def test_auto_micro_batch_fits_the_configured_hsdp_groups(plan) -> None:
+    # hsdp_shard_size 2 on 2 x 8 GPUs of 44 GB: the micro batch auto picks must fit the groups of 2 the run shards
+    # over, by the very estimate the plan prints for the configured strategy (planned for groups of 8, it took 4
+    # sequences, which need 40.2 GiB of 39.6 in groups of 2).
+    result = plan(
+        "full_finetune", "--config", "llama3_1_8b", "--nnodes", "2", "--nproc_per_node", "8", "--device-memory-gb",
+        "44", "micro_batch_size=auto", "batch_size=64", "data_parallel=hsdp", "hsdp_shard_size=2",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "micro_batch_size: auto -> 2 sequences per device" in result.stdout
+    assert "config: data_parallel=hsdp needs" in result.stdout and "does NOT fit" not in result.stdout

@@ -732,3 +732,39 @@ def test_auto_micro_batch_for_the_step_inside_backward_is_the_whole_share():
     # data_parallel: auto too: the strategy is chosen for the whole share, not for 1 sequence.
     both = plan(strategy="auto", device_memory_gb=1000)
     assert both.accumulation_steps == 1 and both.strategy in ("zero2", "zero3")
+
+
+def _largest_fitting_micro_batch(model: nn.Module, *, per_rank: int, usable: float, **estimate_args) -> int:
+    """The reference for auto: the largest divisor of ``per_rank`` whose own estimate_memory total fits."""
+    fitting = [
+        d for d in range(1, per_rank + 1)
+        if per_rank % d == 0
+        and estimate_memory(model, micro_batch_size=d, gradient_accumulation_steps=per_rank // d, **estimate_args).total
+        <= usable
+    ]
+    return max(fitting)
+
+
+def test_auto_micro_batch_plans_with_the_hsdp_shard_size_the_run_uses():
+    # 8B on 2 nodes x 8 GPUs of 80 GB, HSDP in groups of 2 (hsdp_shard_size: 2): each rank holds half the model's
+    # state, not an eighth. Planned with the default group of one node, auto took 4 sequences, whose estimate under
+    # the run's groups of 2 is 79.4 GiB of 72 usable.
+    model, plan = _plan(strategy="hsdp", world_size=16, device_memory_gb=80, shard_size=2, max_seq_len=2048)
+    expected = _largest_fitting_micro_batch(
+        model, per_rank=4, usable=0.9 * 80 * GIB, strategy="hsdp", world_size=16, num_nodes=2, shard_size=2,
+        max_seq_len=2048, dtype="bf16-mixed", activation_checkpointing=True,
+    )
+    assert plan.micro_batch_size == expected < 4
+
+
+def test_auto_micro_batch_counts_the_configured_optimizer():
+    # 8-bit AdamW holds 2 bytes of state per parameter where AdamW in fp32 holds 8: on 8 x 48 GB under zero2 that
+    # is room for twice the sequences (4, not 2), which auto must see as tune plan's table does.
+    args = dict(strategy="zero2", device_memory_gb=48, max_seq_len=2048)
+    model, adamw = _plan(**args)
+    _, eight_bit = _plan(**args, optimizer="adamw8bit")
+    expected = _largest_fitting_micro_batch(
+        model, per_rank=8, usable=0.9 * 48 * GIB, strategy="zero2", world_size=8, max_seq_len=2048,
+        dtype="bf16-mixed", activation_checkpointing=True, optimizer="adamw8bit",
+    )
+    assert eight_bit.micro_batch_size == expected > adamw.micro_batch_size

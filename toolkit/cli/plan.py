@@ -21,7 +21,6 @@ from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.training.accumulation import gradient_accumulation_steps
 from toolkit.training.activations import checkpoint_interval
 from toolkit.training.memory import (
-    OPTIMIZER_STATES,
     StepKernels,
     candidate_strategies,
     choose_strategy,
@@ -29,6 +28,7 @@ from toolkit.training.memory import (
     estimate_memory,
     format_bytes,
     format_table,
+    optimizer_memory_model,
     plan_parallelism,
 )
 
@@ -102,8 +102,8 @@ def _positive_int(cfg: DictConfig, key: str) -> int:
 def _optimizer_name(cfg: DictConfig) -> tuple[str, str | None]:
     """The memory model's optimizer name and a note when the config's is not one it knows."""
     component = str(cfg.get("optimizer", {}).get("_component_", "torch.optim.AdamW"))
-    name = component.rsplit(".", 1)[-1].lower()
-    if name in OPTIMIZER_STATES:
+    name = optimizer_memory_model(component)
+    if name is not None:
         return name, None
     return "adamw", f"note: no memory model for optimizer {component}; counted as AdamW (2 states per parameter)"
 
@@ -180,6 +180,7 @@ def plan_command(argv: Sequence[str]) -> int:
     adapters = get_adapter_params(model)
     if adapters:  # what the LoRA recipe does: only the adapters train
         set_trainable_params(model, adapters)
+    shard_size = cfg.get("hsdp_shard_size")  # hsdp's groups, as the run makes them
     auto_note = None
     if auto_micro_batch:  # what tune run would pick, for the configured strategy (or the one auto picks)
         if "batch_size" not in cfg:
@@ -190,7 +191,8 @@ def plan_command(argv: Sequence[str]) -> int:
             device_memory_gb=memory / _GIB, world_size=world_size, local_world_size=nproc, max_seq_len=max_seq_len,
             dtype=dtype, activation_checkpointing=activation_checkpointing,
             activation_offloading=activation_offloading, optimizer_in_backward=optimizer_in_backward,
-            headroom=args.headroom, kernels=kernels,
+            headroom=args.headroom, kernels=kernels, shard_size=shard_size, optimizer=optimizer,
+            offload_candidates=True,  # plans are for GPUs, which may offload; the CPU here has nothing to say
         )
         micro_batch_size = chosen.micro_batch_size
         auto_note = "; ".join(chosen.reasons)
@@ -217,6 +219,7 @@ def plan_command(argv: Sequence[str]) -> int:
         optimizer_in_backward=optimizer_in_backward,
         gradient_accumulation_steps=accumulation,
         kernels=kernels,
+        shard_size=shard_size,
     )
     usable = int(args.headroom * memory)
 
@@ -253,9 +256,7 @@ def plan_command(argv: Sequence[str]) -> int:
     configured = str(cfg.get("data_parallel", "auto"))
     if configured != "auto":
         offload = bool(cfg.get("cpu_offload", False))
-        mine = estimate_memory(
-            model, strategy=configured, cpu_offload=offload, shard_size=cfg.get("hsdp_shard_size"), **common
-        )
+        mine = estimate_memory(model, strategy=configured, cpu_offload=offload, **common)
         verdict = "fits" if mine.total <= usable else "does NOT fit"
         print(f"config: data_parallel={mine.label} needs {format_bytes(mine.total)} per device: {verdict}")
     strategy, estimate, reason = choose_strategy(

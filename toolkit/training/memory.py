@@ -57,6 +57,13 @@ _STATE_ELEMENT_BYTES = {"adamw8bit": 1 + 4 / 256, "adam8bit": 1 + 4 / 256}
 _GIB = 1024**3
 
 
+def optimizer_memory_model(component: str) -> str | None:
+    """The :data:`OPTIMIZER_STATES` name of an optimizer ``_component_`` (``torch.optim.AdamW`` -> ``adamw``,
+    ``torchao.optim.AdamW8bit`` -> ``adamw8bit``), or ``None`` when the memory model has none for it."""
+    name = component.rsplit(".", 1)[-1].lower()
+    return name if name in OPTIMIZER_STATES else None
+
+
 @dataclass(frozen=True)
 class StepKernels:
     """Which kernels a training step's attention and loss run on. They change how much memory the activations and
@@ -436,12 +443,14 @@ def choose_strategy(
     headroom: float = 0.9,
     kernels: StepKernels = StepKernels(),
     cpu_offload: bool = True,
+    shard_size: int | None = None,
 ) -> tuple[str, MemoryEstimate, str]:
     """The cheapest strategy (order: :func:`candidate_strategies`) whose estimate fits ``headroom`` of the device.
 
-    The other arguments are those of :func:`estimate_memory`. With ``optimizer_in_backward`` on several processes,
-    only the FSDP2 strategies are candidates (see :mod:`toolkit.training.optim`); with ``cpu_offload=False`` (training
-    on the CPU), no offloaded one is.
+    The other arguments are those of :func:`estimate_memory` (``shard_size``: HSDP's, the config's
+    ``hsdp_shard_size``, with which the run shards if ``hsdp`` is picked). With ``optimizer_in_backward`` on several
+    processes, only the FSDP2 strategies are candidates (see :mod:`toolkit.training.optim`); with
+    ``cpu_offload=False`` (training on the CPU), no offloaded one is.
 
     Returns:
         ``(strategy, estimate, reason)``: the ``data_parallel`` value, its estimate (``estimate.cpu_offload`` says
@@ -472,6 +481,7 @@ def choose_strategy(
             optimizer_in_backward=optimizer_in_backward,
             gradient_accumulation_steps=gradient_accumulation_steps,
             kernels=kernels,
+            shard_size=shard_size,
         )
         if estimate.total <= usable:
             rejected = "".join(f"; {e.label} would need {format_bytes(e.total)}" for e in estimates)
@@ -553,6 +563,9 @@ def plan_parallelism(
     optimizer_in_backward: bool = False,
     headroom: float = 0.9,
     kernels: StepKernels = StepKernels(),
+    shard_size: int | None = None,
+    optimizer: str = "adamw",
+    offload_candidates: bool | None = None,
 ) -> ParallelPlan:
     """Resolve ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory estimate.
 
@@ -573,6 +586,12 @@ def plan_parallelism(
         device_memory_gb: the memory to plan for where the device does not say (CPU), in GiB.
         world_size, local_world_size: the job's shape.
         headroom: the fraction of device memory a plan may fill.
+        shard_size: HSDP's shard group size as the run will use it (config ``hsdp_shard_size``; default: the
+            processes of one node); the estimate of an ``hsdp`` plan depends on it.
+        optimizer: the memory model of the run's optimizer (:func:`optimizer_memory_model`), whose state the
+            estimate counts.
+        offload_candidates: whether ``data_parallel: auto`` may pick ``cpu_offload``; default: on any device but
+            the CPU (``tune plan``, which plans for GPUs from a CPU, says true).
 
     Raises:
         UserError: ``auto`` without a known device memory, nothing fits, sizes that do not divide, or an invalid
@@ -597,7 +616,8 @@ def plan_parallelism(
     num_nodes = max(1, world_size // max(1, local_world_size))
     common = dict(world_size=world_size, max_seq_len=max_seq_len, dtype=dtype,
                   activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
-                  optimizer_in_backward=optimizer_in_backward, kernels=kernels)
+                  optimizer_in_backward=optimizer_in_backward, kernels=kernels, shard_size=shard_size,
+                  optimizer=optimizer)
     micro = micro_batch_size
     if auto_batch:
         # The step inside backward takes this rank's share of the batch at once (it cannot accumulate).
@@ -608,7 +628,8 @@ def plan_parallelism(
     if strategy == "auto":
         strategy, estimate, reason = choose_strategy(
             model, device_memory_bytes=memory, num_nodes=num_nodes, micro_batch_size=micro,
-            gradient_accumulation_steps=steps, headroom=headroom, cpu_offload=device.type != "cpu", **common,
+            gradient_accumulation_steps=steps, headroom=headroom,
+            cpu_offload=device.type != "cpu" if offload_candidates is None else offload_candidates, **common,
         )
         cpu_offload = estimate.cpu_offload
         reasons.append(f"data_parallel: auto -> {reason}")
