@@ -50,6 +50,7 @@ from toolkit.training import (
     make_grad_scaler,
     measure_peak_flops,
     on_rank_zero,
+    optimizer_memory_model,
     optimizer_step,
     parallel_dims,
     parallelize,
@@ -106,7 +107,8 @@ def train(cfg: DictConfig) -> None:
         world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
         activation_offloading=cfg.activation_offloading, optimizer_in_backward=cfg.get("optimizer_in_backward", False),
-        kernels=kernels,
+        kernels=kernels, shard_size=cfg.hsdp_shard_size,
+        optimizer=optimizer_memory_model(cfg.optimizer._component_) or "adamw",  # one it does not know: as AdamW
     )
     accum_steps = plan.accumulation_steps
     dims = parallel_dims(

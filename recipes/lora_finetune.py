@@ -53,6 +53,7 @@ from toolkit.training import (
     make_grad_scaler,
     measure_peak_flops,
     on_rank_zero,
+    optimizer_memory_model,
     optimizer_step,
     parallel_dims,
     parallelize,
@@ -126,6 +127,9 @@ def train(cfg: DictConfig) -> None:
         loss_chunks=cfg.get("loss_chunks"),
         fused_loss=cfg.get("fused_loss", True),
     )
+    # Only the adapters train: before the memory plan (which counts gradients and optimizer state for what trains)
+    # and before wrapping (only adapters are reduced).
+    set_trainable_params(model, get_adapter_params(model))
     # `auto` (data_parallel, micro_batch_size) is resolved from a memory estimate: the least-communicating strategy
     # that fits the device, then the largest micro batch that fits; the global batch never changes.
     plan = plan_parallelism(
@@ -134,7 +138,8 @@ def train(cfg: DictConfig) -> None:
         world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
         activation_offloading=cfg.activation_offloading, optimizer_in_backward=cfg.get("optimizer_in_backward", False),
-        kernels=kernels,
+        kernels=kernels, shard_size=cfg.hsdp_shard_size,
+        optimizer=optimizer_memory_model(cfg.optimizer._component_) or "adamw",  # one it does not know: as AdamW
     )
     accum_steps = plan.accumulation_steps
     dims = parallel_dims(
@@ -150,7 +155,6 @@ def train(cfg: DictConfig) -> None:
             dims=dims, micro_batch_size=plan.micro_batch_size, accumulation_steps=accum_steps,
             max_grad_norm=cfg.clip_grad_norm, grad_scaling=precision.needs_grad_scaler,
         )
-    set_trainable_params(model, get_adapter_params(model))  # before wrapping: only adapters are reduced
     checkpointer = instantiate(cfg.checkpointer)
 
     # The base from the checkpoint (or random), adapters with B = 0: the model starts as exactly its base.

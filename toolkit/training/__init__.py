@@ -28,7 +28,14 @@ from toolkit.training.init import init_weights, materialize, set_seed
 from toolkit.training.compile import compile_model
 from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum, global_token_count, gradient_scale
 from toolkit.training.lr_schedulers import cosine_with_warmup
-from toolkit.training.memory import ParallelPlan, StepKernels, choose_strategy, estimate_memory, plan_parallelism
+from toolkit.training.memory import (
+    ParallelPlan,
+    StepKernels,
+    choose_strategy,
+    estimate_memory,
+    optimizer_memory_model,
+    plan_parallelism,
+)
 from toolkit.training.meta_checkpoint import MetaCheckpointer
 from toolkit.training.metrics import MetricsLogger, peak_memory_gib, rank_stats, step_metrics
 from toolkit.training.optim import OptimizerInBackward, check_optimizer_in_backward, fused_by_default
@@ -115,6 +122,7 @@ __all__ = [
     "materialize",
     "measure_peak_flops",
     "on_rank_zero",
+    "optimizer_memory_model",
     "optimizer_step",
     "parallel_dims",
     "parallelize",
