@@ -229,6 +229,12 @@ def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[s
             if name.startswith(_TORCHRUN_LOGGERS):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[LAUNCHER_REPORTS_ERRORS_ENV] = "1"
+    # A fresh store for every rendezvous round (c10d), hosted by that round's rank 0, instead of one kept by the
+    # launcher across rounds: after a restart, the old round's keys (the dead ranks' addresses) would be read by the
+    # new workers, and the nodes cannot tell the rounds apart by TORCHELASTIC_RESTART_COUNT, which torchrun counts
+    # per node (only the node where a worker failed raises it). The static rendezvous ignores this; there
+    # init_distributed keeps the attempts apart in the launcher's store.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(launch)
     except ChildFailedError as e:

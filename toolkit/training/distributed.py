@@ -79,6 +79,7 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 600.0) -> Distr
                 device_id=torch_device if use_cuda else None,
                 **_restart_store(rank=rank, world_size=world_size, timeout_s=timeout_s),
             )
+            _agree_on_restart_count()
     return DistributedEnv(
         rank=rank,
         local_rank=local_rank,
@@ -92,23 +93,40 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 600.0) -> Distr
 def _restart_store(*, rank: int, world_size: int, timeout_s: float) -> dict:
     """After torchrun restarted the workers (``--max_restarts``), a store whose keys are this attempt's alone.
 
-    torchrun hands every attempt the same store, and the process group's bootstrap keys (each rank's address)
-    carry no attempt number: a restarted rank would read the address of the dead one and fail to connect. Returns
-    ``init_process_group``'s store arguments; none without a restart (it reads torchrun's environment as usual).
+    With the launcher's store shared across attempts (``TORCHELASTIC_USE_AGENT_STORE``: the static rendezvous, or
+    plain torchrun with c10d), the process group's bootstrap keys (each rank's address) carry no attempt number: a
+    restarted rank would read the address of the dead one and fail to connect. Returns ``init_process_group``'s
+    store arguments; none without a restart, and none when every attempt gets a fresh store of its own (`tune run`
+    asks torchrun for one under c10d): there the nodes may disagree on the attempt number (see
+    :func:`_agree_on_restart_count`), so a prefix made of it would keep them apart.
     """
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0:
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         world_size,
-        is_master=not agent_hosts and rank == 0,
+        is_master=False,
         timeout=timedelta(seconds=timeout_s),
-        multi_tenant=not agent_hosts,
     )
     return {"store": dist.PrefixStore(f"tunekit/attempt_{attempt}", store), "rank": rank, "world_size": world_size}
+
+
+def _agree_on_restart_count() -> None:
+    """Make ``TORCHELASTIC_RESTART_COUNT`` the job's, the same on every rank: the largest of the nodes' counts.
+
+    torchrun counts restarts per node: when a worker fails on one node, that node's launcher restarts its workers
+    with the count raised, while the other nodes' launchers restart theirs for the new rendezvous round with the
+    count unchanged (a membership change is not a retry). Rank zero could then see 0 and take a recovery for a
+    fresh start (refuse the folder, or clear it with ``overwrite``), and a fault injected for the first attempt
+    would fire again. Every reader (resume, fault injection) goes through the environment, so it is set there.
+    """
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return
+    count = torch.tensor(int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(int(count.item()))
 
 
 def destroy_distributed() -> None:
