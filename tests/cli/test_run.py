@@ -186,6 +186,23 @@ def test_a_user_error_recorded_before_sigterm_is_shown(tmp_path, capsys) -> None
     assert one_line(capsys.readouterr().err) == "error: bad value on rank 1"
 
 
+def test_a_timed_out_collective_names_the_ranks_still_running(tmp_path, capsys) -> None:
+    from toolkit.cli._run import _report_failure
+
+    # Rank 1 was stuck outside any collective (a data read that never returned): rank 0 timed out waiting for it,
+    # and torchrun then stopped rank 1, which recorded nothing. The line named rank 0 alone, the one that waited.
+    timed_out = "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv"
+    failures = {0: _failure(tmp_path, 0, 1, timed_out), 1: _failure(tmp_path, 1, -signal.SIGTERM, None)}
+    assert _report_failure(failures) == 1
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("tune: error: rank 0 exited with code 1: " + timed_out)
+    assert "a collective timed out: the rank it waited for is one of those still running when stopped (here: 1)" in line
+    # A crash is not a timeout: the ranks stopped after it are not suspects.
+    failures[0] = _failure(tmp_path, 0, 1, "RuntimeError: injected failure")
+    assert _report_failure(failures) == 1
+    assert "still running" not in one_line(capsys.readouterr().err)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -123,6 +123,10 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken p
               "nccl communicator was aborted", "watchdog caught collective operation timeout")
 
 
+# What a rank's exception says when its collective (or the store) waited past dist_timeout_s.
+_TIMED_OUT = ("timed out", "timeout")
+
+
 def _message(failure: Any) -> str:
     """The last line of the exception the rank's error file holds, or ''."""
     if not os.path.isfile(failure.error_file):
@@ -179,6 +183,13 @@ def _report_failure(failures: dict[int, Any]) -> int:
         return lost_peer, failure.timestamp, rank
 
     details = "; ".join(_describe(rank, failure) for rank, failure in sorted(causes.items(), key=order))
+    # A collective that timed out names the ranks that waited, not the one they waited for: that one was still
+    # running (stuck elsewhere) when torchrun stopped it, silently, or it runs on another node.
+    stopped = sorted(rank for rank in failures if rank not in causes)
+    if stopped and all(any(word in _message(f).lower() for word in _TIMED_OUT) for f in causes.values()):
+        ranks = ", ".join(map(str, stopped))
+        details += (f"; a collective timed out: the rank it waited for is one of those still running when stopped "
+                    f"(here: {ranks}) or on another node")
     print(f"tune: error: {details}; see that rank's output above", file=sys.stderr)
     return 1
 
