@@ -217,15 +217,16 @@ def train(cfg: DictConfig) -> None:
         optimizer = shard_optimizer_state(instantiate(optimizer_cfg, trainable), dims=dims)
     lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
 
-    if resume is None:  # an old run in output_dir (overwrite=true) is cleared now that every input has been built
-        on_rank_zero(claim_output_dir, output_dir, overwrite=cfg.overwrite)
-
     # --- Step checkpoints hold only what trains (adapters, their optimizer state) and the resume state ------------
     state = TrainingState(model, optimizer, lr_scheduler, sampler, grad_scaler)
     checkpoints = StepCheckpointer(
         output_dir, every_n_steps=cfg.save_every_n_steps, keep_last_n=cfg.keep_last_n, async_save=cfg.async_save,
         trainable_only=True, base_checkpoint=checkpointer.checkpoint_dir,
     )
+    # An old run in output_dir (overwrite=true) is cleared only now that every input has been built and the
+    # checkpointer has checked that every node sees output_dir.
+    if resume is None:
+        on_rank_zero(claim_output_dir, output_dir, overwrite=cfg.overwrite)
     step = checkpoints.load(resume, state, config=cfg) if resume is not None else 0
 
     log = MetricsLogger(

@@ -322,7 +322,9 @@ class StepCheckpointer:
         self.trainable_only = trainable_only
         self.base_checkpoint = Path(base_checkpoint).expanduser() if base_checkpoint is not None else None
         self._base_files: list[Path] | None = None  # rank 0: the snapshot's files, once taken
-        if every_n_steps is not None and not shared_filesystem(self.root):
+        # Checked in output_dir itself (the token file is removed again): nothing is created in checkpoints/ before
+        # the recipe claims the folder, which a failure here must leave as it was.
+        if every_n_steps is not None and not shared_filesystem(self.root.parent):
             raise UserError(
                 f"save_every_n_steps: every rank writes its part of a step checkpoint into {self.root}, but that "
                 "folder is not on a filesystem all nodes share; put output_dir on shared storage, or set "
