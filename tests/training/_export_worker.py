@@ -27,6 +27,7 @@ if __name__ == "__main__":
     model = apply_data_parallel(model, dims=dims, device=torch.device("cpu"), mp_policy=None)
     # Small files: each rank writes several of them.
     HFCheckpointer(None, model_family="llama3").export(model, out, max_shard_bytes=20_000)
+    del model  # its DDP reducer holds the group: freed after destroy_process_group, at exit, it can hang there
     dist.barrier()
     dist.destroy_process_group()
     # Skip interpreter teardown, as the recipes' torchrun workers do: torch 2.13's gloo destructors can abort there.

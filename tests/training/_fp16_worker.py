@@ -64,9 +64,11 @@ def main(out: str) -> None:
     if env.rank == 0:
         with open(out, "w") as f:
             json.dump(records, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # Only now, with the DDP model freed at main's return: destroying the group while its reducer still held it let
+    # the group's destructor run at exit, joining a gloo thread that waited for the GIL (a rare hang).
+    if dist.is_initialized():
+        dist.destroy_process_group()
