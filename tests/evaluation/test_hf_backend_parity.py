@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from tests.tiny_tokenizer import chatml_byte_level_bpe  # noqa: E402
 from toolkit.evaluation.lm_eval_model import ToolkitLM  # noqa: E402
 from toolkit.models import build_from_hf  # noqa: E402
 from toolkit.tokenizers import from_pretrained  # noqa: E402
@@ -30,17 +31,8 @@ TEXT = [
 def backends(tmp_path_factory) -> tuple[ToolkitLM, object]:
     """(ours, lm-eval's HFLM) over one checkpoint; batch sizes differ (2 and 3), so padding differs too."""
     from lm_eval.models.huggingface import HFLM
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     folder: Path = tmp_path_factory.mktemp("tiny_qwen2")
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    bpe.train_from_iterator(TEXT * 20, trainer)
+    bpe = chatml_byte_level_bpe(TEXT * 20, vocab_size=500)
     bpe.save(str(folder / "tokenizer.json"))
     config = transformers.Qwen2Config(
         vocab_size=bpe.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.launch import run_tune
+from tests.tiny_tokenizer import chatml_byte_level_bpe
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -24,17 +25,8 @@ tune = partial(run_tune, timeout_s=300, check=True)
 
 @pytest.fixture(scope="module")
 def qwen_folder(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     folder = tmp_path_factory.mktemp("tiny_qwen2")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tokenizer.train_from_iterator(["reverse: abcd dcba", "upper: word WORD", "sort: dcba abcd"] * 50, trainer)
+    tokenizer = chatml_byte_level_bpe(["reverse: abcd dcba", "upper: word WORD", "sort: dcba abcd"] * 50, vocab_size=400)
     tokenizer.save(str(folder / "tokenizer.json"))
     config = transformers.Qwen2Config(
         vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
