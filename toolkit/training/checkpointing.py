@@ -25,7 +25,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -38,9 +37,9 @@ from toolkit.training.parallel import unwrap
 from toolkit.training.step_checkpoint import (
     COMPLETE_MARKER,
     _check_tensors,
-    _first_line,
     base_files_dir,
     is_complete,
+    load_dcp,
 )
 
 # Copied from the source checkpoint into an export when there: the tokenizer (fast or slow, and the chat template,
@@ -184,14 +183,9 @@ class HFCheckpointer:
                     f"{tuple(targets[key].shape)}"
                 )
             wanted[name] = targets[key]
-        try:
-            # Sharded targets load collectively, each rank reading its part; whole ones alone.
-            sharded = any(isinstance(t, DTensor) for t in wanted.values())
-            dcp.load(wanted, checkpoint_id=str(self.checkpoint_dir), no_dist=not sharded)
-        except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
-            raise UserError(
-                f"{self.checkpoint_dir}: cannot read the checkpoint ({read_error(e)}); a file may be corrupt"
-            ) from None
+        # Sharded targets load collectively, each rank reading its part; whole ones alone.
+        sharded = any(isinstance(t, DTensor) for t in wanted.values())
+        load_dcp(wanted, self.checkpoint_dir, no_dist=not sharded)
         loaded.update(name[len("model."):] for name in wanted)
 
     def _load_tensor(self, file: Path, reader, hf_key: str, targets: dict[str, torch.Tensor], loaded: set[str]) -> None:
@@ -475,10 +469,7 @@ def dcp_tensor_reader(
             if i + 1 < len(keys) and sum(specs[k].nbytes for k in batch) + specs[keys[i + 1]].nbytes <= batch_bytes:
                 continue
             wanted = {names.get(k, k): torch.empty(specs[k].shape, dtype=specs[k].dtype) for k in batch}
-            try:
-                dcp.load(wanted, checkpoint_id=str(checkpoint_dir), no_dist=True)
-            except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
-                raise UserError(f"{checkpoint_dir}: cannot read the checkpoint ({read_error(e)}); a file may be corrupt") from None
+            load_dcp(wanted, checkpoint_dir, no_dist=True)
             yield from ((k, wanted.pop(names.get(k, k))) for k in batch)
             batch = []
 
@@ -498,16 +489,6 @@ def check_step_checkpoint(path: Path) -> Metadata:
         )
     _check_tensors(path, {})  # the metadata and the files' sizes; no tensors to compare yet
     return dcp.FileSystemReader(str(path)).read_metadata()
-
-
-def read_error(error: BaseException) -> str:
-    """One line saying why reading a checkpoint failed: for ``torch.distributed.checkpoint``'s exception, which
-    wraps every rank's (exception, traceback), the kind of the first rank's own error (an unpickling error's text
-    is torch.load's advice to load untrusted files with weights_only=False: not for a corrupt checkpoint)."""
-    if isinstance(error, CheckpointException) and error.failures:
-        inner = next(iter(error.failures.values()))
-        return f"{type(inner[0] if isinstance(inner, tuple) else inner).__name__} reading its tensors"
-    return _first_line(error)
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -472,14 +472,9 @@ class StepCheckpointer:
                 f"{path / TRAINER_STATE}: holds the {trainer['model_state']} model, but this recipe saves the "
                 f"{'trainable' if self.trainable_only else 'full'} one; resume with the recipe that wrote it"
             )
-        from toolkit.training.checkpointing import read_error  # it imports this module
-
         tensors = self._tensor_state(state)
         _check_tensors(path, tensors)
-        try:
-            dcp.load(tensors, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as e:  # DCP's own exception, every rank's failure, is a BaseException
-            raise UserError(f"{path}: cannot read the checkpoint ({read_error(e)}); a file may be corrupt") from None
+        load_dcp(tensors, path)
         set_model_state_dict(state.model, tensors["model"], options=self._options(strict=not self.trainable_only))
         set_optimizer_state_dict(
             state.model,
@@ -507,6 +502,30 @@ class StepCheckpointer:
         except Exception as e:
             raise UserError(f"{rng_file}: cannot read the RNG state ({_first_line(e)})") from None
         return int(trainer["step"])
+
+
+def load_dcp(state_dict: dict[str, Any], path: Path, **kwargs: Any) -> None:
+    """``dcp.load`` of ``state_dict`` from the checkpoint folder ``path`` (``kwargs``: ``no_dist``...), where a
+    failure to read it is one line naming the folder.
+
+    Raises:
+        UserError: a file could not be read (DCP's own exception, which wraps every rank's failure, is a
+            BaseException: ``except Exception`` alone lets it through as a traceback).
+    """
+    try:
+        dcp.load(state_dict, checkpoint_id=str(path), **kwargs)
+    except (Exception, CheckpointException) as e:
+        raise UserError(f"{path}: cannot read the checkpoint ({_read_error(e)}); a file may be corrupt") from None
+
+
+def _read_error(error: BaseException) -> str:
+    """Why reading a checkpoint failed, in a few words: for DCP's exception, the kind of the first rank's own error
+    (an unpickling error's text is torch.load's advice to load untrusted files with weights_only=False: not for a
+    corrupt checkpoint)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        inner = next(iter(error.failures.values()))
+        return f"{type(inner[0] if isinstance(inner, tuple) else inner).__name__} reading its tensors"
+    return _first_line(error)
 
 
 def _first_line(error: BaseException) -> str:

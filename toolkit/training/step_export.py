@@ -7,14 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.checkpoint.api import CheckpointException
 
 from toolkit.config import instantiate
 from toolkit.errors import UserError
-from toolkit.training.checkpointing import DEFAULT_MAX_SHARD_BYTES, HFCheckpointer, check_step_checkpoint, read_error
-from toolkit.training.step_checkpoint import _first_line, _read_trainer_state, base_files_dir
+from toolkit.training.checkpointing import DEFAULT_MAX_SHARD_BYTES, HFCheckpointer, check_step_checkpoint
+from toolkit.training.step_checkpoint import _first_line, _read_trainer_state, base_files_dir, load_dcp
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +141,11 @@ def export_step_checkpoint(
         )
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    try:
-        if trainer["model_state"] == "full":
-            return [checkpointer.save_from_dcp(model, checkpoint, output_dir, max_shard_bytes=max_shard_bytes)]
-        return _export_adapters(
-            checkpoint, output_dir, cfg, model, checkpointer, base=base, merged=merged, max_shard_bytes=max_shard_bytes
-        )
-    except CheckpointException as e:  # a BaseException: the tensors' bytes are corrupt though their sizes are right
-        raise UserError(f"{checkpoint}: cannot read the checkpoint ({read_error(e)}); a file may be corrupt") from None
+    if trainer["model_state"] == "full":
+        return [checkpointer.save_from_dcp(model, checkpoint, output_dir, max_shard_bytes=max_shard_bytes)]
+    return _export_adapters(
+        checkpoint, output_dir, cfg, model, checkpointer, base=base, merged=merged, max_shard_bytes=max_shard_bytes
+    )
 
 
 def _export_adapters(checkpoint, output_dir, cfg, model, checkpointer, *, base, merged: bool, max_shard_bytes: int):
@@ -159,7 +154,7 @@ def _export_adapters(checkpoint, output_dir, cfg, model, checkpointer, *, base, 
     from toolkit.training.peft import save_peft_adapter
 
     saved = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items() if is_adapter_key(k)}
-    dcp.load({f"model.{k}": v for k, v in saved.items()}, checkpoint_id=str(checkpoint), no_dist=True)
+    load_dcp({f"model.{k}": v for k, v in saved.items()}, checkpoint, no_dist=True)
     if merged:
         # The frozen base, as the recipe built it: loaded, or drawn from the seed in the same order.
         set_seed(cfg.seed)
