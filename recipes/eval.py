@@ -33,7 +33,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from toolkit.config import instantiate, recipe_main
+from toolkit.config import Choice, Component, Float, Int, Schema, Section, Str, instantiate, recipe_main
 from toolkit.data import padded_collate
 from toolkit.errors import UserError
 from toolkit.evaluation import check_chat_settings, load_lm_eval_tasks, run_lm_eval
@@ -51,7 +51,28 @@ from toolkit.training import (
     set_seed,
 )
 from toolkit.training.peft import adapter_linear, fill_adapter_model
+from toolkit.training.parallel import STRATEGIES
+from toolkit.training.schema import MODEL_KEYS, PARALLEL_KEYS
 from toolkit.training.validation import ValidationSampler, validation_loss
+
+# Every config key this recipe reads, checked before anything is loaded (toolkit/training/schema.py has the shared
+# ones).
+SCHEMA = Schema({
+    **MODEL_KEYS,
+    **PARALLEL_KEYS,
+    "data_parallel": Choice(*STRATEGIES),
+    "output_dir": Str(),
+    "adapter_dir": Str(null=True),
+    "max_seq_len": Int(ge=1, null=True, required=False),
+    "micro_batch_size": Int(ge=1),
+    "dataset": Component(null=True, required=False),
+    "eval_tasks": Component(null=True, required=False),
+    "eval_max_new_tokens": Int(ge=1),
+    "lm_eval": Section(null=True, required=False),
+    "lm_eval.batch_size": Int(ge=1),
+    "lm_eval.limit": Float(gt=0, null=True),
+    "lm_eval.num_fewshot": Int(ge=0, null=True),
+})
 
 
 def write_report(results: dict, output_dir: Path) -> Path:
@@ -179,7 +200,7 @@ def evaluate(cfg: DictConfig) -> None:
         print(f"wrote {path}", flush=True)
 
 
-@recipe_main
+@recipe_main(schema=SCHEMA)
 def main(cfg: DictConfig) -> None:
     try:
         with sdpa_preference(cfg.get("sdpa_backend")):  # SDPA's backend order, before anything is compiled

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from toolkit.config import instantiate, recipe_main
 from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import exact_match_accuracy
+from toolkit.training.schema import TRAINING_SCHEMA
 from toolkit.training import (
     MetricsLogger,
     OptimizerInBackward,
@@ -66,6 +67,10 @@ from toolkit.training import (
     unwrap,
     validation_loss,
 )
+
+# Every config key this recipe reads, with its type, range and choices (the shared vocabulary, in
+# toolkit/training/schema.py), and the rules between them: checked whole before anything is built or written.
+SCHEMA = TRAINING_SCHEMA
 
 
 def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogger, when: str) -> float:
@@ -273,7 +278,7 @@ def train(cfg: DictConfig) -> None:
     log.close()
 
 
-@recipe_main
+@recipe_main(schema=SCHEMA)
 def main(cfg: DictConfig) -> None:
     try:
         with sdpa_preference(cfg.get("sdpa_backend")):  # SDPA's backend order, before anything is compiled

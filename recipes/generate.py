@@ -13,14 +13,27 @@ as one user message in the tokenizer's chat format; the reply is printed.
 import torch
 from omegaconf import DictConfig
 
-from toolkit.config import instantiate, recipe_main
+from toolkit.config import Float, Int, Schema, Str, instantiate, one_of, recipe_main
 from toolkit.generation import generate
 from toolkit.modules.peft import adapter_modules
 from toolkit.training import init_distributed, materialize, precision_policy, set_seed
 from toolkit.training.peft import adapter_linear, fill_adapter_model
+from toolkit.training.schema import MODEL_KEYS
+
+# Every config key this recipe reads, checked before anything is loaded (toolkit/training/schema.py has the shared
+# ones). top_k 0 and top_p 0 switch the filter off, as in transformers.
+SCHEMA = Schema({
+    **MODEL_KEYS,
+    "adapter_dir": Str(null=True, required=False),
+    "prompt": one_of(Str(empty=True), Float()),  # `prompt=42` is read as a number, and sent as its text
+    "max_new_tokens": Int(ge=1),
+    "temperature": Float(ge=0),
+    "top_k": Int(ge=0, null=True),
+    "top_p": Float(ge=0, le=1, null=True),
+}).without("sdpa_backend")
 
 
-@recipe_main
+@recipe_main(schema=SCHEMA)
 def main(cfg: DictConfig) -> None:
     env = init_distributed(device=cfg.device)
     set_seed(cfg.seed)  # the same seed as training gives the same random base (LoRA on a random base)

@@ -22,9 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from toolkit.config import instantiate, recipe_main
+from toolkit.config import Bool, instantiate, recipe_main
 from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import exact_match_accuracy
+from toolkit.training.schema import TRAINING_SCHEMA
 from toolkit.modules.peft import get_adapter_params, get_merged_state_dict
 from toolkit.modules.peft import set_trainable_params
 from toolkit.training.peft import fill_adapter_model, save_peft_adapter
@@ -70,6 +71,11 @@ from toolkit.training import (
     validation_loss,
 )
 
+
+# Every config key this recipe reads, with its type, range and choices (the shared vocabulary, in
+# toolkit/training/schema.py, and the adapters' own), checked whole before anything is built or written. The
+# adapters' rank, alpha and dropout are checked by the LoRA builders' signatures.
+SCHEMA = TRAINING_SCHEMA.extend({"save_merged": Bool()})
 
 def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogger, when: str) -> float:
     """Held-out exact-match accuracy, printed by rank zero."""
@@ -305,7 +311,7 @@ def train(cfg: DictConfig) -> None:
     log.close()
 
 
-@recipe_main
+@recipe_main(schema=SCHEMA)
 def main(cfg: DictConfig) -> None:
     try:
         with sdpa_preference(cfg.get("sdpa_backend")):  # SDPA's backend order, before anything is compiled

@@ -36,7 +36,7 @@ def test_cp_recipe_adds_suffix_and_refuses_to_overwrite(tune, tree) -> None:
 
     copy.write_text("# my edits\n")
     result = tune("cp", "toy", "my_toy.py")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr) == "tune: error: 'my_toy.py' already exists; add --force to overwrite it"
     assert copy.read_text() == "# my edits\n"
 
@@ -65,13 +65,13 @@ def test_cp_to_a_folder_that_does_not_exist_yet(tune, tree) -> None:
 def test_cp_to_a_place_that_cannot_be_written_is_one_line(tune, tree) -> None:
     (tree.work / "taken").write_text("a file, not a folder\n")
     result = tune("cp", "toy/small", "taken/copy.yaml")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr).startswith("tune: error: cannot copy to 'taken/copy.yaml': ")
 
 
 def test_cp_ambiguous_config_lists_candidates(tune, tree) -> None:
     result = tune("cp", "demo", "x.yaml")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "ambiguous: other/demo, toy/demo" in one_line(result.stderr)
     assert not (tree.work / "x.yaml").exists()
 
@@ -81,7 +81,7 @@ def test_cat(tune, tree) -> None:
     assert result.returncode == 0 and result.stdout == (tree.configs / "toy" / "small.yaml").read_text()
     assert tune("cat", "toy").stdout == TOY_RECIPE
     result = tune("cat", "smal")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr) == (
         "tune: error: no recipe or config named 'smal'; did you mean 'small'? (see `tune ls`)"
     )
@@ -97,7 +97,7 @@ def test_validate_good(tune, tree) -> None:
 
 def test_validate_typo_names_file_key_and_suggestion(tune, tree) -> None:
     result = tune("validate", "toy/small", "optimizer.lrr=0.1")
-    assert result.returncode == 1
+    assert result.returncode == 2
     path = tree.configs / "toy" / "small.yaml"
     target = "tests.config._targets.fake_optimizer"
     expected = f"tune: error: {path}: optimizer.lrr: not an argument of {target}; did you mean 'lr'?"
@@ -106,7 +106,7 @@ def test_validate_typo_names_file_key_and_suggestion(tune, tree) -> None:
 
 def test_validate_reports_every_problem_one_line_each(tune) -> None:
     result = tune("validate", "toy/small", "optimizer.lrr=0.1", "message=${nowhere}")
-    assert result.returncode == 1
+    assert result.returncode == 2
     lines = result.stderr.splitlines()
     assert len(lines) == 2 and all(line.startswith("tune: error: ") for line in lines)
 
@@ -114,7 +114,7 @@ def test_validate_reports_every_problem_one_line_each(tune) -> None:
 def test_validate_refuses_a_new_key_the_recipe_never_reads(tune) -> None:
     # A typo in a top-level key would otherwise create a key nothing reads, and the run would ignore it.
     result = tune("validate", "toy/small", "mesage=hi")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr) == (
         "tune: error: override 'mesage=hi': no key 'mesage' in the config, and recipe toy does not read one; "
         "did you mean 'message'?"
@@ -130,15 +130,15 @@ def test_validate_checks_a_copied_config_against_the_recipe_given(tune, tree) ->
     assert result.returncode == 0 and "pass --recipe" in result.stdout
     for recipe in ("toy", "toy_distributed", str(tree.recipes / "toy.py")):
         result = tune("validate", "--recipe", recipe, str(copy), "mesage=hi")
-        assert result.returncode == 1
+        assert result.returncode == 2
         assert "no key 'mesage' in the config, and recipe toy does not read one; did you mean 'message'?" in result.stderr
     assert tune("validate", "--recipe", "toy", str(copy), "message=hi").stdout == f"OK: {copy}\n"
     result = tune("validate", "--recipe", "tyo", str(copy))
-    assert result.returncode == 1 and "unknown recipe 'tyo'" in result.stderr
+    assert result.returncode == 2 and "unknown recipe 'tyo'" in result.stderr
 
 def test_validate_refuses_deleting_a_key_the_recipe_reads(tune) -> None:
     result = tune("validate", "toy/small", "~message")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr) == (
         "tune: error: override '~message': recipe toy reads 'message'; set it to null instead of deleting it"
     )
@@ -146,7 +146,7 @@ def test_validate_refuses_deleting_a_key_the_recipe_reads(tune) -> None:
 
 def test_validate_without_a_config_names_only_what_is_missing(tune) -> None:
     result = tune("validate")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr) == (
         "tune: error: the following arguments are required: config; see `tune validate --help`"
     )
@@ -154,5 +154,5 @@ def test_validate_without_a_config_names_only_what_is_missing(tune) -> None:
 
 def test_validate_unknown_config(tune) -> None:
     result = tune("validate", "toy/smal")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr) == "tune: error: unknown config 'toy/smal'; did you mean 'toy/small'?"

@@ -27,7 +27,7 @@ def test_unreachable_hub_is_one_line_with_the_retry_command(tmp_path):
         ],
         capture_output=True, text=True, env=env, timeout=120,
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("tune: error:")]
     assert len(errors) == 1, result.stderr
     assert "could not download org/model" in errors[0]
@@ -58,7 +58,7 @@ def test_gated_repo_explains_access_and_hides_the_token(monkeypatch, capsys):
         raise GatedRepoError("gated", response=mock.Mock(headers={}, status_code=403))
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", gated)
-    assert main(["download", "meta-llama/Llama-3.2-1B", "--hf-token", "secret"]) == 1
+    assert main(["download", "meta-llama/Llama-3.2-1B", "--hf-token", "secret"]) == 2
     err = capsys.readouterr().err
     assert "accept its license on https://huggingface.co/meta-llama/Llama-3.2-1B" in err
     assert f"--output-dir {Path.home()}/models/Llama-3.2-1B" in err and "secret" not in err
@@ -67,5 +67,5 @@ def test_gated_repo_explains_access_and_hides_the_token(monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv", [["download"], ["download", "a/b", "--include"]])
 def test_usage_errors_are_one_line(capsys, argv):
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert capsys.readouterr().err.startswith("tune: error:")

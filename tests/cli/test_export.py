@@ -27,7 +27,7 @@ def test_parse_size_rejects_nonsense():
 def test_an_incomplete_checkpoint_is_a_one_line_error(tmp_path, capsys):
     step = tmp_path / "checkpoints" / "step_3"
     step.mkdir(parents=True)
-    assert main(["export", str(step), "--output", str(tmp_path / "out")]) == 1
+    assert main(["export", str(step), "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a complete step checkpoint" in err
     assert not (tmp_path / "out").exists()
@@ -38,7 +38,7 @@ def test_refuses_to_replace_an_existing_output(tmp_path, capsys):
     step.mkdir()
     (step / "COMPLETE").write_text("{}")
     (tmp_path / "out").mkdir()
-    assert main(["export", str(step), "--output", str(tmp_path / "out")]) == 1
+    assert main(["export", str(step), "--output", str(tmp_path / "out")]) == 2
     assert "--overwrite" in capsys.readouterr().err
 
 
@@ -105,7 +105,7 @@ def test_a_damaged_checkpoint_is_a_one_line_error_and_writes_nothing(damage, tmp
     step, _ = write_step_checkpoint(tmp_path)
     message = damage(step)
     capsys.readouterr()
-    assert main(["export", str(step), "--output", str(tmp_path / "hf")]) == 1
+    assert main(["export", str(step), "--output", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "no output, not even a partial one"
@@ -115,7 +115,7 @@ def test_a_damaged_checkpoint_is_a_one_line_error_and_writes_nothing(damage, tmp
 def test_refuses_to_overwrite_the_checkpoint_itself(output, tmp_path, capsys):
     step, _ = write_step_checkpoint(tmp_path)
     files = sorted(p.name for p in step.iterdir())
-    assert main(["export", str(step), "--output", str(step / output), "--overwrite"]) == 1
+    assert main(["export", str(step), "--output", str(step / output), "--overwrite"]) == 2
     assert "--output" in capsys.readouterr().err
     assert sorted(p.name for p in step.iterdir()) == files
 
@@ -184,7 +184,7 @@ def test_an_any_model_checkpoint_whose_base_moved_says_so(tmp_path, capsys):
     step, model = write_any_model_step_checkpoint(tmp_path)
     (tmp_path / "base").rename(tmp_path / "moved")
     capsys.readouterr()
-    assert main(["export", str(step), "--output", str(tmp_path / "hf")]) == 1
+    assert main(["export", str(step), "--output", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{step / 'config.yaml'}: the run's base checkpoint {tmp_path / 'base'}" in err
     assert "is gone" in err and "--base" in err and "set checkpoint_dir" not in err
@@ -194,7 +194,7 @@ def test_an_any_model_checkpoint_whose_base_moved_says_so(tmp_path, capsys):
     config = json.loads((tmp_path / "moved" / "config.json").read_text())
     (tmp_path / "moved" / "config.json").write_text(json.dumps(config | {"intermediate_size": 48}))
     capsys.readouterr()
-    assert main(["export", str(step), "--output", str(tmp_path / "hf2"), "--base", str(tmp_path / "moved")]) == 1
+    assert main(["export", str(step), "--output", str(tmp_path / "hf2"), "--base", str(tmp_path / "moved")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'model.layers.0.mlp.gate_proj.weight' has shape (32, 16)" in err, err
     assert not (tmp_path / "hf2").exists()

@@ -74,7 +74,7 @@ def test_plan_8b_on_two_24gb_gpus_offloads(plan) -> None:
 
 def test_plan_70b_that_fits_nowhere_prints_the_table_then_one_error(plan) -> None:
     result = plan("full_finetune", "--config", "demo", "--nproc_per_node", "2", "--device-memory-gb", "24", *SEVENTY_B)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "no" in _row(result.stdout, "fits") and "yes" not in _row(result.stdout, "fits")
     (line,) = result.stderr.splitlines()
     assert line.startswith("tune: error: no data-parallel strategy fits 2 device(s)") and "LoRA/QLoRA" in line
@@ -93,7 +93,7 @@ def test_device_memory_from_the_config(plan) -> None:
     [
         ((), "no GPU here to measure: say how much memory one device has with --device-memory-gb G"),
         (("--device-memory-gb", "24", "~micro_batch_size"), "recipe full_finetune reads 'micro_batch_size'"),
-        (("--device-memory-gb", "24", "data_parallel=zero4"), "data_parallel: unknown strategy 'zero4'"),
+        (("--device-memory-gb", "24", "data_parallel=zero4"), "data_parallel: expects one of ddp, zero1, zero2, zero3, hsdp, auto, got 'zero4'"),
         (("--device-memory-gb", "-1"), "--device-memory-gb: must be a positive number of GiB"),
         (("--device-memory-gb", "24", "--bogus"), "unrecognized arguments: --bogus; see `tune plan --help`"),
     ],
@@ -102,7 +102,7 @@ def test_bad_input_is_one_line(plan, args: tuple[str, ...], message: str) -> Non
     if not args and torch.cuda.is_available():
         pytest.skip("the GPU's memory is known here")
     result = plan("full_finetune", "--config", "demo", *args)
-    assert result.returncode == 1
+    assert result.returncode == 2
     (line,) = result.stderr.splitlines()
     assert line.startswith("tune: error: ") and message in line
 

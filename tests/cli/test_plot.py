@@ -81,7 +81,7 @@ def test_metrics_chooses_the_panels(tmp_path, capsys):
 
 def test_an_unknown_metric_is_a_one_line_error_listing_the_fields(tmp_path, capsys):
     run = write_run(tmp_path / "run", steps=3, start_loss=3.0)
-    assert main(["plot", str(run), "--metrics", "loss", "val_los"]) == 1
+    assert main(["plot", str(run), "--metrics", "loss", "val_los"]) == 2
     line = one_line(capsys.readouterr().err)
     assert "no run has val_los to plot" in line and "grad_norm, loss, lr" in line
 
@@ -119,14 +119,14 @@ def test_runs_with_the_same_folder_name_are_told_apart_by_path(tmp_path, capsys,
 )
 def test_a_missing_run_is_a_one_line_error(tmp_path, capsys, make, message):
     run = make(tmp_path)
-    assert main(["plot", str(run)]) == 1
+    assert main(["plot", str(run)]) == 2
     assert message.format(run=run) in one_line(capsys.readouterr().err)
 
 
 def test_a_run_without_records_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("")
-    assert main(["plot", str(tmp_path / "run")]) == 1
+    assert main(["plot", str(tmp_path / "run")]) == 2
     assert "has no records yet" in one_line(capsys.readouterr().err)
 
 
@@ -135,7 +135,7 @@ def test_an_output_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys):
     run = write_run(tmp_path / "run", steps=3, start_loss=3.0)
     (tmp_path / "taken").write_text("a file, not a folder\n")
     output = tmp_path / "taken" / "m.png"
-    assert main(["plot", str(run), "-o", str(output)]) == 1
+    assert main(["plot", str(run), "-o", str(output)]) == 2
     assert one_line(capsys.readouterr().err).startswith(f"tune: error: cannot write '{output}': ")
 
 
@@ -152,7 +152,7 @@ def test_an_output_without_a_suffix_is_a_png_at_that_very_path(tmp_path, capsys)
 def test_an_output_format_matplotlib_cannot_write_is_a_one_line_error(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     run = write_run(tmp_path / "run", steps=3, start_loss=3.0)
-    assert main(["plot", str(run), "-o", str(tmp_path / "runs.xyz")]) == 1
+    assert main(["plot", str(run), "-o", str(tmp_path / "runs.xyz")]) == 2
     error = one_line(capsys.readouterr().err)
     assert error.startswith(f"tune: error: cannot write '{tmp_path / 'runs.xyz'}': no image format 'xyz'")
     assert "png" in error

@@ -33,7 +33,7 @@ def test_recipe_file_and_config_file(tune_process, tree) -> None:
 
 def test_validation_happens_before_launch(tune, tree) -> None:
     result = tune("run", "toy_single_device", "--config", "small", "optimizer.lrr=0.1")
-    assert result.returncode == 1
+    assert result.returncode == 2
     target = "tests.config._targets.fake_optimizer"
     assert one_line(result.stderr).endswith(f"optimizer.lrr: not an argument of {target}; did you mean 'lr'?")
     assert tree.rank_files() == {}
@@ -42,7 +42,7 @@ def test_validation_happens_before_launch(tune, tree) -> None:
 def test_a_new_key_the_recipe_never_reads_is_refused_before_launch(tune, tree) -> None:
     # `tune run` would otherwise run with `mesage` set and `message` unchanged.
     result = tune("run", "toy_single_device", "--config", "small", "mesage=hi")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr).endswith("no key 'mesage' in the config, and recipe toy does not read one; "
                                             "did you mean 'message'?")
     assert tree.rank_files() == {}
@@ -56,7 +56,7 @@ def test_user_error_in_single_device_recipe(tune_process) -> None:
 
 def test_unknown_recipe(tune) -> None:
     result = tune("run", "tyo_distributed", "--config", "small")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr) == (
         "tune: error: unknown recipe 'tyo_distributed'; did you mean 'toy_distributed'? (recipes: other, toy)"
     )
@@ -64,7 +64,7 @@ def test_unknown_recipe(tune) -> None:
 
 def test_unknown_config(tune) -> None:
     result = tune("run", "toy_single_device", "--config", "smal")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr) == (
         "tune: error: no config 'smal' for recipe 'toy'; did you mean 'small'? (its configs: demo, small)"
     )
@@ -72,12 +72,12 @@ def test_unknown_config(tune) -> None:
 
 def test_missing_config(tune) -> None:
     result = tune("run", "toy_single_device", "message=x")
-    assert result.returncode == 1 and "missing --config" in one_line(result.stderr)
+    assert result.returncode == 2 and "missing --config" in one_line(result.stderr)
 
 
 def test_torchrun_flags_need_distributed(tune, tree) -> None:
     result = tune("run", "--nproc_per_node", "2", "toy_single_device", "--config", "small")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr) == (
         "tune: error: torchrun flags (--nproc_per_node 2) need a distributed launch: use toy_distributed"
     )
@@ -86,7 +86,7 @@ def test_torchrun_flags_need_distributed(tune, tree) -> None:
 
 def test_unknown_option(tune) -> None:
     result = tune("run", "toy_distributed", "--config", "small", "--nprocs", "2")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "unknown option '--nprocs'" in one_line(result.stderr)
 
 
@@ -215,13 +215,13 @@ def test_a_timed_out_collective_names_the_ranks_still_running(tmp_path, capsys) 
 )
 def test_bad_torchrun_flags_are_one_line(tune, flags: list[str], message: str) -> None:
     result = tune("run", *flags, "toy_distributed", "--config", "small")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr) == f"tune: error: {message}"
 
 
 def test_no_recipe(tune) -> None:
     result = tune("run", "--nproc_per_node", "2")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert one_line(result.stderr) == "tune: error: no recipe given; see `tune run --help`"
 
 

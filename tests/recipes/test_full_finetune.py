@@ -133,7 +133,7 @@ def test_batch_size_that_does_not_divide_is_one_line_error(tmp_path):
 
 def test_config_typo_is_caught_before_launch(tmp_path):
     result = tune("run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path}", "model.max_seq_lne=32")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "max_seq_lne" in result.stderr and "did you mean 'max_seq_len'" in result.stderr
 
 

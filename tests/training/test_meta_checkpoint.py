@@ -220,7 +220,7 @@ def test_a_moved_meta_base_is_named_and_found_with_base(tmp_path, capsys):
     (tmp_path / "meta").rename(tmp_path / "moved")
     out = tmp_path / "export"
     capsys.readouterr()
-    assert main(["export", str(step), "--output", str(out), "--merged"]) == 1
+    assert main(["export", str(step), "--output", str(out), "--merged"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"base checkpoint {tmp_path / 'meta'} (checkpointer.checkpoint_dir) is gone" in err
     assert "merged" in err and "--base" in err and not out.exists()

@@ -111,7 +111,7 @@ def test_tune_merge_equals_the_adapted_model(tmp_path: Path, use_dora: bool, cap
         # fp32 rounding only (see tests/modules/test_lora.py).
         torch.testing.assert_close(merged(tokens()), model(tokens()), atol=1e-5, rtol=0)
     # An existing output is never overwritten without --overwrite: one error line, exit code 1.
-    assert tune(["merge", "--base", str(base_dir), "--adapter", str(adapter), "--output", str(merged_dir)]) == 1
+    assert tune(["merge", "--base", str(base_dir), "--adapter", str(adapter), "--output", str(merged_dir)]) == 2
     assert "already exists" in capsys.readouterr().err
 
 

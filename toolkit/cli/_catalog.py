@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
-from toolkit.config import did_you_mean
+from toolkit.config import Schema, did_you_mean
+from toolkit.config._errors import first_line
 from toolkit.errors import UserError
 from toolkit.paths import configs_dir, recipes_dir
 
@@ -135,3 +138,32 @@ def config_for_recipe(name: str, recipe: str | None) -> Path:
         raise UserError(f"no such config file '{name}' (nor a config of recipe '{recipe}': {listing})")
     hint = did_you_mean(name, configs + candidates)
     raise UserError(f"no config '{name}' for recipe '{recipe}'{hint} ({listing})")
+
+
+def recipe_schema(path: Path) -> Schema | None:
+    """The schema a recipe file declares (``@recipe_main(schema=SCHEMA)``), read by importing the file without
+    running it, so that ``tune`` checks a config before any process is launched.
+
+    Returns:
+        None for a recipe that declares none (a recipe of one's own may not).
+
+    Raises:
+        UserError: the file cannot be imported; the message names it and the first line of the reason.
+    """
+    name = f"_tunekit_recipe_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UserError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    saved_path = list(sys.path)
+    sys.path.insert(0, str(path.resolve().parent))  # as `python recipe.py` would see its folder
+    try:
+        spec.loader.exec_module(module)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 (a recipe of one's own may fail in any way while importing)
+        raise UserError(f"{path}: cannot import the recipe: {type(e).__name__}: {first_line(e)}") from None
+    finally:
+        sys.path[:] = saved_path
+    schema = getattr(getattr(module, "main", None), "schema", None)
+    return schema if isinstance(schema, Schema) else None

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from toolkit.cli._catalog import config_for_recipe, recipe_path, split_launch_suffix
+from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
 from toolkit.config import apply_overrides, load_config, recipe_keys, validate
 from toolkit.config._parse import split_config_arg
 from toolkit.config._recipe import LAUNCHER_REPORTS_ERRORS_ENV, USER_ERROR_KEY
@@ -213,8 +213,31 @@ def _check_launch_flags(launch: argparse.Namespace) -> None:
         raise UserError(f"--nproc_per_node must be a positive number or one of {words}, got '{nproc}'")
 
 
-def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[str]) -> int:
+def _data_parallel_size(launch: argparse.Namespace) -> int | None:
+    """The processes the launch will start, all nodes together (None where an elastic range leaves it open).
+
+    Fills in ``--nproc_per_node`` when it was not given: one process per GPU, or up to 4 CPU processes.
+    """
     import torch
+
+    if launch.nproc_per_node is None:
+        if torch.cuda.is_available():
+            launch.nproc_per_node = str(torch.cuda.device_count())
+        else:
+            count = min(os.cpu_count() or 1, 4)
+            launch.nproc_per_node = str(count)
+            message = f"no GPU found: {count} CPU processes on gloo (set --nproc_per_node to change)"
+            print(f"tune: {message}", file=sys.stderr)
+    from torch.distributed.run import parse_min_max_nnodes
+
+    min_nodes, max_nodes = parse_min_max_nnodes(launch.nnodes)
+    nproc = launch.nproc_per_node
+    if not nproc.isdigit() or min_nodes != max_nodes:
+        return None  # `auto`/`gpu` or an elastic node range: known only once the job has formed
+    return int(nproc) * int(max_nodes)
+
+
+def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
@@ -225,14 +248,6 @@ def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[s
     if single_node and launch.master_port is None:
         # Rendezvous on a free port, so two runs on one machine do not fight over 29500.
         launch.standalone = True
-    if launch.nproc_per_node is None:
-        if torch.cuda.is_available():
-            launch.nproc_per_node = str(torch.cuda.device_count())
-        else:
-            count = min(os.cpu_count() or 1, 4)
-            launch.nproc_per_node = str(count)
-            message = f"no GPU found: {count} CPU processes on gloo (set --nproc_per_node to change)"
-            print(f"tune: {message}", file=sys.stderr)
     if os.environ.get("TUNE_VERBOSE") != "1":
         # Failures are summarized in one line below; torchrun's banners and tables would bury it. Each
         # torchrun module sets its own logger's level, so setting the parents' is not enough.
@@ -297,10 +312,12 @@ def run_command(argv: Sequence[str]) -> int:
 
     config_name, overrides = split_config_arg(recipe_args)
     config_path = config_for_recipe(config_name, recipe)
-    # Check everything here, so that a typo costs no process launch.
+    # Check everything here (the recipe's declared schema too, with the number of processes the launch will start),
+    # so that a mistake costs no process launch.
     cfg = load_config(config_path)
     apply_overrides(cfg, overrides, recipe=recipe_keys(path))
-    validate(cfg)
+    world = _data_parallel_size(launch) if distributed else 1
+    validate(cfg, schema=recipe_schema(path), data_parallel_size=world)
 
     recipe_argv = ["--config", str(config_path), *overrides]
     if distributed:

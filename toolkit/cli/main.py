@@ -11,9 +11,16 @@ from pathlib import Path
 from typing import NoReturn
 
 from toolkit.cli import _download, export, merge, plot
-from toolkit.cli._catalog import find_config, find_recipe_or_config, list_configs, list_recipes, recipe_path
+from toolkit.cli._catalog import (
+    find_config,
+    find_recipe_or_config,
+    list_configs,
+    list_recipes,
+    recipe_path,
+    recipe_schema,
+)
 from toolkit.cli._run import run_command
-from toolkit.config import RecipeKeys, apply_overrides, load_config, recipe_keys, validate
+from toolkit.config import apply_overrides, load_config, recipe_keys, validate
 from toolkit.errors import UserError
 from toolkit.paths import configs_dir, recipes_dir
 
@@ -65,17 +72,17 @@ def _cat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipe_of(config: Path, recipe: str | None) -> RecipeKeys | None:
-    """What the config's recipe reads: ``recipe`` (a name or a ``.py`` file) if given, else the recipe a shipped
+def _recipe_file(config: Path, recipe: str | None) -> Path | None:
+    """The recipe that reads the config: ``recipe`` (a name or a ``.py`` file) if given, else the recipe a shipped
     config belongs to (``recipe_configs/<recipe>/<name>.yaml``); None for a config file elsewhere."""
     if recipe is not None:
         if recipe.endswith(".py") and Path(recipe).is_file():
-            return recipe_keys(Path(recipe))
-        return recipe_keys(recipe_path(recipe))
+            return Path(recipe)
+        return recipe_path(recipe)
     folder = config.resolve().parent
     if folder.parent != configs_dir().resolve() or folder.name not in list_recipes():
         return None
-    return recipe_keys(recipes_dir() / f"{folder.name}.py")
+    return recipes_dir() / f"{folder.name}.py"
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -83,12 +90,15 @@ def _validate(args: argparse.Namespace) -> int:
     if not path.is_file():
         path = find_config(args.config)
     cfg = load_config(path)
-    recipe = _recipe_of(path, args.recipe)
-    apply_overrides(cfg, args.overrides, recipe=recipe)
-    validate(cfg)
-    # Without its recipe, a new top-level key cannot be told from a typo (`tune run` checks them).
-    note = "" if recipe is not None or not args.overrides else (
-        " (new top-level keys unchecked: pass --recipe to check the overrides against what a recipe reads)"
+    recipe = _recipe_file(path, args.recipe)
+    apply_overrides(cfg, args.overrides, recipe=recipe_keys(recipe) if recipe is not None else None)
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise UserError(f"--nproc_per_node must be at least 1, got {args.nproc_per_node}")
+    world = None if args.nproc_per_node is None else args.nproc_per_node * args.nnodes
+    validate(cfg, schema=recipe_schema(recipe) if recipe is not None else None, data_parallel_size=world)
+    # Without its recipe, neither the keys nor their values can be checked against what the recipe reads.
+    note = "" if recipe is not None else (
+        " (components only: pass --recipe to check every key against the recipe's schema)"
     )
     print(f"OK: {path}{note}")
     return 0
@@ -123,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser(
         "validate",
         help="check a config without running it",
-        description="Load a config, apply overrides and check every _component_ against its signature. "
+        description="Load a config, apply overrides and check every key against the recipe's declared schema "
+        "(types, ranges, choices, batch divisibility) and every _component_ against its signature. "
         "A config file outside recipe_configs/ names its recipe first: tune validate --recipe full_finetune "
         "my.yaml key=value.",
     )
@@ -132,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipe", metavar="RECIPE", help="the recipe (name or .py file) that reads the config, for a config file "
         "outside recipe_configs/: overrides are then checked against the top-level keys the recipe reads",
     )
+    check.add_argument(
+        "--nproc_per_node", "--nproc-per-node", type=int, metavar="N",
+        help="processes per node the run will have, to check that the batch divides over them",
+    )
+    check.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes the run will have (default 1)")
     # default=[]: without it argparse lists the optional overrides as required when the config is missing.
     check.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="overrides, as for tune run")
     check.set_defaults(handler=_validate)
@@ -149,18 +165,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, args: list[str]) -> argparse.Namespace:
+    """Parse ``tune COMMAND ...``, letting a command's ``key=value`` overrides come before or after its flags
+    (``tune validate demo --nproc_per_node 4 batch_size=64``), which plain argparse refuses."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    if args and args[0] in commands.choices:
+        namespace = commands.choices[args[0]].parse_intermixed_args(args[1:])
+        namespace.command = args[0]
+        return namespace
+    return parser.parse_args(args)
+
+
 def _report(error: UserError) -> int:
     for line in str(error).splitlines() or [""]:
         print(f"tune: error: {line}", file=sys.stderr)
-    return 1
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``tune`` with ``argv`` (default ``sys.argv[1:]``).
 
     Returns:
-        The exit code: 0 on success, 1 for a user error (printed as one ``tune: error:`` line), or the
-        recipe's own code for ``tune run``.
+        The exit code: 0 on success, 2 for a user error (printed as one ``tune: error:`` line per problem), or
+        the recipe's own code for ``tune run``.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -171,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return plan_command(args[1:])
         parser = build_parser()
-        namespace = parser.parse_args(args)
+        namespace = _parse(parser, args)
         if namespace.command is None:
             parser.print_help(sys.stderr)
             return 2

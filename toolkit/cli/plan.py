@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import torch
 from omegaconf import DictConfig
 
-from toolkit.cli._catalog import config_for_recipe, recipe_path, split_launch_suffix
+from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
 from toolkit.config import apply_overrides, instantiate, load_config, recipe_keys, validate
 from toolkit.errors import UserError
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(recipe: str, config: str, overrides: list[str]) -> tuple[DictConfig, Path]:
+def _load(recipe: str, config: str, overrides: list[str], *, world_size: int) -> tuple[DictConfig, Path]:
     # The same resolution as `tune run`: a recipe file, or a recipe name whose configs are looked up first.
     if recipe.endswith(".py") and Path(recipe).is_file():
         recipe_file = Path(recipe)
@@ -84,7 +84,8 @@ def _load(recipe: str, config: str, overrides: list[str]) -> tuple[DictConfig, P
         path = config_for_recipe(config, split_launch_suffix(recipe)[0])
     cfg = load_config(path)
     apply_overrides(cfg, overrides, recipe=recipe_keys(recipe_file))
-    validate(cfg)
+    # What `tune run` checks, on the planned number of processes: a plan for a run that would be refused is none.
+    validate(cfg, schema=recipe_schema(recipe_file), data_parallel_size=world_size)
     return cfg, path
 
 
@@ -151,7 +152,9 @@ def plan_command(argv: Sequence[str]) -> int:
     args = build_parser().parse_intermixed_args(list(argv))
     if not 0 < args.headroom <= 1:
         raise UserError(f"--headroom must be in (0, 1], got {args.headroom}")
-    cfg, path = _load(args.recipe, args.config, args.overrides)
+    nproc, nnodes, world_note = _world(args)
+    world_size = nproc * nnodes
+    cfg, path = _load(args.recipe, args.config, args.overrides, world_size=world_size)
     if "model" not in cfg:
         raise UserError(f"{path}: model: the config has no model to plan for")
     auto_micro_batch = cfg.get("micro_batch_size") == "auto"
@@ -161,8 +164,6 @@ def plan_command(argv: Sequence[str]) -> int:
     activation_checkpointing = cfg.get("activation_checkpointing", False)
     every_k_layers = checkpoint_interval(activation_checkpointing)
     activation_offloading = bool(cfg.get("activation_offloading", False))
-    nproc, nnodes, world_note = _world(args)
-    world_size = nproc * nnodes
     memory, memory_source = _device_memory(args, cfg)
     optimizer, optimizer_note = _optimizer_name(cfg)
     optimizer_in_backward = bool(cfg.get("optimizer_in_backward", False))
@@ -196,14 +197,11 @@ def plan_command(argv: Sequence[str]) -> int:
         )
         micro_batch_size = chosen.micro_batch_size
         auto_note = "; ".join(chosen.reasons)
-    accumulation, accumulation_note = 1, None
-    if "batch_size" in cfg:
-        try:
-            accumulation = gradient_accumulation_steps(
-                batch_size=cfg.batch_size, micro_batch_size=micro_batch_size, world_size=world_size
-            )
-        except UserError as e:
-            accumulation_note = f"note: tune run would stop here: {e}"
+    accumulation = 1
+    if "batch_size" in cfg:  # (a batch that does not divide was refused with the config)
+        accumulation = gradient_accumulation_steps(
+            batch_size=cfg.batch_size, micro_batch_size=micro_batch_size, world_size=world_size
+        )
 
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -242,7 +240,7 @@ def plan_command(argv: Sequence[str]) -> int:
         f"devices: {nnodes} node(s) x {nproc} process(es) = world size {world_size}; {memory / _GIB:.2f} GiB each "
         f"({memory_source}), {usable / _GIB:.2f} GiB usable (headroom {args.headroom:g})"
     )
-    for note in (world_note, optimizer_note, auto_note, accumulation_note):
+    for note in (world_note, optimizer_note, auto_note):
         if note:
             print(note)
     print()

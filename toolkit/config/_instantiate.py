@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pkgutil
 import re
 import types
 import typing
 from collections.abc import Callable
+from pathlib import PurePath
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config._errors import ConfigError, did_you_mean, first_line
+from toolkit.config._schema import Spec
 from toolkit.config._tree import UNKNOWN_SOURCE, child_path, config_source, node_path
 
 COMPONENT_KEY = "_component_"
@@ -98,6 +101,12 @@ def annotations(target: Callable[..., Any]) -> dict[str, Any]:
 def _fits(annotation: Any, value: Any) -> bool | None:
     """Whether a scalar config value fits an annotation; None where the annotation says nothing checkable."""
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        base, *metadata = typing.get_args(annotation)
+        specs = [m for m in metadata if isinstance(m, Spec)]
+        if specs:
+            return all(spec.problem(value) is None for spec in specs)
+        return _fits(base, value)
     if origin in (typing.Union, types.UnionType):
         verdicts = [_fits(arg, value) for arg in typing.get_args(annotation)]
         return True if True in verdicts else (False if all(v is False for v in verdicts) else None)
@@ -113,10 +122,21 @@ def _fits(annotation: Any, value: Any) -> bool | None:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is str:
         return isinstance(value, str)
+    if isinstance(annotation, type) and annotation is not typing.Any and value is not None:
+        if isinstance(value, annotation):
+            return True
+        if isinstance(value, str) and issubclass(annotation, (os.PathLike, PurePath)):
+            return True  # a path written as a string
+        if annotation.__module__.startswith("torch") and annotation.__name__ == "Tensor":
+            return False  # `lr: float | Tensor` given 'abc'
     return None
 
 
 def _describe(annotation: Any) -> str:
+    if typing.get_origin(annotation) is typing.Annotated:
+        base, *metadata = typing.get_args(annotation)
+        specs = [m for m in metadata if isinstance(m, Spec)]
+        return " and ".join(spec.full_description() for spec in specs) if specs else _describe(base)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return " or ".join(_describe(arg) for arg in typing.get_args(annotation))
     if typing.get_origin(annotation) is typing.Literal:

@@ -10,11 +10,20 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config._errors import ConfigError, did_you_mean, first_line
 from toolkit.config._recipe_keys import RecipeKeys, recipe_keys
-from toolkit.config._tree import UNKNOWN_SOURCE, child_path, config_source, container_keys, set_source
+from toolkit.config._schema import Schema
+from toolkit.config._validate import validate
+from toolkit.config._tree import (
+    UNKNOWN_SOURCE,
+    child_path,
+    config_source,
+    container_keys,
+    interpolation_problems,
+    set_source,
+)
 
 USAGE = "--config PATH [key=value ...] [~key ...]"
 
@@ -245,25 +254,6 @@ def apply_overrides(
     return cfg
 
 
-def interpolation_problems(node: DictConfig | ListConfig, path: str = "") -> list[tuple[str, str]]:
-    """``(key path, problem)`` for every value that is ``???`` or whose ``${...}`` does not resolve."""
-    problems: list[tuple[str, str]] = []
-    for key in container_keys(node):
-        sub = child_path(path, key)
-        try:
-            value = node[key]
-        except MissingMandatoryValue:
-            problems.append((sub, f"no value given (it is '???'); set it with {sub}=..."))
-            continue
-        except OmegaConfBaseException as e:
-            problems.append((sub, f"cannot resolve interpolation: {first_line(e)}"))
-            continue
-        # An interpolation to a section is checked where that section lives, not once per reference.
-        if isinstance(value, (DictConfig, ListConfig)) and not OmegaConf.is_interpolation(node, key):
-            problems.extend(interpolation_problems(value, sub))
-    return problems
-
-
 def resolve(cfg: DictConfig, *, source: str | None = None) -> DictConfig:
     """Replace every ``${...}`` in ``cfg`` by its value, in place.
 
@@ -314,13 +304,22 @@ def split_config_arg(argv: Sequence[str]) -> tuple[str, list[str]]:
     return config, overrides
 
 
-def parse_recipe_args(argv: Sequence[str] | None = None, *, recipe_file: str | Path | None = None) -> DictConfig:
+def parse_recipe_args(
+    argv: Sequence[str] | None = None,
+    *,
+    recipe_file: str | Path | None = None,
+    schema: Schema | None = None,
+    data_parallel_size: int | None = None,
+) -> DictConfig:
     """Build a recipe's config from its command line.
 
     Args:
         argv: ``["--config", PATH, "key=value", "~key", ...]``; defaults to ``sys.argv[1:]``.
         recipe_file: the recipe's source file; if given, overrides are checked against the top-level keys it
             reads (see :func:`apply_overrides`).
+        schema: the recipe's declared schema; if given, the config is checked against it (every problem, one line
+            each) before interpolation is resolved, so keys that only feed a ``${...}`` are known as such.
+        data_parallel_size: the data-parallel processes, for the schema's rules (batch divisibility).
 
     Returns:
         The loaded config with overrides applied and interpolation resolved. :func:`config_source` gives
@@ -337,4 +336,6 @@ def parse_recipe_args(argv: Sequence[str] | None = None, *, recipe_file: str | P
     cfg = load_config(config)
     recipe = recipe_keys(recipe_file) if recipe_file is not None else None
     apply_overrides(cfg, overrides, source=config, recipe=recipe)
+    if schema is not None:
+        validate(cfg, source=config, schema=schema, data_parallel_size=data_parallel_size)
     return resolve(cfg, source=config)

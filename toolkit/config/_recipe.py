@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig
 
 from toolkit.config._parse import parse_recipe_args
+from toolkit.config._schema import Schema
 from toolkit.errors import UserError
 
 T = TypeVar("T")
@@ -61,19 +62,36 @@ def report_user_error(error: UserError) -> None:
     sys.stderr.flush()
 
 
-def recipe_main(fn: Callable[[DictConfig], T]) -> Callable[..., T]:
+def _data_parallel_size() -> int:
+    # The processes torchrun started; every one of them is a data-parallel rank.
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def recipe_main(fn: Callable[[DictConfig], T] | None = None, *, schema: Schema | None = None) -> Any:
     """Decorate a recipe's ``main(cfg)`` so that ``main()`` runs it from the command line.
+
+    ``@recipe_main(schema=SCHEMA)`` checks the config against the recipe's declared schema first (``tune run``
+    has checked it before launching; the recipe checks again, for ``python recipe.py`` and ``torchrun``), so a bad
+    value stops before anything is built or written. ``@recipe_main`` alone checks nothing beyond the overrides.
 
     Called without arguments, the wrapper builds the config with
     ``parse_recipe_args(sys.argv[1:])`` and calls ``fn(cfg)``. A :class:`~toolkit.errors.UserError` (such as
     a :class:`ConfigError`) is printed as one ``error: ...`` line by rank 0 (``RANK``, default 0) and exits
     with code 2; Ctrl-C exits with 130 quietly; any other exception keeps its traceback. Called with a
-    config, the wrapper is just ``fn(cfg)`` (for tests and notebooks).
+    config, the wrapper checks it against the schema (its top-level keys are not checked: a config built in code
+    may carry more) and calls ``fn(cfg)`` (for tests and notebooks).
     """
+    if fn is None:
+        return functools.partial(recipe_main, schema=schema)
 
     @functools.wraps(fn)
     def wrapper(cfg: DictConfig | None = None) -> Any:
         if cfg is not None:
+            if schema is not None:
+                schema.check(cfg, data_parallel_size=_data_parallel_size(), unknown_keys=False)
             return fn(cfg)
         try:
             # torchrun's `record` writes any other exception's traceback to the rank's error file, so the
@@ -81,7 +99,11 @@ def recipe_main(fn: Callable[[DictConfig], T]) -> Callable[..., T]:
             # during this (slow) import must exit quietly too.
             from torch.distributed.elastic.multiprocessing.errors import record
 
-            result = record(fn)(parse_recipe_args(sys.argv[1:], recipe_file=inspect.getsourcefile(fn)))
+            cfg = parse_recipe_args(
+                sys.argv[1:], recipe_file=inspect.getsourcefile(fn), schema=schema,
+                data_parallel_size=_data_parallel_size(),
+            )
+            result = record(fn)(cfg)
             if "TORCHELASTIC_RUN_ID" in os.environ:
                 # A torchrun worker that finished: leave without running interpreter teardown, where torch 2.13's
                 # gloo process-group destructor can deadlock or abort ("terminate called without an active
@@ -107,4 +129,5 @@ def recipe_main(fn: Callable[[DictConfig], T]) -> Callable[..., T]:
             sys.stderr.flush()
             os._exit(1)
 
+    wrapper.schema = schema  # type: ignore[attr-defined]  (what `tune run` checks before launching)
     return wrapper

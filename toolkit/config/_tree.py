@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from toolkit.config._errors import first_line
 
 # The root node remembers the file it was loaded from, so later errors can name it. DictConfig routes
 # attribute assignment to config keys, hence the write through __dict__.
@@ -57,3 +60,22 @@ def config_source(cfg: Any) -> str:
     if not isinstance(cfg, (DictConfig, ListConfig)):
         return UNKNOWN_SOURCE
     return cfg._get_root().__dict__.get(_SOURCE_ATTR, UNKNOWN_SOURCE)
+
+
+def interpolation_problems(node: DictConfig | ListConfig, path: str = "") -> list[tuple[str, str]]:
+    """``(key path, problem)`` for every value that is ``???`` or whose ``${...}`` does not resolve."""
+    problems: list[tuple[str, str]] = []
+    for key in container_keys(node):
+        sub = child_path(path, key)
+        try:
+            value = node[key]
+        except MissingMandatoryValue:
+            problems.append((sub, f"no value given (it is '???'); set it with {sub}=..."))
+            continue
+        except OmegaConfBaseException as e:
+            problems.append((sub, f"cannot resolve interpolation: {first_line(e)}"))
+            continue
+        # An interpolation to a section is checked where that section lives, not once per reference.
+        if isinstance(value, (DictConfig, ListConfig)) and not OmegaConf.is_interpolation(node, key):
+            problems.extend(interpolation_problems(value, sub))
+    return problems

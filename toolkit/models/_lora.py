@@ -12,10 +12,11 @@ with one line per builder, and every family takes the same LoRA arguments.
 import inspect
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from torch import nn
 
+from toolkit.config import Float, Int
 from toolkit.errors import UserError
 from toolkit.models._decoder import LinearFactory
 from toolkit.modules.peft import DoRALinear, LoRALinear, NF4Linear
@@ -31,9 +32,9 @@ def lora_linear(
     lora_attn_modules: Sequence[str],
     apply_lora_to_mlp: bool = False,
     apply_lora_to_output: bool = False,
-    lora_rank: int = 8,
-    lora_alpha: float = 16,
-    lora_dropout: float = 0.0,
+    lora_rank: Annotated[int, Int(ge=1)] = 8,
+    lora_alpha: Annotated[float, Float(gt=0)] = 16,
+    lora_dropout: Annotated[float, Float(ge=0, lt=1)] = 0.0,
     use_dora: bool = False,
     quantize_base: bool = False,
 ) -> LinearFactory:

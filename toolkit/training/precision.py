@@ -53,6 +53,7 @@ _POLICIES = {
     "bf16-mixed": (torch.float32, torch.bfloat16),
     "fp16-mixed": (torch.float32, torch.float16),
 }
+PRECISIONS = tuple(_POLICIES)  # the values of the config's `dtype`
 
 
 def precision_policy(dtype: str, *, device: torch.device) -> PrecisionPolicy:

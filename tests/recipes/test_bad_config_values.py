@@ -1,0 +1,190 @@
+"""A battery of the values users get wrong, on every shipped recipe: each is refused by `tune validate`, `tune plan`
+and `tune run` (before any process starts or any file is touched) in one line naming the config file and the key,
+with exit code 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from toolkit.cli.main import main
+from toolkit.paths import configs_dir
+
+TRAINING = ["full_finetune", "lora_finetune"]
+
+# (override, the key the message must name). Each is a mistake a user makes at the command line or in a YAML file.
+TRAINING_CASES = [
+    ("epochs=0", "epochs"),
+    ("epochs=-2", "epochs"),
+    ("epochs=1.5", "epochs"),
+    ("max_steps=-1", "max_steps"),
+    ("max_steps=0", "max_steps"),
+    ("max_steps=abc", "max_steps"),
+    ("batch_size=0", "batch_size"),
+    ("batch_size=33", "batch_size"),
+    ("batch_size=abc", "batch_size"),
+    ("micro_batch_size=0", "micro_batch_size"),
+    ("micro_batch_size=Auto", "micro_batch_size"),
+    ("max_seq_len=0", "max_seq_len"),
+    ("max_seq_len=abc", "max_seq_len"),
+    ("seed=-1", "seed"),
+    ("seed=abc", "seed"),
+    ("overwrite=flase", "overwrite"),
+    ("overwrite=yes please", "overwrite"),
+    ("overwrite=1", "overwrite"),
+    ("progress_bar=maybe", "progress_bar"),
+    ("async_save=2", "async_save"),
+    ("cpu_offload=enabled", "cpu_offload"),
+    ("compile=fast", "compile"),
+    ("fused_loss=null", "fused_loss"),
+    ("dtype=bf17", "dtype"),
+    ("dtype=float32", "dtype"),
+    ("device=gpu", "device"),
+    ("data_parallel=fsdp", "data_parallel"),
+    ("data_parallel=zero4", "data_parallel"),
+    ("hsdp_shard_size=0", "hsdp_shard_size"),
+    ("dist_timeout_s=0", "dist_timeout_s"),
+    ("dist_timeout_s=-5", "dist_timeout_s"),
+    ("log_every_n_steps=0", "log_every_n_steps"),
+    ("save_every_n_steps=0", "save_every_n_steps"),
+    ("save_every_n_steps=-10", "save_every_n_steps"),
+    ("keep_last_n=0", "keep_last_n"),
+    ("eval_every_n_steps=0", "eval_every_n_steps"),
+    ("eval_max_new_tokens=-1", "eval_max_new_tokens"),
+    ("clip_grad_norm=-1", "clip_grad_norm"),
+    ("clip_grad_norm=abc", "clip_grad_norm"),
+    ("clip_grad_norm=0", "clip_grad_norm"),
+    ("activation_checkpointing=0", "activation_checkpointing"),
+    ("activation_checkpointing=always", "activation_checkpointing"),
+    ("loss_chunks=0", "loss_chunks"),
+    ("flex_attention=sometimes", "flex_attention"),
+    ("sdpa_backend=flashy", "sdpa_backend"),
+    ("device_memory_gb=-4", "device_memory_gb"),
+    ("resume_from=", "resume_from"),
+    ("output_dir=", "output_dir"),
+    ("optimizer.lr=-1", "optimizer.lr"),
+    ("optimizer.lr=0", "optimizer.lr"),
+    ("optimizer.lr=abc", "optimizer.lr"),
+    ("optimizer.betas=[0.9,1.5]", "optimizer.betas"),
+    ("optimizer.betas=[0.9]", "optimizer.betas"),
+    ("optimizer.betas=0.9", "optimizer.betas"),
+    ("optimizer.eps=-1e-8", "optimizer.eps"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay"),
+    ("optimizer.amsgrad=3", "optimizer.amsgrad"),
+    ("optimizer.lrr=0.1", "optimizer.lrr"),
+    ("lr_scheduler.warmup_steps=-3", "lr_scheduler.warmup_steps"),
+    ("lr_scheduler.min_lr_ratio=1.5", "lr_scheduler.min_lr_ratio"),
+    ("profiler.enable=true", "profiler.enable"),
+    ("metric_loggers=tensorboard", "metric_loggers"),
+]
+
+LORA_CASES = [
+    ("model.lora_rank=0", "model.lora_rank"),
+    ("model.lora_rank=-8", "model.lora_rank"),
+    ("model.lora_rank=eight", "model.lora_rank"),
+    ("model.lora_alpha=0", "model.lora_alpha"),
+    ("model.lora_dropout=1.5", "model.lora_dropout"),
+    ("model.lora_dropout=-0.1", "model.lora_dropout"),
+    ("model.use_dora=sure", "model.use_dora"),
+    ("save_merged=nope", "save_merged"),
+]
+
+GENERATE_CASES = [
+    ("temperature=-1", "temperature"),
+    ("temperature=hot", "temperature"),
+    ("max_new_tokens=-5", "max_new_tokens"),
+    ("max_new_tokens=0", "max_new_tokens"),
+    ("top_k=-1", "top_k"),
+    ("top_p=1.5", "top_p"),
+    ("top_p=-0.5", "top_p"),
+    ("seed=abc", "seed"),
+    ("dtype=fp64", "dtype"),
+]
+
+EVAL_CASES = [
+    ("micro_batch_size=0", "micro_batch_size"),
+    ("micro_batch_size=auto", "micro_batch_size"),
+    ("eval_max_new_tokens=0", "eval_max_new_tokens"),
+    ("data_parallel=auto", "data_parallel"),
+    ("lm_eval.limit=-1", "lm_eval.limit"),
+    ("lm_eval.num_fewshot=-2", "lm_eval.num_fewshot"),
+    ("lm_eval.batch_size=0", "lm_eval.batch_size"),
+]
+
+CASES = (
+    [(recipe, override, key) for recipe in TRAINING for override, key in TRAINING_CASES]
+    + [("lora_finetune", override, key) for override, key in LORA_CASES]
+    + [("generate", override, key) for override, key in GENERATE_CASES]
+    + [("eval", override, key) for override, key in EVAL_CASES]
+)
+
+
+def _one_problem(err: str, key: str, recipe: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    config = configs_dir() / recipe / "demo.yaml"
+    # Named: the file, then the key (a mistyped override is named by the override itself).
+    assert lines[0].startswith(f"tune: error: {config}: {key}: ") or (
+        lines[0].startswith("tune: error: override ") and key in lines[0]
+    ), lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("recipe", "override", "key"), CASES, ids=lambda v: str(v))
+def test_tune_validate_refuses_a_bad_value_in_one_line(recipe, override, key, capsys):
+    assert main(["validate", f"{recipe}/demo", override]) == 2
+    _one_problem(capsys.readouterr().err, key, recipe)
+
+
+RUN_CASES = [
+    ("full_finetune_single_device", "max_steps=-1", "max_steps"),
+    ("full_finetune_single_device", "epochs=-2", "epochs"),
+    ("full_finetune_distributed", "overwrite=flase", "overwrite"),
+    ("lora_finetune_distributed", "model.lora_rank=0", "model.lora_rank"),
+    ("generate", "temperature=-1", "temperature"),
+    ("eval_distributed", "micro_batch_size=0", "micro_batch_size"),
+]
+
+
+@pytest.mark.parametrize(("recipe", "override", "key"), RUN_CASES, ids=lambda v: str(v))
+def test_tune_run_refuses_before_launching_or_writing(recipe, override, key, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the demo configs write under ./outputs
+    args = ["--nproc_per_node", "2"] if recipe.endswith("_distributed") else []
+    assert main(["run", *args, recipe, "--config", "demo", override]) == 2
+    _one_problem(capsys.readouterr().err, key, recipe.removesuffix("_distributed").removesuffix("_single_device"))
+    assert list(tmp_path.iterdir()) == []  # nothing written, no process started
+
+
+@pytest.mark.parametrize("nproc", [3, 4])
+def test_a_batch_that_does_not_divide_over_the_processes_is_refused_everywhere(nproc, tmp_path, monkeypatch, capsys):
+    # The demo's batch of 32 in micro-batches of 16 fits 1 or 2 processes, not 3 or 4. tune validate used to say OK.
+    monkeypatch.chdir(tmp_path)
+    expected = f"batch_size: 32 is not divisible by micro_batch_size (16) x world size ({nproc}) = {16 * nproc}"
+    assert main(["validate", "full_finetune/demo", "--nproc_per_node", str(nproc)]) == 2
+    assert expected in capsys.readouterr().err
+    assert main(["plan", "full_finetune", "--config", "demo", "--nproc_per_node", str(nproc), "--device-memory-gb", "8"]) == 2
+    assert expected in capsys.readouterr().err
+    assert main(["run", "--nproc_per_node", str(nproc), "full_finetune_distributed", "--config", "demo"]) == 2
+    assert expected in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    # The same batch in micro-batches of 8 divides over 4.
+    assert main(["validate", "full_finetune/demo", "--nproc_per_node", "4", "micro_batch_size=8"]) == 0
+
+
+def test_several_problems_are_all_reported_at_once(capsys):
+    assert main(["validate", "full_finetune/demo", "epochs=0", "overwrite=flase", "optimizer.lr=-1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("tune: error: ") for line in lines), lines
+
+
+def test_a_typo_in_the_config_file_itself_is_named(tmp_path: Path, capsys):
+    text = (configs_dir() / "full_finetune" / "demo.yaml").read_text().replace("max_steps:", "max_step:")
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    assert main(["validate", "--recipe", "full_finetune", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"tune: error: {path}: max_steps: missing: the recipe reads it (an integer >= 1 or null)",
+        f"tune: error: {path}: max_step: not a key this recipe reads; did you mean 'max_steps'?",
+    ]

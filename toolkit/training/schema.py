@@ -1,0 +1,161 @@
+"""The declared schema of the shared training vocabulary (DESIGN.md's table), which the training recipes extend.
+
+Every key a training recipe reads is declared here or in the recipe, with its type, range and choices, and the
+rules between keys (the global batch divides over the processes) are functions of the values. The checks run in
+``tune validate``, ``tune plan``, ``tune run`` before any process starts, and in the recipe before it touches
+anything (see :mod:`toolkit.config._schema`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from toolkit.config import instantiate
+from toolkit.config._schema import (
+    Bool,
+    Choice,
+    Component,
+    Context,
+    Float,
+    Int,
+    ListOf,
+    Schema,
+    Section,
+    Str,
+    one_of,
+    rule,
+)
+from toolkit.errors import UserError
+from toolkit.training.accumulation import gradient_accumulation_steps
+from toolkit.training.attention import SDPA_BACKENDS
+from toolkit.training.parallel import STRATEGIES
+from toolkit.training.precision import PRECISIONS
+from toolkit.training.profiling import profiler_settings
+
+DEVICES = ("auto", "cuda", "cpu")
+
+# Keys every recipe that builds a model on a device reads.
+MODEL_KEYS = {
+    "model": Component(),
+    "tokenizer": Component(),
+    "checkpointer": Component(),
+    "device": Choice(*DEVICES),
+    "dtype": Choice(*PRECISIONS),
+    "seed": Int(ge=0),
+    "sdpa_backend": Choice("default", *SDPA_BACKENDS, null=True, required=False),
+}
+
+# Keys of recipes that spread a model over processes (training and evaluation).
+PARALLEL_KEYS = {
+    "data_parallel": Choice(*STRATEGIES, "auto"),
+    "hsdp_shard_size": Int(ge=1, null=True),
+    "dist_timeout_s": Float(gt=0),
+    "flex_attention": one_of(Bool(), Choice("auto"), null=True, required=False),
+    "loss_chunks": Int(ge=1, null=True, required=False),
+}
+
+# Component arguments that every optimizer and schedule shares, checked whenever a config gives them; the
+# optimizer is also built on a dummy parameter before launch, so whatever else its constructor refuses is caught.
+OPTIMIZER_KEYS = {
+    "optimizer.lr": Float(gt=0),
+    "optimizer.weight_decay": Float(ge=0),
+    "optimizer.eps": Float(gt=0),
+    "optimizer.betas": ListOf(item=Float(ge=0, lt=1), length=2),
+    "lr_scheduler.warmup_steps": Int(ge=0),
+    "lr_scheduler.min_lr_ratio": Float(ge=0, le=1),
+}
+
+TRAINING_KEYS = {
+    **MODEL_KEYS,
+    **PARALLEL_KEYS,
+    **OPTIMIZER_KEYS,
+    "output_dir": Str(),
+    "overwrite": Bool(),
+    "progress_bar": Bool(),
+    "max_seq_len": Int(ge=1),
+    "dataset": Component(),
+    "validation_dataset": Component(null=True, required=False),
+    "eval_every_n_steps": Int(ge=1, null=True),
+    "eval_tasks": Component(null=True, required=False),
+    "eval_max_new_tokens": Int(ge=1),
+    "batch_size": Int(ge=1),
+    "micro_batch_size": one_of(Int(ge=1), Choice("auto")),
+    "device_memory_gb": Float(gt=0, null=True, required=False),
+    "epochs": Int(ge=1),
+    "max_steps": Int(ge=1, null=True),
+    "optimizer": Component(),
+    "lr_scheduler": Component(),
+    "clip_grad_norm": Float(gt=0, null=True),
+    "cpu_offload": Bool(),
+    "activation_checkpointing": one_of(Bool(), Int(ge=1)),
+    "activation_offloading": Bool(),
+    "fused_loss": Bool(required=False),
+    "compile": Bool(required=False),
+    "optimizer_in_backward": Bool(required=False),
+    "float8": Bool(required=False),
+    "log_every_n_steps": Int(ge=1),
+    "metric_loggers": ListOf(null=True, required=False),
+    "profiler": Section(null=True, required=False),
+    "save_every_n_steps": Int(ge=1, null=True),
+    "keep_last_n": Int(ge=1, null=True),
+    "async_save": Bool(),
+    "resume_from": Str(null=True),
+}
+
+
+@rule("batch_size", "micro_batch_size")
+def batch_divides(ctx: Context) -> Iterator[tuple[str, str]]:
+    """The global batch splits into whole micro-batches on every data-parallel process."""
+    batch, micro, world = ctx.get("batch_size"), ctx.get("micro_batch_size"), ctx.data_parallel_size
+    if batch is None or micro is None:
+        return
+    if micro == "auto":
+        if world is not None and batch % world:
+            yield "batch_size", f"{batch} does not split over {world} processes; use a multiple of {world}"
+        return
+    if world is None:  # any number of processes: at least whole micro-batches
+        if batch % micro:
+            yield "batch_size", f"{batch} is not a multiple of micro_batch_size ({micro}), on any number of processes"
+        return
+    try:
+        gradient_accumulation_steps(batch_size=batch, micro_batch_size=micro, world_size=world)
+    except UserError as e:
+        yield "batch_size", str(e).removeprefix("batch_size: ")
+
+
+@rule("hsdp_shard_size", "data_parallel")
+def shard_groups_divide(ctx: Context) -> Iterator[tuple[str, str]]:
+    """HSDP's shard groups tile the data-parallel processes."""
+    shard, world = ctx.get("hsdp_shard_size"), ctx.data_parallel_size
+    if shard is not None and world is not None and world % shard:
+        yield "hsdp_shard_size", f"{world} processes cannot be split into shard groups of {shard}"
+
+
+@rule("optimizer")
+def optimizer_accepts(ctx: Context) -> Iterator[tuple[str, str]]:
+    """The optimizer's own constructor accepts its arguments (``betas`` beyond 1, a negative ``eps``...)."""
+    node = ctx.get("optimizer")
+    if node is None:
+        return
+    try:
+        instantiate(node, [torch.nn.Parameter(torch.zeros(1))])
+    except ValueError as e:  # how torch's optimizers refuse a hyperparameter
+        yield "optimizer", f"{node.get('_component_')} refuses its arguments: {e}"
+    except Exception:  # noqa: BLE001 (anything else is not about the values, and the run reports it in its place)
+        return
+
+
+@rule("profiler")
+def profiler_options(ctx: Context) -> Iterator[tuple[str, str]]:
+    """Every ``profiler`` option is one the profiler takes."""
+    try:
+        profiler_settings(ctx.get("profiler"))
+    except UserError as e:
+        key, _, problem = str(e).partition(": ")
+        yield key, problem
+
+
+TRAINING_SCHEMA = Schema(TRAINING_KEYS, rules=(batch_divides, shard_groups_divide, optimizer_accepts, profiler_options))
+
