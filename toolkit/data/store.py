@@ -20,12 +20,12 @@ from array import array
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
 from toolkit.data.formats import BadRowError
-from toolkit.data.sources import Location, UnreadableRow
+from toolkit.data.sources import Source, UnreadableRow
 from toolkit.errors import UserError
 
 logger = logging.getLogger("toolkit.data")
@@ -199,7 +199,7 @@ class _Writer:
 
 
 def build_store(
-    rows: Iterable[tuple[Location, Any]],
+    source: Source,
     encode: Callable[[Any], list[Sequence]],
     *,
     max_seq_len: int | None,
@@ -210,7 +210,7 @@ def build_store(
     """Tokenizes every row in one pass.
 
     Args:
-        rows: ``(location, row)`` pairs from a :class:`~toolkit.data.sources.Source`.
+        source: where the rows come from.
         encode: turns a row into one or more sequences (two for a preference pair); raises
             :class:`~toolkit.data.formats.BadRowError` (or the tokenizer's ``UserError``) for a bad row.
         max_seq_len: longest sequence kept, or ``None`` for no limit.
@@ -220,12 +220,12 @@ def build_store(
 
     Raises:
         UserError: at the first bad row unless ``skip_bad_rows``, naming the file, the row and the reason; or
-            when no row gave a sample.
+            when no row gave a sample, saying why (empty files, only blank lines, every row bad).
     """
     report = BuildReport()
     writer = _Writer(directory)
     try:
-        for location, row in rows:
+        for location, row in source.rows():
             report.rows += 1
             try:
                 sequences = _checked(row, encode, max_seq_len=max_seq_len, truncation=truncation, report=report)
@@ -244,7 +244,12 @@ def build_store(
         raise
     if writer.num_samples == 0:
         writer.close()
-        raise UserError(f"the dataset has no usable rows ({report.rows} read, {report.skipped} skipped as bad)")
+        if report.rows == 0:
+            raise UserError(f"the dataset has no rows: {source.why_empty()}")
+        raise UserError(
+            f"the dataset has no usable rows: all {report.rows} rows of {source.name} are bad and were skipped "
+            f"(skip_bad_rows: true); the first: {report.skipped_examples[0]}"
+        )
     return writer.finish(report, directory)
 
 
