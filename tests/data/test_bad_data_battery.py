@@ -475,3 +475,50 @@ def test_tune_run_stops_with_one_line_and_exit_2(tmp_path, content, line):
     assert result.stderr.strip().startswith(line.format(path=path)), result.stderr[-2000:]
     assert result.stderr.strip().count("\n") == 0, result.stderr[-2000:]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+# --- the tokenized cache: damaged or unwritable --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda store: (store / "tokens.bin").write_bytes(b""),
+        lambda store: (store / "meta.json").write_text("{oops"),
+        lambda store: (store / "meta.json").write_text('{"num_samples": 2}'),
+        lambda store: (store / "pack-best_fit.json").write_text("[1]"),
+        lambda store: (store / "pack-best_fit-docs.bin").write_bytes(b""),
+    ],
+    ids=["tokens cut", "meta not JSON", "meta incomplete", "plan not sizes", "plan cut"],
+)
+def test_a_damaged_cache_is_built_again(tmp_path, caplog, damage):
+    path = bad_line_2(tmp_path / "data.jsonl", INSTRUCT, INSTRUCT)
+
+    def dataset():
+        return instruct_dataset(TOK, source=str(path), cache_dir=str(tmp_path / "cache"), packed=True, max_seq_len=64)
+
+    expected = dataset()[0]
+    (store,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    damage(store)
+    with caplog.at_level(logging.WARNING, logger="toolkit.data"):
+        assert dataset()[0] == expected
+    (warning,) = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert str(store) in warning
+    assert dataset().cache_hit  # and whole again
+
+
+def test_a_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    from toolkit.data import store
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store.os, "replace", full_disk)
+    path = bad_line_2(tmp_path / "data.jsonl", INSTRUCT, INSTRUCT)
+    with pytest.raises(UserError) as info:
+        instruct_dataset(TOK, source=str(path), cache_dir=str(tmp_path / "cache"))
+    assert str(info.value) == (
+        f"cannot write the dataset cache in {tmp_path / 'cache'} (No space left on device); set dataset.cache_dir to "
+        "a writable folder, or to null to tokenize in memory"
+    )
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []  # no half store left behind
