@@ -522,3 +522,57 @@ def test_a_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
         "a writable folder, or to null to tokenize in memory"
     )
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []  # no half store left behind
+
+
+# --- turn order: a matter for the chat formats that need alternation ---------------------------------------------
+
+
+class _ByteEngine:
+    """Bytes as ids, plus Mistral's special tokens: enough for ModelTokenizer with MistralChatFormat."""
+
+    SPECIALS = ("<s>", "</s>", "[INST]", "[/INST]", "<pad>")
+    vocab_size = 256 + len(SPECIALS)
+    special_ids = {256 + i: token for i, token in enumerate(SPECIALS)}
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        return 256 + self.SPECIALS.index(token) if token in self.SPECIALS else None
+
+
+def test_turns_out_of_order_are_a_bad_row_where_the_chat_format_needs_alternation(tmp_path):
+    from toolkit.tokenizers.chat_templates import MistralChatFormat
+    from toolkit.tokenizers.model_tokenizer import ModelTokenizer
+
+    mistral = ModelTokenizer(engine=_ByteEngine(), chat_format=MistralChatFormat(), bos_token="<s>",
+                             eos_token="</s>", pad_token="<pad>", stop_tokens=["</s>"])
+    two_answers = msgs('{"role": "user", "content": "q"}', '{"role": "assistant", "content": "a"}',
+                       '{"role": "assistant", "content": "b"}')
+    path = bad_line_2(tmp_path / "data.jsonl", CHAT, two_answers)
+    with pytest.raises(UserError, match=rf"^{path}, line 2: Mistral chat format needs .* in alternation"):
+        chat_dataset(mistral, source=str(path), cache_dir=None)
+    assert len(chat_dataset(mistral, source=str(path), cache_dir=None, skip_bad_rows=True)) == 2
+    # The byte tokenizer's format has no such rule: two answers in a row are trained on as they are.
+    assert len(build(chat_dataset, path)) == 3
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('input,output\nhi,yo\nhi,"never closed\nhi,yo\nhi,yo\n',
+         "line 3: cannot read CSV (unexpected end of data); a quoted field that starts here is never closed"),
+        ('input,output\nhi,yo\n"hi"there,yo\n', "line 3: cannot read CSV (',' expected after '\"')"),
+    ],
+    ids=["quote never closed", "text after a closing quote"],
+)
+def test_csv_quoting_errors_name_the_line(tmp_path, content, message):
+    # Read leniently, an open quote took every later line into one field: three rows became one, silently.
+    path = tmp_path / "data.csv"
+    path.write_text(content)
+    with pytest.raises(UserError) as info:
+        build(instruct_dataset, path)
+    assert str(info.value) == f"{path}, {message}"

@@ -334,7 +334,8 @@ def _read_csv(path: str) -> RowIterator:
     # memory anyway.
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
     with open(path, "rb") as f:
-        reader = csv.reader(_utf8_lines(path, f))
+        # strict: a quote left open swallows every later line into one field, silently, where strict says so.
+        reader = csv.reader(_utf8_lines(path, f), strict=True)
         header: list[str] | None = None
         while True:
             start = reader.line_num + 1  # a quoted field may span lines: report the line the row starts on
@@ -343,7 +344,8 @@ def _read_csv(path: str) -> RowIterator:
             except StopIteration:
                 return
             except csv.Error as e:
-                raise UserError(f"{path}, line {start}: cannot read CSV ({e})") from None
+                unclosed = "; a quoted field that starts here is never closed" if "end of data" in str(e) else ""
+                raise UserError(f"{path}, line {start}: cannot read CSV ({e}){unclosed}") from None
             if not fields:  # blank line
                 continue
             if header is None:
