@@ -52,7 +52,7 @@ def check_column_map(column_map: dict[str, str] | None, allowed: set[str], *, bu
     return column_map
 
 
-def check_text_option(value: str | None, name: str) -> None:
+def _check_text_option(value: object, name: str) -> None:
     """Refuse a text option (``system_prompt``, ``prompt_template``) that is not a string or cannot be encoded.
 
     Raises:
@@ -200,7 +200,7 @@ class InstructFormat:
     fields: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        check_text_option(self.system_prompt, "system_prompt")
+        _check_text_option(self.system_prompt, "system_prompt")
         fields = tuple(template_fields(self.prompt_template))
         if not fields:
             raise UserError(f"prompt_template {self.prompt_template!r} names no column; use e.g. '{{input}}'")
@@ -227,7 +227,7 @@ def template_fields(template: str) -> list[str]:
     Raises:
         UserError: on a template that is not a string, a malformed one, or a positional or indexed field.
     """
-    check_text_option(template, "prompt_template")
+    _check_text_option(template, "prompt_template")
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as e:
@@ -256,7 +256,7 @@ class ChatFormat:
     system_prompt: str | None
 
     def __post_init__(self) -> None:
-        check_text_option(self.system_prompt, "system_prompt")
+        _check_text_option(self.system_prompt, "system_prompt")
 
     def messages(self, row: Any) -> list[dict[str, str]]:
         """The row's conversation as ``{"role", "content"}`` messages."""
@@ -298,7 +298,7 @@ class PreferenceFormat:
     system_prompt: str | None
 
     def __post_init__(self) -> None:
-        check_text_option(self.system_prompt, "system_prompt")
+        _check_text_option(self.system_prompt, "system_prompt")
 
     def pair(self, row: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
         """``(chosen, rejected)`` conversations."""
