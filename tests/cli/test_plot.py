@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -157,3 +158,111 @@ def test_an_output_format_matplotlib_cannot_write_is_a_one_line_error(tmp_path, 
     assert error.startswith(f"tune: error: cannot write '{tmp_path / 'runs.xyz'}': no image format 'xyz'")
     assert "png" in error
     assert not (tmp_path / "runs.xyz").exists()
+
+
+# --- where the image goes, and metrics.jsonl files a run did not write cleanly ------------------------------------
+
+
+def test_the_image_goes_beside_the_metrics_it_plots(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run_a = write_run(tmp_path / "run_a", steps=3, start_loss=3.0)
+    run_b = write_run(tmp_path / "run_b", steps=3, start_loss=2.0)
+    assert main(["plot", str(run_a)]) == 0
+    assert (run_a / "metrics.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {run_a / 'metrics.png'}"
+    # Several runs: a comparison beside the first, which keeps its own plot.
+    assert main(["plot", str(run_a), str(run_b)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {run_a / 'compare.png'}"
+    assert (run_a / "metrics.png").exists() and not list(elsewhere.iterdir())
+
+
+def test_a_run_given_by_its_metrics_file_and_an_output_folder(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path / "run", steps=3, start_loss=3.0)
+    (tmp_path / "plots").mkdir()
+    assert main(["plot", str(run / "metrics.jsonl"), "-o", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("run: 3 steps") and out[-1] == f"wrote {tmp_path / 'plots' / 'metrics.png'}"
+    assert (tmp_path / "plots" / "metrics.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_run_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path / "run", steps=3, start_loss=3.0)
+    run.chmod(0o555)
+    try:
+        assert main(["plot", str(run)]) == 1
+    finally:
+        run.chmod(0o755)
+    assert one_line(capsys.readouterr().err) == f"tune: error: cannot write '{run / 'metrics.png'}': Permission denied"
+
+
+@pytest.mark.parametrize(
+    "lines,message",
+    [
+        (['{"step": 1, "loss": 2.0}', '{"step": 2, "loss": ', '{"step": 3, "loss": 1.0}'],
+         "line 2: not valid JSON (Expecting value"),
+        (['{"step": 1, "loss": 2.0}', '[1, 2]', '{"step": 3, "loss": 1.0}'],
+         "line 2: not a metrics record (a JSON object with a 'step' number): [1, 2]"),
+        (['{"step": 1, "loss": 2.0}', '{"loss": 1.5}', '{"step": 3, "loss": 1.0}'],
+         "line 2: not a metrics record (a JSON object with a 'step' number): {\"loss\": 1.5}"),
+        (['{"step": 1, "loss": 2.0}', '{"step": "2", "loss": 1.5}', '{"step": 3, "loss": 1.0}'],
+         "line 2: not a metrics record"),
+    ],
+    ids=["broken line", "a list", "no step", "step a string"],
+)
+def test_a_bad_line_is_named_by_its_number(tmp_path, capsys, lines, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["plot", str(run)]) == 1
+    assert one_line(capsys.readouterr().err).startswith(f"tune: error: '{run / 'metrics.jsonl'}', {message}")
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "note": "caf\xe9"}\n')
+    assert main(["plot", str(run)]) == 1
+    assert one_line(capsys.readouterr().err).startswith(f"tune: error: '{run / 'metrics.jsonl'}', line 2: not valid")
+
+
+def test_only_blank_lines_is_no_records(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n  \n")
+    assert main(["plot", str(tmp_path / "run")]) == 1
+    assert one_line(capsys.readouterr().err) == f"tune: error: '{tmp_path / 'run' / 'metrics.jsonl'}' has no records yet"
+
+
+def test_nan_losses_are_reported_and_left_out_of_the_lines(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    run = tmp_path / "run"
+    run.mkdir()
+    # As a diverged run writes them: json.dumps(float("nan")) is NaN.
+    records = [{"step": s, "loss": loss} for s, loss in enumerate([3.0, 2.0, float("nan"), float("inf"), 1.0], 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["plot", str(run)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "run: 3 steps (1-5); loss first 3.0000 last 1.0000 min 1.0000 (step 5); loss NaN or infinite at 2 steps "
+        "(first: step 3)"
+    )
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": NaN}\n{"step": 2, "loss": NaN}\n')
+    assert main(["plot", str(run)]) == 1
+    assert one_line(capsys.readouterr().err) == (
+        "tune: error: no run has a finite loss to plot: every loss recorded is NaN, infinite or not a number"
+    )
+
+
+def test_a_run_of_one_step_is_plotted(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5, "lr": 0.001}\n')
+    assert main(["plot", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "run: 1 step (1-1); loss first 2.5000 last 2.5000 min 2.5000 (step 1)"
+    assert (run / "metrics.png").read_bytes().startswith(PNG_SIGNATURE)

@@ -162,8 +162,12 @@ def test_skip_bad_rows_counts_and_reports(tmp_path: Path, caplog: pytest.LogCapt
     assert any("skipped 7 of 10 rows" in r.getMessage() for r in caplog.records)
 
 
-def test_all_rows_bad_is_an_error(tmp_path: Path) -> None:
+def test_all_rows_bad_is_an_error_quoting_the_first(tmp_path: Path) -> None:
     path = tmp_path / "data.jsonl"
-    path.write_text('{"messages": []}\n')
-    with pytest.raises(UserError, match=r"no usable rows \(1 read, 1 skipped as bad\)"):
+    path.write_text('{"messages": []}\n{"messages": 3}\n')
+    with pytest.raises(UserError) as info:
         chat_dataset(TOK, source=str(path), skip_bad_rows=True, cache_dir=None)
+    assert str(info.value) == (
+        f"the dataset has no usable rows: all 2 rows of {path} are bad and were skipped (skip_bad_rows: true); "
+        f"the first: {path}, line 1: empty conversation in column 'messages'"
+    )

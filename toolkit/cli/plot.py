@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,25 +34,51 @@ _TITLES = {
 _INSTALL_HINT = 'for the PNG, install matplotlib: pip install "tunekit[plot]"'
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The records of ``<run_dir>/metrics.jsonl``, skipping a last line cut short by a crash.
+def metrics_file(run: Path) -> Path:
+    """The ``metrics.jsonl`` of the run folder ``run``, or ``run`` itself where it names the file.
 
     Raises:
-        UserError: when the folder or its metrics.jsonl is missing, or the file has no record.
+        UserError: when the folder or its metrics.jsonl is missing.
     """
-    if not run_dir.is_dir():
-        raise UserError(f"no such run folder: '{run_dir}'")
-    path = run_dir / "metrics.jsonl"
+    if run.is_file():
+        return run
+    if not run.is_dir():
+        raise UserError(f"no such run folder: '{run}'")
+    path = run / "metrics.jsonl"
     if not path.is_file():
-        raise UserError(f"'{run_dir}' has no metrics.jsonl: is it a run's output_dir?")
+        raise UserError(f"'{run}' has no metrics.jsonl: is it a run's output_dir?")
+    return path
+
+
+def read_metrics(run: Path) -> list[dict[str, Any]]:
+    """The records of a run's ``metrics.jsonl`` (``run`` is its folder or the file), skipping a last line cut
+    short by a crash or still being written.
+
+    Raises:
+        UserError: when the file is missing or unreadable, has no record, or a line (named) is not a record.
+    """
+    path = metrics_file(run)
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
-            records.append(record)
+    try:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError) as e:  # ValueError: also bytes that are not UTF-8
+                    # Only the last line lacks its newline: the run writes one record at a time, newline last.
+                    if not line.endswith(b"\n"):
+                        break
+                    raise UserError(f"'{path}', line {number}: not valid JSON ({e})") from None
+                if not isinstance(record, dict) or not _is_number(record.get("step")):
+                    raise UserError(
+                        f"'{path}', line {number}: not a metrics record (a JSON object with a 'step' number): "
+                        f"{line.decode('utf-8', errors='replace').strip():.80}"
+                    )
+                records.append(record)
+    except OSError as e:
+        raise UserError(f"cannot read '{path}': {e.strerror or e}") from None
     if not records:
         raise UserError(f"'{path}' has no records yet")
     return records
@@ -71,7 +98,9 @@ def _is_number(value: Any) -> bool:
 
 
 def run_labels(run_dirs: Sequence[Path]) -> list[str]:
-    """Legend labels: folder names, or the paths as given where two runs share a folder name."""
+    """Legend labels: folder names, or the paths as given where two runs share a folder name (a run given by its
+    metrics.jsonl is named by the folder holding it)."""
+    run_dirs = [d.parent if d.name == "metrics.jsonl" and d.is_file() else d for d in run_dirs]
     names = [d.name or str(d) for d in run_dirs]
     return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
 
@@ -109,13 +138,19 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], metrics: Sequence
 
 
 def summary(label: str, records: Sequence[Mapping[str, Any]]) -> str:
-    """One line about a run: steps, first/last/min loss, mean tokens/s and the last validation loss."""
+    """One line about a run: steps, first/last/min loss, steps whose loss was not finite, mean tokens/s and the
+    last validation loss."""
     steps, losses = series(records, "loss")
-    parts = [f"{label}: {len(steps)} steps"]
+    parts = [f"{label}: {len(steps)} step{'' if len(steps) == 1 else 's'}"]
     if steps:
         low = min(range(len(losses)), key=losses.__getitem__)
         parts[0] += f" ({steps[0]}-{steps[-1]})"
         parts.append(f"loss first {losses[0]:.4f} last {losses[-1]:.4f} min {losses[low]:.4f} (step {steps[low]})")
+    # A diverged run logs NaN (json writes it as NaN): left out of the lines drawn, so said here.
+    diverged = _not_finite_steps(records, "loss")
+    if diverged:
+        parts.append(f"loss NaN or infinite at {len(diverged)} step{'' if len(diverged) == 1 else 's'} "
+                     f"(first: step {diverged[0]})")
     _, throughput = series(records, "tokens_per_second")
     if throughput:
         parts.append(f"mean tokens/s {sum(throughput) / len(throughput):.0f}")
@@ -125,11 +160,20 @@ def summary(label: str, records: Sequence[Mapping[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+def _not_finite_steps(records: Sequence[Mapping[str, Any]], metric: str) -> list[float]:
+    return [r["step"] for r in records if isinstance(r.get(metric), float) and not math.isfinite(r[metric])]
+
+
 def _panels(runs: Mapping[str, Sequence[Mapping[str, Any]]], requested: Sequence[str] | None) -> list[str]:
     """The metrics to draw: those asked for (each must exist in some run), or the defaults that exist."""
     present = [m for m in (requested or DEFAULT_METRICS) if any(series(r, m)[0] for r in runs.values())]
     # Asked-for metrics must exist; of the defaults, loss (a field of every record, by contract) must.
     missing = [m for m in requested or ("loss",) if m not in present]
+    for metric in missing:
+        if any(metric in r for records in runs.values() for r in records):
+            raise UserError(
+                f"no run has a finite {metric} to plot: every {metric} recorded is NaN, infinite or not a number"
+            )
     if missing:
         fields = sorted({k for records in runs.values() for r in records for k, v in r.items() if _is_number(v)})
         raise UserError(f"no run has {', '.join(missing)} to plot; the fields are: {', '.join(fields)}")
@@ -148,7 +192,7 @@ def plot(args: argparse.Namespace) -> int:
     except ImportError:
         print(_INSTALL_HINT)
         return 0
-    output = Path(args.output)
+    output = _output_path(args.output, run_dirs)
     # The suffix names the format (runs.svg, runs.pdf); a name without one is a PNG at exactly that path, where
     # matplotlib alone would add ".png" to it.
     image_format = output.suffix[1:].lower() or "png"
@@ -166,6 +210,18 @@ def plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_path(output: str | None, run_dirs: Sequence[Path]) -> Path:
+    """Where the image goes: ``output`` as given; by default beside the (first) run's metrics.jsonl, named
+    ``metrics.png`` for one run and ``compare.png`` for several; an existing folder (or a path ending in a
+    separator) gets that name inside it."""
+    name = "metrics.png" if len(run_dirs) == 1 else "compare.png"
+    if output is None:
+        return metrics_file(run_dirs[0]).parent / name
+    if output.endswith(("/", os.sep)) or Path(output).is_dir():
+        return Path(output) / name
+    return Path(output)
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``tune plot`` on the ``tune`` subcommand parsers."""
     parser = commands.add_parser(
@@ -177,10 +233,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "Without matplotlib (the `plot` extra) it prints the per-run summary only."
         ),
     )
-    parser.add_argument("run_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's output_dir (has metrics.jsonl)")
     parser.add_argument(
-        "--output", "-o", default="metrics.png", metavar="FILE",
-        help="image to write: a PNG, unless its suffix names another format, e.g. .svg or .pdf (default: %(default)s)",
+        "run_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's output_dir (has metrics.jsonl), or the file itself"
+    )
+    parser.add_argument(
+        "--output", "-o", metavar="FILE",
+        help="image to write: a PNG, unless its suffix names another format, e.g. .svg or .pdf; a folder gets "
+        "the default name in it (default: metrics.png beside the run's metrics.jsonl; compare.png beside the first "
+        "run's when there are several)",
     )
     parser.add_argument(
         "--metrics",

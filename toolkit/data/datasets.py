@@ -382,8 +382,8 @@ def _build(
     """Shared by the builders: open the source, tokenize or load from cache, report, wrap."""
     if max_seq_len is None:
         max_seq_len = tokenizer.max_seq_len
-    if max_seq_len is not None and max_seq_len < 1:
-        raise UserError(f"max_seq_len must be a positive integer; got {max_seq_len}")
+    if max_seq_len is not None and (type(max_seq_len) is not int or max_seq_len < 1):  # bool is an int too
+        raise UserError(f"max_seq_len must be a positive integer; got {max_seq_len!r}")
     if packed and max_seq_len is None:
         raise UserError("packed: true needs a max_seq_len (on the dataset or the tokenizer)")
     if packing_strategy not in STRATEGIES:
@@ -408,7 +408,7 @@ def _build(
     def build(directory: Path | None) -> TokenStore:
         logger.info("tokenizing %s", data.name)
         return build_store(
-            data.rows(), encode, max_seq_len=max_seq_len, truncation=truncation, skip_bad_rows=skip_bad_rows,
+            data, encode, max_seq_len=max_seq_len, truncation=truncation, skip_bad_rows=skip_bad_rows,
             directory=directory,
         )
 

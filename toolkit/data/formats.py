@@ -1,10 +1,11 @@
 """Turning a row of a source into what a tokenizer takes: messages, or plain text.
 
-Each format checks what it reads (columns present, types, roles) and raises :class:`BadRowError` with the
-reason; the dataset builder adds the file and row and either stops or skips the row.
+Each format checks what it reads (columns present, types, roles, text that is text) and raises
+:class:`BadRowError` with the reason; the dataset builder adds the file and row and either stops or skips the row.
 """
 
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +31,14 @@ def check_column_map(column_map: dict[str, str] | None, allowed: set[str], *, bu
     """Validates a ``column_map`` (our name -> the file's column name) so that a typo fails at once.
 
     Raises:
-        UserError: on a key the builder does not read, or a non-string column name.
+        UserError: on a column_map that is not a mapping, a key the builder does not read, or a non-string
+            column name.
     """
+    if column_map is not None and not isinstance(column_map, Mapping):
+        raise UserError(
+            f"{builder}: column_map must map names to the file's column names, e.g. {{input: question}}; got "
+            f"{column_map!r}"
+        )
     column_map = dict(column_map or {})
     unknown = sorted(set(column_map) - allowed)
     if unknown:
@@ -45,21 +52,61 @@ def check_column_map(column_map: dict[str, str] | None, allowed: set[str], *, bu
     return column_map
 
 
-def column(row: Any, name: str) -> Any:
-    """``row[name]``, or a :class:`BadRowError` saying which columns the row does have."""
+def _check_text_option(value: object, name: str) -> None:
+    """Refuse a text option (``system_prompt``, ``prompt_template``) that is not a string or cannot be encoded.
+
+    Raises:
+        UserError: naming the option.
+    """
+    if value is not None and not isinstance(value, str):
+        raise UserError(f"{name} must be a string, got {_type_name(value)} {value!r}")
+    if value is not None and (problem := _not_text(value)):
+        raise UserError(f"{name} {problem}")
+
+
+def column(row: Any, name: str, *, mapped_from: str | None = None) -> Any:
+    """``row[name]``, or a :class:`BadRowError` saying which columns the row does have.
+
+    Args:
+        row: the row.
+        name: the file's column name.
+        mapped_from: the builder's name for the column when ``column_map`` renamed it, for the message.
+    """
     if not isinstance(row, dict):
-        raise BadRowError(f"expected an object with named columns, got a {type(row).__name__}")
+        kind = "null" if row is None else f"{'an' if type(row).__name__[0] in 'aeiou' else 'a'} {type(row).__name__}"
+        raise BadRowError(f"expected an object with named columns, got {kind}")
     if name not in row:
-        raise BadRowError(f"missing column {name!r} (the row has: {', '.join(map(str, row)) or 'none'})")
+        via = f" named by column_map[{mapped_from!r}]" if mapped_from is not None and mapped_from != name else ""
+        raise BadRowError(f"missing column {name!r}{via} (the row has: {', '.join(map(str, row)) or 'none'})")
     return row[name]
 
 
-def text_column(row: Any, name: str) -> str:
-    """``row[name]``, which must be a string."""
-    value = column(row, name)
+def text_column(row: Any, name: str, *, mapped_from: str | None = None) -> str:
+    """``row[name]``, which must be a string that is valid text (see :func:`column` for the arguments)."""
+    value = column(row, name, mapped_from=mapped_from)
     if not isinstance(value, str):
         raise BadRowError(f"column {name!r} must be a string, got {_type_name(value)}")
+    if problem := _not_text(value):
+        raise BadRowError(f"column {name!r} {problem}")
     return value
+
+
+def _not_text(value: str) -> str | None:
+    """Why ``value`` cannot be tokenized, or None.
+
+    JSON's ``\\ud800`` escapes can spell half of a UTF-16 surrogate pair, which ``json.loads`` accepts but which
+    is no character: UTF-8 cannot encode it, so every tokenizer would fail on it.
+    """
+    if value.isascii():  # O(1) in CPython, and true of most text
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (
+            f"has a lone UTF-16 surrogate {value[e.start]!r} at character {e.start + 1}, which is not text (half of "
+            "a character pair, as a JSON \\u escape can write it)"
+        )
+    return None
 
 
 def _type_name(value: Any) -> str:
@@ -74,10 +121,14 @@ def _content(message: dict, key: str, index: int) -> str:
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise BadRowError(f"message {index} has a content part that is not text: {part!r:.80}")
+            if problem := _not_text(part["text"]):
+                raise BadRowError(f"message {index}'s {key!r} {problem}")
             texts.append(part["text"])
         return "".join(texts)
     if not isinstance(content, str):
         raise BadRowError(f"message {index}'s {key!r} must be a string, got {_type_name(content)}")
+    if problem := _not_text(content):
+        raise BadRowError(f"message {index}'s {key!r} {problem}")
     return content
 
 
@@ -100,18 +151,20 @@ def normalize_messages(value: Any, *, name: str) -> list[dict[str, str]]:
     for index, message in enumerate(value, 1):
         if isinstance(message, dict) and "role" in message and "content" in message:
             role = message["role"]
-            if role not in ROLES:
+            if not isinstance(role, str) or role not in ROLES:
                 raise BadRowError(f"message {index} has unknown role {role!r} (known: {', '.join(ROLES)})")
             normalized = {"role": role, "content": _content(message, "content", index)}
             reasoning = message.get("reasoning_content")
             if reasoning is not None:  # a reasoning model's thinking (Qwen3's template places it in <think>)
                 if not isinstance(reasoning, str):
                     raise BadRowError(f"message {index}: 'reasoning_content' must be text, got {_type_name(reasoning)}")
+                if problem := _not_text(reasoning):
+                    raise BadRowError(f"message {index}'s 'reasoning_content' {problem}")
                 normalized["reasoning_content"] = reasoning
             messages.append(normalized)
         elif isinstance(message, dict) and "from" in message and "value" in message:
             role = message["from"]
-            if role not in SHAREGPT_ROLES:
+            if not isinstance(role, str) or role not in SHAREGPT_ROLES:
                 raise BadRowError(
                     f"message {index} has unknown role {role!r} (known: {', '.join(SHAREGPT_ROLES)})"
                 )
@@ -147,6 +200,7 @@ class InstructFormat:
     fields: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
+        _check_text_option(self.system_prompt, "system_prompt")
         fields = tuple(template_fields(self.prompt_template))
         if not fields:
             raise UserError(f"prompt_template {self.prompt_template!r} names no column; use e.g. '{{input}}'")
@@ -154,22 +208,26 @@ class InstructFormat:
 
     def messages(self, row: Any) -> list[dict[str, str]]:
         """The row as ``[system?, user, assistant]`` messages."""
-        values = {f: text_column(row, self.column_map.get(f, f)) for f in self.fields}
+        values = {f: self._text(row, f) for f in self.fields}
         messages = [
             {"role": "user", "content": self.prompt_template.format(**values)},
-            {"role": "assistant", "content": text_column(row, self.column_map.get("output", "output"))},
+            {"role": "assistant", "content": self._text(row, "output")},
         ]
         if "system" in self.column_map:
-            return [{"role": "system", "content": text_column(row, self.column_map["system"])}] + messages
+            return [{"role": "system", "content": self._text(row, "system")}] + messages
         return _with_system(messages, self.system_prompt)
+
+    def _text(self, row: Any, key: str) -> str:
+        return text_column(row, self.column_map.get(key, key), mapped_from=key)
 
 
 def template_fields(template: str) -> list[str]:
     """The column names a prompt template reads, in order.
 
     Raises:
-        UserError: on a malformed template, or a positional or indexed field.
+        UserError: on a template that is not a string, a malformed one, or a positional or indexed field.
     """
+    _check_text_option(template, "prompt_template")
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as e:
@@ -197,13 +255,17 @@ class ChatFormat:
     column: str | None
     system_prompt: str | None
 
+    def __post_init__(self) -> None:
+        _check_text_option(self.system_prompt, "system_prompt")
+
     def messages(self, row: Any) -> list[dict[str, str]]:
         """The row's conversation as ``{"role", "content"}`` messages."""
         name = self.column
         if name is None:
             sharegpt = isinstance(row, dict) and "messages" not in row and "conversations" in row
             name = "conversations" if sharegpt else "messages"
-        return _with_system(normalize_messages(column(row, name), name=name), self.system_prompt)
+        value = column(row, name, mapped_from="messages" if self.column is not None else None)
+        return _with_system(normalize_messages(value, name=name), self.system_prompt)
 
 
 @dataclass(frozen=True)
@@ -214,7 +276,7 @@ class TextFormat:
 
     def text(self, row: Any) -> str:
         """The document."""
-        text = text_column(row, self.column)
+        text = text_column(row, self.column, mapped_from="text")
         if not text:
             raise BadRowError(f"column {self.column!r} is empty")
         return text
@@ -235,6 +297,9 @@ class PreferenceFormat:
     column_map: dict[str, str]
     system_prompt: str | None
 
+    def __post_init__(self) -> None:
+        _check_text_option(self.system_prompt, "system_prompt")
+
     def pair(self, row: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
         """``(chosen, rejected)`` conversations."""
         chosen, rejected = (self._conversation(row, key) for key in ("chosen", "rejected"))
@@ -242,10 +307,12 @@ class PreferenceFormat:
 
     def _conversation(self, row: Any, key: str) -> list[dict[str, str]]:
         name = self.column_map.get(key, key)
-        value = column(row, name)
+        value = column(row, name, mapped_from=key)
         if isinstance(value, list):
             messages = normalize_messages(value, name=name)
         elif isinstance(value, str):
+            if problem := _not_text(value):
+                raise BadRowError(f"column {name!r} {problem}")
             messages = self._prompt(row) + [{"role": "assistant", "content": value}]
         else:
             raise BadRowError(f"column {name!r} must be a string or a list of messages, got {_type_name(value)}")
@@ -253,7 +320,11 @@ class PreferenceFormat:
 
     def _prompt(self, row: Any) -> list[dict[str, str]]:
         name = self.column_map.get("prompt", "prompt")
-        value = column(row, name)
+        value = column(row, name, mapped_from="prompt")
         if isinstance(value, str):
+            if problem := _not_text(value):
+                raise BadRowError(f"column {name!r} {problem}")
             return [{"role": "user", "content": value}]
+        if not isinstance(value, list):
+            raise BadRowError(f"column {name!r} must be a string or a list of messages, got {_type_name(value)}")
         return normalize_messages(value, name=name)

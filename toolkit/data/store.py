@@ -20,12 +20,12 @@ from array import array
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
 from toolkit.data.formats import BadRowError
-from toolkit.data.sources import Location, UnreadableRow
+from toolkit.data.sources import Source, UnreadableRow
 from toolkit.errors import UserError
 
 logger = logging.getLogger("toolkit.data")
@@ -117,15 +117,24 @@ class TokenStore:
             return compute()
         meta = self.path / f"{name}.json"
         if meta.exists():
-            sizes = json.loads(meta.read_text())
-            return {key: _map(self.path / f"{name}-{key}.bin", size, torch.int64) for key, size in sizes.items()}
+            try:
+                sizes = json.loads(meta.read_text())
+                return {key: _map(self.path / f"{name}-{key}.bin", size, torch.int64) for key, size in sizes.items()}
+            except (OSError, ValueError, RuntimeError, AttributeError) as e:  # damaged: computed and written again
+                logger.warning("the cached %s in %s cannot be read (%s); computing it again", name, self.path, e)
         arrays = {key: value.to(torch.int64) for key, value in compute().items()}
         # Each file is written aside and renamed, the sizes last: processes racing here write identical content,
         # and a reader sees either no plan or a whole one.
-        for key, value in arrays.items():
-            _write_atomic(self.path / f"{name}-{key}.bin", lambda f, v=value: array("q", v.tolist()).tofile(f))
-        sizes = {key: value.numel() for key, value in arrays.items()}
-        _write_atomic(meta, lambda f: f.write(json.dumps(sizes).encode()))
+        try:
+            for key, value in arrays.items():
+                _write_atomic(self.path / f"{name}-{key}.bin", lambda f, v=value: array("q", v.tolist()).tofile(f))
+            sizes = {key: value.numel() for key, value in arrays.items()}
+            _write_atomic(meta, lambda f: f.write(json.dumps(sizes).encode()))
+        except OSError as e:
+            raise UserError(
+                f"cannot write the {name} plan in the dataset cache {self.path} ({e.strerror or e}); set "
+                "dataset.cache_dir to a writable folder"
+            ) from None
         return arrays
 
     def __getstate__(self) -> dict[str, Any]:
@@ -199,7 +208,7 @@ class _Writer:
 
 
 def build_store(
-    rows: Iterable[tuple[Location, Any]],
+    source: Source,
     encode: Callable[[Any], list[Sequence]],
     *,
     max_seq_len: int | None,
@@ -210,7 +219,7 @@ def build_store(
     """Tokenizes every row in one pass.
 
     Args:
-        rows: ``(location, row)`` pairs from a :class:`~toolkit.data.sources.Source`.
+        source: where the rows come from.
         encode: turns a row into one or more sequences (two for a preference pair); raises
             :class:`~toolkit.data.formats.BadRowError` (or the tokenizer's ``UserError``) for a bad row.
         max_seq_len: longest sequence kept, or ``None`` for no limit.
@@ -220,12 +229,12 @@ def build_store(
 
     Raises:
         UserError: at the first bad row unless ``skip_bad_rows``, naming the file, the row and the reason; or
-            when no row gave a sample.
+            when no row gave a sample, saying why (empty files, only blank lines, every row bad).
     """
     report = BuildReport()
     writer = _Writer(directory)
     try:
-        for location, row in rows:
+        for location, row in source.rows():
             report.rows += 1
             try:
                 sequences = _checked(row, encode, max_seq_len=max_seq_len, truncation=truncation, report=report)
@@ -244,7 +253,12 @@ def build_store(
         raise
     if writer.num_samples == 0:
         writer.close()
-        raise UserError(f"the dataset has no usable rows ({report.rows} read, {report.skipped} skipped as bad)")
+        if report.rows == 0:
+            raise UserError(f"the dataset has no rows: {source.why_empty()}")
+        raise UserError(
+            f"the dataset has no usable rows: all {report.rows} rows of {source.name} are bad and were skipped "
+            f"(skip_bad_rows: true); the first: {report.skipped_examples[0]}"
+        )
     return writer.finish(report, directory)
 
 
@@ -306,28 +320,47 @@ def cached_store(
     root = Path(cache_dir).expanduser()
     key = fingerprint(key_inputs)
     final = root / key
-    if (final / "meta.json").exists():
-        return TokenStore.open(final), True
+    if (cached := _open_cached(final)) is not None:
+        return cached, True
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create the dataset cache folder {root} ({e}); set dataset.cache_dir") from None
-    with _file_lock(root / f"{key}.lock"):
-        # Another process (a torchrun rank on this node) may have built it while this one waited.
-        if (final / "meta.json").exists():
-            return TokenStore.open(final), True
-        tmp = root / f"{key}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            (tmp / "inputs.json").write_text(json.dumps(key_inputs, indent=1, sort_keys=True, default=repr))
-            build(tmp)
-            shutil.rmtree(final, ignore_errors=True)  # a folder without meta.json is a leftover, not a store
-            os.replace(tmp, final)
-        finally:
+    try:
+        with _file_lock(root / f"{key}.lock"):
+            # Another process (a torchrun rank on this node) may have built it while this one waited.
+            if (cached := _open_cached(final, warn=False)) is not None:  # warned above if damaged
+                return cached, True
+            tmp = root / f"{key}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            try:
+                (tmp / "inputs.json").write_text(json.dumps(key_inputs, indent=1, sort_keys=True, default=repr))
+                build(tmp)
+                shutil.rmtree(final, ignore_errors=True)  # without a readable meta.json it is a leftover, not a store
+                os.replace(tmp, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:  # a read-only or full disk: reading the source raises UserError, not this
+        raise UserError(
+            f"cannot write the dataset cache in {root} ({e.strerror or e}); set dataset.cache_dir to a writable "
+            "folder, or to null to tokenize in memory"
+        ) from None
     logger.info("cached the tokenized dataset in %s", final)
     return TokenStore.open(final), False
+
+
+def _open_cached(path: Path, *, warn: bool = True) -> TokenStore | None:
+    """The store cached in ``path``; None if there is none, or if it is damaged (cut short, edited), so that it is
+    built again: a cache holds nothing the source cannot give back. ``warn`` logs the damage."""
+    if not (path / "meta.json").exists():
+        return None
+    try:
+        return TokenStore.open(path)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:  # torch.from_file: RuntimeError
+        if warn:
+            logger.warning("the cached dataset in %s cannot be read (%s); tokenizing the source again", path, e)
+        return None
 
 
 @contextmanager
