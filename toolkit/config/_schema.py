@@ -106,42 +106,40 @@ class Bool(Spec):
 
 
 @dataclass(frozen=True)
-class Int(Spec):
-    """An integer (not a boolean) within the bounds given."""
-
-    ge: int | None = None
-    gt: int | None = None
-    le: int | None = None
-    lt: int | None = None
-
-    def describe(self) -> str:
-        bounds = _bounds(self.ge, self.gt, self.le, self.lt)
-        return "an integer" + (f" {bounds}" if bounds else "")
-
-    def accepts(self, value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and _in_bounds(
-            value, self.ge, self.gt, self.le, self.lt
-        )
-
-
-@dataclass(frozen=True)
-class Float(Spec):
-    """A finite number (an integer is fine) within the bounds given."""
-
+class _Number(Spec):
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
     lt: float | None = None
+    _what = "a number"
 
     def describe(self) -> str:
         bounds = _bounds(self.ge, self.gt, self.le, self.lt)
-        return "a number" + (f" {bounds}" if bounds else "")
+        return self._what + (f" {bounds}" if bounds else "")
 
     def accepts(self, value: Any) -> bool:
         return (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            self._kind_fits(value) and (isinstance(value, int) or math.isfinite(value))
             and _in_bounds(value, self.ge, self.gt, self.le, self.lt)
         )
+
+    def _kind_fits(self, value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Int(_Number):
+    """An integer (not a boolean) within the bounds given."""
+
+    _what = "an integer"
+
+    def _kind_fits(self, value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Float(_Number):
+    """A finite number (an integer is fine) within the bounds given."""
 
 
 @dataclass(frozen=True)
