@@ -76,7 +76,9 @@ def _refusal(error: pickle.UnpicklingError) -> str:
     ``weights_only=False``: never for a file that may run code)."""
     lines = [line.strip() for line in str(error).splitlines()[1:]]
     reason = " ".join(line for line in lines if line and not line.startswith("Check the documentation"))
-    return reason.split("WeightsUnpickler error:")[-1].strip().rstrip(".") or "an object that is not plain data"
+    # What follows "Please use" is how to allow the global: not for a file that may run code either.
+    reason = reason.split("WeightsUnpickler error:")[-1].split(" Please use")[0].strip().rstrip(".")
+    return reason or "an object that is not plain data"
 
 
 def torch_load(file: Path, **kwargs: Any) -> Any:
@@ -121,7 +123,9 @@ class SafeFileSystemReader(FileSystemReader):
             except RefusedPickle as e:
                 raise RefusedPickle(f"{path}: not loaded: {e}") from None
         if not isinstance(metadata, Metadata):
-            raise RefusedPickle(f"{path}: not loaded: it holds a {type(metadata).__name__}, not a checkpoint's metadata")
+            raise RefusedPickle(
+                f"{path}: not loaded: it holds a {type(metadata).__name__}, not a checkpoint's metadata"
+            )
         if metadata.storage_meta is None:  # as DCP's own reader: written by an older torch
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -36,8 +36,10 @@ def check_export(checkpoint: Path, output_dir: Path, *, overwrite: bool) -> Dict
     config = checkpoint / "config.yaml"
     try:
         cfg = OmegaConf.load(config)
-        nodes = {name: cfg.get(name) for name in _BUILT}
-        sections = {name: OmegaConf.to_container(n, resolve=True) if OmegaConf.is_config(n) else n for name, n in nodes.items()}
+        sections = {}
+        for name in _BUILT:  # resolved: an interpolation may name the component
+            node = cfg.get(name)
+            sections[name] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
     except FileNotFoundError:
         raise UserError(f"{config}: missing; {checkpoint} is not a step checkpoint") from None
     except Exception as e:
@@ -57,7 +59,7 @@ def check_export(checkpoint: Path, output_dir: Path, *, overwrite: bool) -> Dict
 _BUILT: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
     "model": ("toolkit.models", "a model builder", callable),
     "checkpointer": (
-        "toolkit.training", "a checkpointer", lambda target: isinstance(target, type) and issubclass(target, HFCheckpointer)
+        "toolkit.training", "a checkpointer", lambda found: isinstance(found, type) and issubclass(found, HFCheckpointer)
     ),
 }
 
