@@ -83,7 +83,16 @@ def _weight_files(checkpoint_dir: Path) -> list[Path]:
     else:
         files = sorted(checkpoint_dir.glob("*.safetensors"))
     if not files:
-        raise UserError(f"{checkpoint_dir}: no *.safetensors files (and no {_SAFETENSORS_INDEX})")
+        pickled = sorted(p.name for ext in ("bin", "pt", "pth") for p in checkpoint_dir.glob(f"*.{ext}"))
+        hint = ""
+        if any(name.startswith("consolidated.") for name in pickled):
+            hint = "; for Meta's consolidated.*.pth set checkpointer._component_=toolkit.training.MetaCheckpointer"
+        elif pickled:  # weights in a pickle are never read: unpickling a file can run any code it names
+            hint = (
+                f"; {pickled[0]} is a pickle, which is not loaded since it could run code: convert it to safetensors "
+                "(transformers' save_pretrained writes them)"
+            )
+        raise UserError(f"{checkpoint_dir}: no *.safetensors files (and no {_SAFETENSORS_INDEX}){hint}")
     for file in files:
         if not file.is_file():
             raise UserError(f"{file}: listed in {_SAFETENSORS_INDEX} but missing")
@@ -478,7 +487,8 @@ def dcp_tensor_reader(
 
 def check_step_checkpoint(path: Path) -> Metadata:
     """The ``torch.distributed.checkpoint`` metadata of the step checkpoint ``path``, once it is known to be complete
-    (its marker), its metadata readable and every file it indexes whole (by size).
+    (its marker), its metadata readable (with only DCP's own classes: nothing in it runs) and every file it indexes
+    whole (by size).
 
     Raises:
         UserError: an incomplete checkpoint, or a missing, truncated or unreadable file; the message names it.
@@ -487,8 +497,7 @@ def check_step_checkpoint(path: Path) -> Metadata:
         raise UserError(
             f"{path}: not a complete step checkpoint (no {COMPLETE_MARKER} marker: its writing was interrupted)"
         )
-    _check_tensors(path, {})  # the metadata and the files' sizes; no tensors to compare yet
-    return dcp.FileSystemReader(str(path)).read_metadata()
+    return _check_tensors(path, {})  # the metadata and the files' sizes; no tensors to compare yet
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

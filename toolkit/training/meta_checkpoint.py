@@ -27,6 +27,8 @@ from toolkit.errors import UserError
 from toolkit.modules import GroupedQueryAttention
 from toolkit.modules._dtensor import copy_full_
 from toolkit.training.checkpointing import HFCheckpointer
+from toolkit.training.safe_load import RefusedPickle, torch_load
+from toolkit.training.step_checkpoint import _first_line
 
 # Meta module name (the part before ``.weight``) -> the dim fairscale splits it along; absent: replicated.
 _SPLIT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "wo": 1, "w2": 1}
@@ -51,9 +53,13 @@ def _consolidated_files(checkpoint_dir: Path) -> list[Path]:
 
 def _read(file: Path) -> dict[str, torch.Tensor]:
     try:
-        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        state = torch_load(file, map_location="cpu", mmap=True)
+    except RefusedPickle as e:
+        raise UserError(str(e)) from None
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-        raise UserError(f"{file}: cannot read the checkpoint ({e}); the file may be truncated or corrupt") from None
+        raise UserError(
+            f"{file}: cannot read the checkpoint ({_first_line(e)}); the file may be truncated or corrupt"
+        ) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserError(f"{file}: not a state dict of tensors; is it a Meta consolidated checkpoint?")
     return state

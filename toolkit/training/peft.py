@@ -143,6 +143,12 @@ def _read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
     """
     adapter_dir = Path(adapter_dir)
     config_file, weights_file = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
+    if not weights_file.is_file() and (adapter_dir / "adapter_model.bin").is_file():
+        # PEFT's older format is a pickle, never read: unpickling a file can run any code it names.
+        raise UserError(
+            f"{weights_file}: missing; adapter_model.bin is a pickle, which is not loaded since it could run code: "
+            "save the adapter as safetensors (PEFT's save_pretrained with safe_serialization=True, its default)"
+        )
     for file in (config_file, weights_file):
         if not file.is_file():
             raise UserError(f"{file}: missing; is {adapter_dir} a PEFT adapter folder?")

@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -54,6 +55,13 @@ from toolkit.errors import UserError
 from toolkit.training.debug import inject_fault
 from toolkit.training.distributed import barrier, shared_filesystem
 from toolkit.training.optim import OptimizerInBackward
+from toolkit.training.safe_load import (
+    RefusedPickle,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_dcp_metadata,
+    torch_load,
+)
 
 log = logging.getLogger(__name__)
 # One process without a process group loads and saves alone, as intended: DCP's warning says only that.
@@ -498,24 +506,37 @@ class StepCheckpointer:
             state.grad_scaler.load_state_dict(scaler)
         rng_file = path / "rng" / f"rank_{self.rank % trainer['world_size']}.pt"
         try:
-            _set_rng_state(torch.load(rng_file, weights_only=True))
+            _set_rng_state(torch_load(rng_file))
+        except RefusedPickle as e:
+            raise UserError(str(e)) from None
         except Exception as e:
             raise UserError(f"{rng_file}: cannot read the RNG state ({_first_line(e)})") from None
         return int(trainer["step"])
 
 
 def load_dcp(state_dict: dict[str, Any], path: Path, **kwargs: Any) -> None:
-    """``dcp.load`` of ``state_dict`` from the checkpoint folder ``path`` (``kwargs``: ``no_dist``...), where a
-    failure to read it is one line naming the folder.
+    """``dcp.load`` of ``state_dict`` from the checkpoint folder ``path`` (``kwargs``: ``no_dist``...), reading
+    nothing that could run code (see :mod:`toolkit.training.safe_load`), where a failure to read it is one line
+    naming the folder, or the file that holds more than a checkpoint does.
 
     Raises:
-        UserError: a file could not be read (DCP's own exception, which wraps every rank's failure, is a
-            BaseException: ``except Exception`` alone lets it through as a traceback).
+        UserError: a file could not be read, or was refused (DCP's own exception, which wraps every rank's
+            failure, is a BaseException: ``except Exception`` alone lets it through as a traceback).
     """
     try:
-        dcp.load(state_dict, checkpoint_id=str(path), **kwargs)
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), **kwargs)
     except (Exception, CheckpointException) as e:
+        if (refused := _refused_pickle(e)) is not None:
+            raise UserError(str(refused)) from None
         raise UserError(f"{path}: cannot read the checkpoint ({_read_error(e)}); a file may be corrupt") from None
+
+
+def _refused_pickle(error: BaseException) -> RefusedPickle | None:
+    """The refusal behind ``error`` (DCP's exception wraps each rank's own), if a file was refused."""
+    if isinstance(error, CheckpointException):
+        inner = [e[0] if isinstance(e, tuple) else e for e in error.failures.values()]
+        return next((e for e in inner if isinstance(e, RefusedPickle)), None)
+    return error if isinstance(error, RefusedPickle) else None
 
 
 def _read_error(error: BaseException) -> str:
@@ -574,14 +595,16 @@ def _check_config(path: Path, config: DictConfig, sections: tuple[str, ...]) -> 
                 )
 
 
-def _check_tensors(path: Path, tensors: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+def _check_tensors(path: Path, tensors: dict[str, Any]) -> Metadata:
+    """The checkpoint's metadata, once every file it indexes is whole (by size) and every tensor of ``tensors`` is
+    in it with its shape."""
     metadata_file = path / ".metadata"
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = read_dcp_metadata(path)
     except FileNotFoundError:
         raise UserError(f"{metadata_file}: missing; the checkpoint is incomplete") from None
+    except RefusedPickle as e:
+        raise UserError(str(e)) from None
     except Exception as e:
         raise UserError(f"{metadata_file}: unreadable ({_first_line(e)}); the checkpoint is corrupt") from None
     # A truncated file is caught here, by size, rather than as an unpickling error halfway through the load.
@@ -609,6 +632,7 @@ def _check_tensors(path: Path, tensors: dict[str, Any]) -> None:
                     f"{metadata_file}: {key!r} has shape {found} in the checkpoint but {tuple(value.shape)} here; "
                     "is it a checkpoint of this model?"
                 )
+    return metadata
 
 
 _OWNER_FILE = ".job"

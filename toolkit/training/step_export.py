@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from toolkit.config import instantiate
+from toolkit.config._instantiate import COMPONENT_KEY, TargetNotFound, locate
 from toolkit.errors import UserError
 from toolkit.training.checkpointing import DEFAULT_MAX_SHARD_BYTES, HFCheckpointer, check_step_checkpoint
 from toolkit.training.step_checkpoint import _first_line, _read_trainer_state, base_files_dir, load_dcp
@@ -22,7 +24,8 @@ def check_export(checkpoint: Path, output_dir: Path, *, overwrite: bool) -> Dict
 
     Raises:
         UserError: ``output_dir`` is or holds the checkpoint (even with ``overwrite``), or exists without
-            ``overwrite``; the checkpoint is incomplete, a file of it is missing, truncated or unreadable.
+            ``overwrite``; the checkpoint is incomplete, a file of it is missing, truncated, unreadable or holds
+            more than a checkpoint does; its config names a model or checkpointer that is not tunekit's.
     """
     # overwrite replaces the output folder: never the checkpoint itself, nor a folder holding it.
     if output_dir.resolve() in (checkpoint.resolve(), *checkpoint.resolve().parents):
@@ -32,11 +35,57 @@ def check_export(checkpoint: Path, output_dir: Path, *, overwrite: bool) -> Dict
     check_step_checkpoint(checkpoint)  # the marker, the metadata and every file's size
     config = checkpoint / "config.yaml"
     try:
-        return OmegaConf.load(config)
+        cfg = OmegaConf.load(config)
+        sections = {}
+        for name in _BUILT:  # resolved: an interpolation may name the component
+            node = cfg.get(name)
+            sections[name] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
     except FileNotFoundError:
         raise UserError(f"{config}: missing; {checkpoint} is not a step checkpoint") from None
     except Exception as e:
         raise UserError(f"{config}: unreadable ({_first_line(e)})") from None
+    for name, (package, kind, fits) in _BUILT.items():
+        for key, dotted in _components(sections[name], name):
+            if not _is_ours(dotted, package, fits):
+                raise UserError(
+                    f"{config}: {key}={dotted!r} is not {kind} of tunekit ({package}); tune export builds only those "
+                    "from a checkpoint's config, so that a checkpoint cannot run other code"
+                )
+    return cfg
+
+
+# The config sections an export builds, and what their components may be: the checkpoint's config.yaml names the
+# callables, and any other (os.system...) would run whatever the file says.
+_BUILT: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
+    "model": ("toolkit.models", "a model builder", callable),
+    "checkpointer": (
+        "toolkit.training", "a checkpointer", lambda found: isinstance(found, type) and issubclass(found, HFCheckpointer)
+    ),
+}
+
+
+def _components(node: Any, key: str) -> list[tuple[str, Any]]:
+    """``(key path, dotted path)`` of every ``_component_`` in the (resolved) config ``node`` at ``key``."""
+    if isinstance(node, dict):
+        found = [(f"{key}.{COMPONENT_KEY}", node[COMPONENT_KEY])] if COMPONENT_KEY in node else []
+        return found + [pair for k, v in node.items() if k != COMPONENT_KEY for pair in _components(v, f"{key}.{k}")]
+    if isinstance(node, list):
+        return [pair for i, v in enumerate(node) for pair in _components(v, f"{key}[{i}]")]
+    return []
+
+
+def _is_ours(dotted: Any, package: str, fits: Callable[[Any], bool]) -> bool:
+    """Whether ``dotted`` names a callable defined in ``package`` for which ``fits`` holds, importing nothing
+    outside the package. One that does not import is left to ``instantiate``'s message."""
+    if not isinstance(dotted, str) or not dotted.startswith(package + "."):
+        return False
+    try:
+        target = locate(dotted)
+    except TargetNotFound:
+        return True
+    # Where the callable is defined, not the path it was reached by: toolkit.models.llama3.os.system is os.system.
+    module = getattr(target, "__module__", None) or ""
+    return (module == package or module.startswith(package + ".")) and fits(target)
 
 
 def _names(node: Any, value: str) -> bool:
