@@ -181,7 +181,7 @@ def test_tune_run_resume_from_crafted_metadata_is_one_line_and_exit_2(tmp_path, 
 
 def test_tune_export_refuses_crafted_metadata(step, marker, tmp_path, capsys):
     file = craft_metadata(step, marker)
-    assert tune(["export", str(step), "--output", str(tmp_path / "hf")]) == 1
+    assert tune(["export", str(step), "--output", str(tmp_path / "hf")]) == 2
     assert f"{file}: not loaded" in one_line(capsys.readouterr().err)
     assert not (tmp_path / "hf").exists()
 
@@ -204,7 +204,7 @@ def test_tune_export_builds_only_tunekits_components(step, tmp_path, capsys, key
     cfg = OmegaConf.load(config)
     cfg[key] = {"_component_": component}
     OmegaConf.save(cfg, config)
-    assert tune(["export", str(step), "--output", str(tmp_path / "hf")]) == 1
+    assert tune(["export", str(step), "--output", str(tmp_path / "hf")]) == 2
     err = one_line(capsys.readouterr().err)
     assert f"{config}: {key}._component_={component!r} is not " in err and "cannot run other code" in err
 
@@ -292,10 +292,10 @@ def test_tune_merge_never_unpickles(hf_base, adapter, tmp_path, marker, capsys):
     assert tune(["merge", "--base", str(base), "--adapter", str(adapter_copy), "--output", str(tmp_path / "m")]) == 0
 
     folder = pickled_adapter(adapter, tmp_path, marker)
-    assert tune(["merge", "--base", str(base), "--adapter", str(folder), "--output", str(tmp_path / "m2")]) == 1
+    assert tune(["merge", "--base", str(base), "--adapter", str(folder), "--output", str(tmp_path / "m2")]) == 2
     assert "adapter_model.bin is a pickle, which is not loaded" in one_line(capsys.readouterr().err)
     (base / "model.safetensors").unlink()
-    assert tune(["merge", "--base", str(base), "--adapter", str(adapter), "--output", str(tmp_path / "m3")]) == 1
+    assert tune(["merge", "--base", str(base), "--adapter", str(adapter), "--output", str(tmp_path / "m3")]) == 2
     assert "pytorch_model.bin is a pickle, which is not loaded" in one_line(capsys.readouterr().err)
 
 
