@@ -186,7 +186,8 @@ def train(cfg: DictConfig) -> None:
     # Masks are made on the device (FlexAttention's or SDPA's); packed batches all get the pack's shape.
     collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.max_seq_len)
     sampler = GlobalBatchSampler(
-        len(dataset), global_batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size, seed=cfg.seed
+        len(dataset), global_batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
+        shuffle=cfg.get("shuffle", True),  # false: the dataset's own order (curricula, comparing with another tool)
     )
     loader = DataLoader(
         dataset,
