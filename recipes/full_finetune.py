@@ -202,6 +202,7 @@ def train(cfg: DictConfig) -> None:
     log = MetricsLogger(
         output_dir, enabled=env.is_rank_zero, total_steps=total_steps, initial_step=step, progress_bar=cfg.progress_bar,
         loggers=cfg.get("metric_loggers") or [],  # TensorBoard, W&B, MLflow, stdout, besides metrics.jsonl
+        log_every_n_steps=cfg.log_every_n_steps,  # a loss line on the terminal every N steps
     )
     log.log_config(cfg)
     if env.is_rank_zero:
