@@ -192,7 +192,8 @@ def train(cfg: DictConfig) -> None:
     # Masks are made on the device (FlexAttention's or SDPA's); packed batches all get the pack's shape.
     collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.max_seq_len)
     sampler = GlobalBatchSampler(
-        len(dataset), global_batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size, seed=cfg.seed
+        len(dataset), global_batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
+        shuffle=cfg.get("shuffle", True),  # false: the dataset's own order (curricula, comparing with another tool)
     )
     loader = DataLoader(
         dataset,
@@ -238,6 +239,7 @@ def train(cfg: DictConfig) -> None:
     log = MetricsLogger(
         output_dir, enabled=env.is_rank_zero, total_steps=total_steps, initial_step=step, progress_bar=cfg.progress_bar,
         loggers=cfg.get("metric_loggers") or [],  # TensorBoard, W&B, MLflow, stdout, besides metrics.jsonl
+        log_every_n_steps=cfg.log_every_n_steps,  # a loss line on the terminal every N steps
     )
     log.log_config(cfg)
     if env.is_rank_zero:

@@ -8,11 +8,15 @@ from toolkit.errors import UserError
 N, B = 103, 12  # 8 full global batches per epoch; 7 samples dropped
 
 
-def _global_batches(world_size: int, *, epoch: int = 0, seed: int = 0, state: dict | None = None) -> list[list[int]]:
+def _global_batches(
+    world_size: int, *, epoch: int = 0, seed: int = 0, state: dict | None = None, shuffle: bool = True
+) -> list[list[int]]:
     """The global batches of the rest of an epoch, reassembled from every rank's slices."""
     per_rank = []
     for rank in range(world_size):
-        sampler = GlobalBatchSampler(N, global_batch_size=B, rank=rank, world_size=world_size, seed=seed)
+        sampler = GlobalBatchSampler(
+            N, global_batch_size=B, rank=rank, world_size=world_size, seed=seed, shuffle=shuffle
+        )
         if state is not None:
             sampler.load_state_dict(state)
         else:
@@ -70,6 +74,39 @@ def test_resume_continues_exactly(resume_world_size: int) -> None:
 
     resumed = _global_batches(resume_world_size, state=saved[0])
     assert resumed == full[3:]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_unshuffled_is_the_dataset_order_on_any_world_size(world_size: int) -> None:
+    in_order = list(range((N // B) * B))  # the incomplete tail (7 samples) dropped, as when shuffled
+    for epoch in (0, 3):
+        assert sum(_global_batches(world_size, epoch=epoch, shuffle=False), []) == in_order
+    # Rank 1 of 2 reads the second half of each global batch of consecutive samples.
+    rank1 = list(GlobalBatchSampler(N, global_batch_size=B, rank=1, world_size=2, shuffle=False))
+    assert rank1[:12] == [6, 7, 8, 9, 10, 11, 18, 19, 20, 21, 22, 23]
+
+
+@pytest.mark.parametrize("resume_world_size", [1, 2, 4])
+def test_unshuffled_resume_continues_in_order(resume_world_size: int) -> None:
+    sampler = GlobalBatchSampler(N, global_batch_size=B, rank=0, world_size=2, shuffle=False)
+    sampler.set_epoch(1)
+    sampler.advance(5)
+    state = sampler.state_dict()
+    assert state["shuffle"] is False
+    resumed = _global_batches(resume_world_size, state=state, shuffle=False)
+    assert sum(resumed, []) == list(range(5 * B, (N // B) * B))
+
+
+def test_resuming_with_shuffle_changed_is_refused() -> None:
+    shuffled = GlobalBatchSampler(N, global_batch_size=B).state_dict()
+    with pytest.raises(UserError, match="saved with shuffle=true, but this run has shuffle=false"):
+        GlobalBatchSampler(N, global_batch_size=B, shuffle=False).load_state_dict(shuffled)
+    unshuffled = GlobalBatchSampler(N, global_batch_size=B, shuffle=False).state_dict()
+    with pytest.raises(UserError, match="saved with shuffle=false, but this run has shuffle=true"):
+        GlobalBatchSampler(N, global_batch_size=B).load_state_dict(unshuffled)
+    # A checkpoint written before the key existed was shuffled: it resumes a shuffled run.
+    del shuffled["shuffle"]
+    GlobalBatchSampler(N, global_batch_size=B).load_state_dict(shuffled)
 
 
 def test_len_tracks_advance_and_epoch_end() -> None:

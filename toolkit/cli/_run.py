@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import runpy
 import signal
+import socket
 import sys
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +42,10 @@ TORCHRUN FLAGS (before RECIPE) are passed to torchrun unchanged, e.g. --nproc_pe
 --node_rank, --rdzv_backend, --rdzv_endpoint, --rdzv_id, --master_addr, --master_port, --max_restarts,
 --standalone; see `torchrun --help`. TUNE_VERBOSE=1 shows torchrun's own logs.
 
+On one node without --master_port the processes meet on a free port. A port this node must listen on that is
+taken stops the launch at once. Several nodes wait for each other at most 300 s (--rdzv_conf
+join_timeout=SECONDS to change), then stop with what to check.
+
 examples:
   tune run full_finetune_single_device --config demo
   tune run full_finetune_distributed --nproc_per_node 2 --config demo batch_size=8
@@ -46,6 +55,15 @@ examples:
 # The words torchrun accepts for --nproc_per_node besides a number.
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 _TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+# How long the nodes wait for each other at the rendezvous unless --rdzv_conf says: time for a scheduler to start
+# every node, yet a node that never comes (a wrong address, a firewall, a command not run) is reported in minutes,
+# not after torchrun's ten.
+_JOIN_TIMEOUT_S = 300
+# torchrun's ports when none is given: the static rendezvous's --master_port, and c10d's endpoint.
+_STATIC_PORT = 29500
+_C10D_PORT = 29400
+# How long a port found taken may take to answer as a rendezvous store (another node's, on this machine).
+_STORE_PROBE_S = 5.0
 
 
 def _torchrun_parser() -> argparse.ArgumentParser:
@@ -237,9 +255,179 @@ def _data_parallel_size(launch: argparse.Namespace) -> int | None:
     return int(nproc) * int(max_nodes)
 
 
+@dataclass(frozen=True)
+class _Rendezvous:
+    """Where this launch's nodes meet, for the messages about it."""
+
+    host: str
+    port: int
+    nodes: int
+    join_timeout_s: int
+    flags: str  # the flags that name the endpoint, e.g. "--master_addr and --master_port"
+
+
+def _set_join_timeout(launch: argparse.Namespace) -> int:
+    """Put the time the nodes wait for each other in ``--rdzv_conf``: the user's, else ``_JOIN_TIMEOUT_S``.
+
+    Returns:
+        That time, in seconds.
+
+    Raises:
+        UserError: a malformed ``--rdzv_conf`` or timeout, which torchrun would answer with a traceback.
+    """
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    try:
+        conf = _parse_rendezvous_config(launch.rdzv_conf)  # torchrun's own parser: the same keys it will see
+    except ValueError as e:
+        raise UserError(f"--rdzv_conf '{launch.rdzv_conf}': {e}") from None
+    # The static rendezvous calls it `timeout`; `join_timeout`, c10d's name (and --standalone's), works for both.
+    key = "timeout" if launch.rdzv_backend == "static" and not launch.standalone else "join_timeout"
+    given = conf.get(key) or conf.get("join_timeout")
+    if given is not None and not (given.isdigit() and int(given) > 0):
+        raise UserError(f"--rdzv_conf {key}={given}: the time the nodes wait for each other must be a whole "
+                        f"number of seconds above 0")
+    conf[key] = given or str(_JOIN_TIMEOUT_S)
+    launch.rdzv_conf = ",".join(f"{k}={v}" for k, v in conf.items())
+    return int(conf[key])
+
+
+def _prepare_rendezvous(launch: argparse.Namespace, join_timeout_s: int) -> _Rendezvous | None:
+    """Where the nodes meet, having checked that the port this node will listen on, if it hosts the rendezvous,
+    is free.
+
+    Returns:
+        The rendezvous, or None for the backends left to torchrun (etcd).
+
+    Raises:
+        UserError: a malformed endpoint, or a port this node cannot listen on.
+    """
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.utils import (
+        _matches_machine_hostname,
+        _parse_rendezvous_config,
+        parse_rendezvous_endpoint,
+    )
+
+    if launch.rdzv_backend not in ("static", "c10d"):
+        return None
+    endpoint = launch.rdzv_endpoint
+    try:
+        if launch.rdzv_backend == "static" and not endpoint:
+            host, port = launch.master_addr, launch.master_port or _STATIC_PORT
+            flags = "--master_addr and --master_port"
+        else:
+            host, port = parse_rendezvous_endpoint(endpoint, -1 if launch.rdzv_backend == "static" else _C10D_PORT)
+            flags = "--rdzv_endpoint"
+    except ValueError as e:
+        raise UserError(f"--rdzv_endpoint '{endpoint}': {e}") from None
+    # Read as torchrun reads it (1/0, true/false, yes/no...); --rdzv_conf was parsed once already.
+    conf = RendezvousParameters("c10d", endpoint, "tune", 1, 1, **_parse_rendezvous_config(launch.rdzv_conf))
+    try:
+        is_host = conf.get_as_bool("is_host")
+    except ValueError as e:
+        raise UserError(f"--rdzv_conf is_host={conf.get('is_host')}: {e}") from None
+    if port == -1:
+        raise UserError(f"--rdzv_endpoint '{endpoint}' has no port: write HOST:PORT")
+    if not 0 < port < 65536:
+        raise UserError(f"the rendezvous port {port} is not a port number (1 to 65535)")
+    rendezvous = _Rendezvous(host, port, _max_nodes(launch), join_timeout_s, flags)
+    if launch.rdzv_backend == "static":
+        # Node 0 hosts the store, on every address of its machine.
+        port_flag = "--rdzv_endpoint" if endpoint else "--master_port"
+        if not endpoint and launch.master_port is None:
+            port_flag = "the default --master_port"
+        _check_port_free(rendezvous, hosted=launch.node_rank == 0, port_flag=port_flag, might_share=False)
+    else:
+        # torchrun's own test of whether this node hosts the store (the endpoint's host is this machine), unless
+        # is_host says. Where it guessed, a port found taken is tried as a client: it may be another node's store.
+        hosted = is_host if is_host is not None else _matches_machine_hostname(host)
+        _check_port_free(rendezvous, hosted=hosted, port_flag="--rdzv_endpoint", might_share=is_host is None)
+    return rendezvous
+
+
+def _check_port_free(rendezvous: _Rendezvous, *, hosted: bool, port_flag: str, might_share: bool) -> None:
+    """Refuse a port this node will listen on that it cannot listen on.
+
+    Without this, torchrun fails with a traceback (EADDRINUSE), or, where it may share the port with another node's
+    store (c10d), connects to whatever listens there and waits for it until the timeouts run out.
+    """
+    if not hosted:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As the store does: a port left in TIME_WAIT by an earlier run is free to listen on; a listening one is not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", rendezvous.port))
+            return
+        except OSError as e:
+            error = e
+    port = rendezvous.port
+    if error.errno != errno.EADDRINUSE:
+        raise UserError(f"cannot host the rendezvous on port {port} ({port_flag}): {error.strerror}")
+    if might_share and _store_answers(rendezvous.host, port):
+        return  # another node's launcher on this machine hosts the rendezvous: this node joins it
+    where = "give every node the same free one" if rendezvous.nodes > 1 else f"or leave {port_flag} out"
+    raise UserError(
+        f"cannot host the rendezvous on port {port} ({port_flag}): address already in use by another program or "
+        f"run on this machine; choose a free port ({where})"
+    )
+
+
+def _store_answers(host: str, port: int) -> bool:
+    """Whether a torch.distributed store answers at ``host:port``, rather than some other program."""
+    from torch.distributed import TCPStore
+
+    answered: list[bool] = []
+
+    def connect() -> None:
+        try:
+            TCPStore(host, port, is_master=False, timeout=timedelta(seconds=1), wait_for_workers=False)
+            answered.append(True)
+        except (RuntimeError, TimeoutError, ValueError):  # DistNetworkError is a RuntimeError
+            pass
+
+    # In a thread, waited for a few seconds only: against some listeners (seen with "localhost") the client ignores
+    # its timeout and never returns. A store on this machine answers in milliseconds.
+    probe = threading.Thread(target=connect, name="tune-store-probe", daemon=True)
+    probe.start()
+    probe.join(_STORE_PROBE_S)
+    return bool(answered)
+
+
+def _rendezvous_failure(error: BaseException, rendezvous: _Rendezvous) -> str:
+    """One line for a rendezvous that did not complete: what happened and what to check."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    where = f"{rendezvous.host}:{rendezvous.port}"
+    # torch's own words, for the details: the inner exception where the outer one only points to it.
+    cause = error.__cause__ if isinstance(error, RendezvousConnectionError) and error.__cause__ else error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    detail = f" ({type(cause).__name__}: {lines[0]})" if lines else ""
+    if isinstance(error, RendezvousClosedError):
+        return f"the rendezvous at {where} was closed: another node of this job has stopped; see its output"
+    if isinstance(error, (RendezvousConnectionError, DistNetworkError)):
+        return (f"could not reach the rendezvous at {where}{detail}: check that the node hosting it was started, "
+                f"that {rendezvous.flags} give an address of it that this node can reach, and that no firewall "
+                f"blocks port {rendezvous.port}")
+    timed_out = isinstance(error, RendezvousTimeoutError) or "timed out" in str(error).lower()
+    happened = (f"not all {rendezvous.nodes} nodes joined the rendezvous at {where} within "
+                f"{rendezvous.join_timeout_s} s" if timed_out else f"the rendezvous at {where} failed")
+    return (f"{happened}{detail}: check that every node was started with the same --nnodes, {rendezvous.flags} "
+            f"and --rdzv_id, that {rendezvous.host} is reachable from every node on port {rendezvous.port} "
+            f"(address, firewall), or wait longer with --rdzv_conf join_timeout=SECONDS")
+
+
 def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[str]) -> int:
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run
 
     launch.training_script = str(path)
@@ -248,6 +436,11 @@ def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[s
     if single_node and launch.master_port is None:
         # Rendezvous on a free port, so two runs on one machine do not fight over 29500.
         launch.standalone = True
+    join_timeout_s = _set_join_timeout(launch)
+    rendezvous = None if launch.standalone else _prepare_rendezvous(launch, join_timeout_s)
+    if rendezvous is not None and rendezvous.nodes > 1:
+        print(f"tune: waiting up to {rendezvous.join_timeout_s} s for the {rendezvous.nodes} nodes to meet at "
+              f"{rendezvous.host}:{rendezvous.port}", file=sys.stderr)
     if os.environ.get("TUNE_VERBOSE") != "1":
         # Failures are summarized in one line below; torchrun's banners and tables would bury it. Each
         # torchrun module sets its own logger's level, so setting the parents' is not enough.
@@ -265,12 +458,36 @@ def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[s
         run(launch)
     except ChildFailedError as e:
         return _report_failure(e.failures)
+    except (RendezvousError, DistError) as e:
+        # The launcher's own rendezvous (the workers' errors come as ChildFailedError): the nodes did not meet.
+        if rendezvous is None:
+            raise
+        raise UserError(_rendezvous_failure(e, rendezvous)) from None
     except SignalException as e:
         # Ctrl-C (or a scheduler's SIGTERM) reached the launcher; torchrun has stopped the workers.
         if e.sigval != signal.SIGINT:
             print(f"tune: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
         return 128 + int(e.sigval)
     return 0
+
+
+def _import_torch_quietly(argv: list[str]) -> None:
+    """Import torch with its C++ logs off in a launcher (unless TUNE_VERBOSE=1 or TORCH_CPP_LOG_LEVEL is set).
+
+    While the nodes meet, the store's client logs every failed attempt to connect with a C++ stack trace; the
+    launch's outcome is the one line ``tune run`` prints. The level is read once, when torch's library loads, and
+    the variable is removed again at once so the workers log as usual. A launch is recognized before parsing
+    (the parser is torch's): flags before the recipe, or a ``_distributed`` recipe.
+    """
+    if "torch" in sys.modules or os.environ.get("TUNE_VERBOSE") == "1" or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    if not (argv[0].startswith("-") or any(arg.endswith("_distributed") for arg in argv)):
+        return  # one device: the recipe runs in this process, which keeps torch's logs
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 def run_command(argv: Sequence[str]) -> int:
@@ -283,6 +500,7 @@ def run_command(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(HELP, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    _import_torch_quietly(argv)
     parser = _torchrun_parser()
     launch = parser.parse_args(argv)
     token: str = launch.training_script

@@ -38,7 +38,8 @@ class GlobalBatchSampler(Sampler[int]):
         rank: this process's data-parallel rank.
         world_size: number of data-parallel ranks (``W``); must divide ``B``.
         seed: fixes the order of every epoch.
-        shuffle: permute each epoch; if False, every epoch is ``0, 1, ..., num_samples - 1``.
+        shuffle: permute each epoch; if False, every epoch is ``0, 1, ..., num_samples - 1`` (the dataset's
+            order, for curricula), and the same incomplete tail is dropped every epoch.
 
     Raises:
         UserError: if ``B`` is not a positive multiple of ``W`` or the dataset is smaller than one global batch.
@@ -128,8 +129,9 @@ class GlobalBatchSampler(Sampler[int]):
     def state_dict(self) -> dict[str, Any]:
         """Position in the data, independent of world size.
 
-        Besides ``epoch``, ``consumed_global_batches`` and ``seed``, it records ``global_batch_size`` and
-        ``num_samples`` so that resuming with either changed fails instead of silently replaying or skipping.
+        Besides ``epoch``, ``consumed_global_batches`` and ``seed``, it records ``global_batch_size``,
+        ``num_samples`` and ``shuffle`` so that resuming with any of them changed fails instead of silently
+        replaying or skipping.
         """
         return {
             "epoch": self.epoch,
@@ -137,14 +139,22 @@ class GlobalBatchSampler(Sampler[int]):
             "seed": self.seed,
             "global_batch_size": self.global_batch_size,
             "num_samples": self.num_samples,
+            "shuffle": self.shuffle,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continues from a :meth:`state_dict`, possibly saved with a different world size.
 
         Raises:
-            UserError: if the checkpoint was made with another seed, global batch size or dataset size.
+            UserError: if the checkpoint was made with another seed, global batch size, dataset size or
+                ``shuffle``.
         """
+        # A checkpoint from before `shuffle` existed was shuffled.
+        if bool(state_dict.get("shuffle", True)) != self.shuffle:
+            raise UserError(
+                f"the checkpoint's data position was saved with shuffle={str(not self.shuffle).lower()}, but this "
+                f"run has shuffle={str(self.shuffle).lower()}; resume with the same value or start a new run"
+            )
         for key in ("seed", "global_batch_size", "num_samples"):
             if key in state_dict and int(state_dict[key]) != getattr(self, key):
                 name = "batch_size" if key == "global_batch_size" else key

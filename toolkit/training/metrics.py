@@ -1,7 +1,9 @@
-"""Rank-zero metrics: one JSON object per optimizer step in ``metrics.jsonl``, a progress bar, and optional metric
-loggers (stdout, TensorBoard, W&B, MLflow: see :mod:`toolkit.training.metric_loggers`)."""
+"""Rank-zero metrics: one JSON object per optimizer step in ``metrics.jsonl``, a loss line every few steps and a
+progress bar on the terminal, and optional metric loggers (stdout, TensorBoard, W&B, MLflow: see
+:mod:`toolkit.training.metric_loggers`)."""
 
 import json
+import os
 import resource
 import sys
 from collections.abc import Mapping, Sequence
@@ -16,6 +18,7 @@ from tqdm import tqdm
 from toolkit.training.metric_loggers import (
     MetricLogger,
     MetricLoggerSpec,
+    StdoutLogger,
     build_metric_loggers,
     parse_metric_logger_spec,
 )
@@ -23,12 +26,19 @@ from toolkit.training.step import StepResult
 
 
 class MetricsLogger:
-    """Writes ``<output_dir>/metrics.jsonl``, drives a tqdm bar and feeds the metric loggers; does nothing on ranks
-    other than zero.
+    """Writes ``<output_dir>/metrics.jsonl``, prints a loss line every ``log_every_n_steps`` steps, drives a tqdm
+    bar and feeds the metric loggers; does nothing on ranks other than zero.
 
     ``metrics.jsonl`` fields ``step``, ``loss``, ``lr``, ``num_tokens`` and ``tokens_per_second`` are a contract
     that plotting and comparison tools rely on: add fields freely, never rename these. The file is always written,
     whatever the loggers.
+
+    The loss lines (``step 20/200  loss 1.2345  lr 3.00e-04  grad_norm 0.81  tok/s 5120``, and ``step 100/200
+    val_loss 1.3021`` for a validation record) go to stdout, plain, so a log file or a pipe reads as well as the
+    terminal; a ``stdout`` metric logger, if configured, prints them instead. The bar goes to stderr, and only
+    when stderr is a terminal with room for it: elsewhere its redrawn frames would pile up as ``\r``-joined text.
+    It appears with the first training step, its clock started when that step did, so its rate and time left
+    measure training alone (not the model load or an evaluation before it).
 
     Args:
         output_dir: the run's output folder.
@@ -36,7 +46,8 @@ class MetricsLogger:
         total_steps: optimizer steps in the run (the bar's length).
         initial_step: steps already done (when resuming): lines of later steps, logged by the attempt that died
             after the checkpoint, are dropped so that every step appears once.
-        progress_bar: show the bar (off in tests or when stderr is not wanted).
+        progress_bar: show the bar on a terminal (off in tests or when stderr is not wanted).
+        log_every_n_steps: print the loss line of every step that is a multiple of this, and of the last step.
         loggers: more destinations for every record: a config's ``metric_loggers`` entries (``"tensorboard"``,
             ``{"type": "wandb", "mode": "offline"}``, ...), built on rank zero only, or loggers already built.
             Entries are checked on every rank, so a typo stops all ranks with the same message.
@@ -50,11 +61,16 @@ class MetricsLogger:
         total_steps: int,
         initial_step: int = 0,
         progress_bar: bool = True,
+        log_every_n_steps: int = 1,
         loggers: Sequence[MetricLogger | MetricLoggerSpec] | None = (),
     ) -> None:
         self.enabled = enabled
+        self.total_steps = total_steps
+        self.log_every_n_steps = log_every_n_steps
         self._file = None
-        self._bar = None
+        self._bar: tqdm | None = None
+        self._show_bar = False
+        self._print_lines = False
         self._loggers: list[MetricLogger] = []
         loggers = list(loggers or ())
         for spec in loggers:
@@ -69,26 +85,46 @@ class MetricsLogger:
         if path.exists():
             _truncate_after_step(path, initial_step)
         self._file = path.open("a", encoding="utf-8")
-        if progress_bar:
-            self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True, file=sys.stderr)
+        self._show_bar = progress_bar and _is_wide_terminal(sys.stderr)
+        self._print_lines = not any(isinstance(logger, StdoutLogger) for logger in self._loggers)
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Append a record to ``metrics.jsonl`` and pass it to the loggers; a training step's record (one with
-        ``loss``) also advances the bar. Other records, such as ``{"step": 100, "val_loss": ...}`` from a
-        validation pass, need only ``step``."""
+        ``loss``) also advances the bar, and prints its line on the steps due. Other records, such as
+        ``{"step": 100, "val_loss": ...}`` from a validation pass, need only ``step``; their line is always
+        printed."""
         if not self.enabled:
             return
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()
+        step = int(metrics["step"])
         for logger in self._loggers:
-            logger.log(metrics, step=int(metrics["step"]))
-        if self._bar is not None and "loss" in metrics:
-            self._bar.update(1)
-            postfix = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}",
-                       "tok_s": f"{metrics['tokens_per_second']:.0f}"}
-            if "mfu" in metrics:
-                postfix["mfu"] = f"{metrics['mfu']:.1%}"
-            self._bar.set_postfix(postfix, refresh=False)
+            logger.log(metrics, step=step)
+        training = "loss" in metrics
+        if training and self._show_bar:
+            self._advance_bar(metrics)
+        if self._print_lines and (not training or step % self.log_every_n_steps == 0 or step == self.total_steps):
+            line = _loss_line(metrics, total_steps=self.total_steps)
+            if line is not None:
+                self.print(line)
+
+    def _advance_bar(self, metrics: dict[str, Any]) -> None:
+        if self._bar is None:
+            self._bar = tqdm(
+                total=self.total_steps, initial=int(metrics["step"]) - 1, desc="train", dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            # Created as the first step ends: moving its clock back to when that step started times the first step
+            # too, so the first rate is one step over its own duration.
+            first_step_s = metrics.get("step_time_s", 0.0) + (metrics.get("data_wait_s") or 0.0)
+            self._bar.start_t -= first_step_s
+            self._bar.last_print_t = self._bar.start_t
+        self._bar.update(1)
+        postfix = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics['lr']:.2e}",
+                   "tok_s": f"{metrics['tokens_per_second']:.0f}"}
+        if "mfu" in metrics:
+            postfix["mfu"] = f"{metrics['mfu']:.1%}"
+        self._bar.set_postfix(postfix, refresh=False)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Give the loggers the run's config (a ``DictConfig`` is resolved to plain values first)."""
@@ -100,11 +136,12 @@ class MetricsLogger:
             logger.log_config(config)
 
     def print(self, message: str) -> None:
-        """Print a line on rank zero without breaking the progress bar."""
+        """Print a line on rank zero (stdout, flushed: a log file shows it at once) without breaking the bar."""
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.write(message)
+            self._bar.write(message, file=sys.stdout)  # clears the bar, prints the line, redraws the bar below it
+            sys.stdout.flush()
         else:
             print(message, flush=True)
 
@@ -117,6 +154,35 @@ class MetricsLogger:
         loggers, self._loggers = self._loggers, []
         for logger in loggers:
             logger.close()
+
+
+# The fields of a loss line, in order, with their labels and formats.
+_LINE_FIELDS = (
+    ("loss", "loss", ".4f"),
+    ("lr", "lr", ".2e"),
+    ("grad_norm", "grad_norm", ".4g"),
+    ("tokens_per_second", "tok/s", ".0f"),
+    ("val_loss", "val_loss", ".4f"),
+)
+
+
+def _loss_line(metrics: Mapping[str, Any], *, total_steps: int) -> str | None:
+    """``step 20/200  loss 1.2345  lr 3.00e-04 ...`` for a record, or None if it has none of the line's fields."""
+    fields = [f"{label} {metrics[key]:{fmt}}" for key, label, fmt in _LINE_FIELDS if metrics.get(key) is not None]
+    if not fields:
+        return None
+    return "  ".join([f"step {int(metrics['step'])}/{total_steps}", *fields])
+
+
+def _is_wide_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal with columns to draw a bar in (a terminal of zero columns, as some
+    containers and CI runners report, would show nothing but the redraws)."""
+    if not stream.isatty():
+        return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (OSError, ValueError):  # a terminal-like stream without a descriptor: trust isatty
+        return True
 
 
 def _truncate_after_step(path: Path, step: int) -> None:
