@@ -34,6 +34,7 @@ TRAINING_CASES = [
     ("overwrite=yes please", "overwrite"),
     ("overwrite=1", "overwrite"),
     ("progress_bar=maybe", "progress_bar"),
+    ("shuffle=random", "shuffle"),
     ("async_save=2", "async_save"),
     ("cpu_offload=enabled", "cpu_offload"),
     ("compile=fast", "compile"),

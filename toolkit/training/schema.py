@@ -76,6 +76,7 @@ TRAINING_KEYS = {
     "progress_bar": Bool(),
     "max_seq_len": Int(ge=1),
     "dataset": Component(),
+    "shuffle": Bool(required=False),
     "validation_dataset": Component(null=True, required=False),
     "eval_every_n_steps": Int(ge=1, null=True),
     "eval_tasks": Component(null=True, required=False),
