@@ -157,3 +157,22 @@ def test_demo_path_on_core_install(core_env: dict[str, str], tmp_path: Path) -> 
     assert errors[2].startswith("tune: error: could not download org/model")
     assert "tunekit[plot]" in result.stdout and not (tmp_path / "loss.png").exists()
     assert "Traceback" not in result.stderr
+
+
+def test_constraints_pin_every_declared_package_within_its_bounds() -> None:
+    # .ci/run installs `torch==2.13.0 -e .[...]` with -c constraints.txt: a torch line could only conflict, the
+    # project and CUDA-only packages must not be pinned at all, and a declared package missing from the file (or
+    # pinned outside a bound raised since) means it was not refreshed with scripts/refresh_constraints.sh.
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = version.strip()
+    assert not [name for name in pins if name in ("torch", "tunekit") or name.startswith(("nvidia-", "triton"))]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = [*project["dependencies"], *(line for extra in project["optional-dependencies"].values() for line in extra)]
+    for requirement in map(Requirement, declared):
+        name = canonicalize_name(requirement.name)
+        if name != "torch":
+            assert name in pins, f"{name} is not in constraints.txt"
+            assert requirement.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]}: {requirement}"
