@@ -89,12 +89,16 @@ def test_inductor_compiled_step_matches_eager_with_activation_checkpointing():
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
 
 
-def test_missing_cxx_compiler_is_a_user_error(monkeypatch):
+def test_missing_cxx_compiler_is_a_user_error():
     from torch._inductor import config
 
-    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-compiler++"))
+    # torch's own patch restores the value it replaced. monkeypatch.setattr would not: config.cpp is a proxy
+    # without the attribute in its __dict__, so pytest 9's undo deletes `cxx` from inductor's config for the rest of
+    # the session (every later compile test then fails).
     model = tiny_model()
-    with pytest.raises(UserError, match=r"needs a C\+\+ compiler \(no-such-compiler\+\+\).*compile=false"):
+    with config.patch({"cpp.cxx": (None, "no-such-compiler++")}), pytest.raises(
+        UserError, match=r"needs a C\+\+ compiler \(no-such-compiler\+\+\).*compile=false"
+    ):
         compile_model(model, device=CPU)
     assert all("forward" not in vars(layer) for layer in model.layers)  # left untouched
 
