@@ -12,7 +12,7 @@ unset PYTHONPATH
 python3 -m venv "$work/venv"
 # shellcheck disable=SC1091
 source "$work/venv/bin/activate"
-python -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e ".[dev,interop,trackers,eval]"
+python -m pip install --quiet --no-compile --disable-pip-version-check torch==2.13.0 -e ".[dev,interop,trackers,eval]"
 python -m pytest -q "$@"
 {
     echo "# The versions .ci/run installs (pip install -c constraints.txt), frozen from a fresh virtual environment"

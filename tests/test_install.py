@@ -84,7 +84,7 @@ def core_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Environment variables under which `tune` sees only the core install (this checkout's toolkit first)."""
     hook_dir = tmp_path_factory.mktemp("core_only")
     (hook_dir / "sitecustomize.py").write_text(_HOOK.format(refused=sorted(refused_modules(core_closure()))))
-    return {"PYTHONPATH": f"{hook_dir}:{REPO}", "HF_HUB_OFFLINE": "1"}
+    return {"PYTHONPATH": os.pathsep.join([str(hook_dir), str(REPO)]), "HF_HUB_OFFLINE": "1"}
 
 
 def test_the_core_closure_is_what_pyproject_declares() -> None:
@@ -170,7 +170,8 @@ def test_constraints_pin_every_declared_package_within_its_bounds() -> None:
             pins[canonicalize_name(name)] = version.strip()
     assert not [name for name in pins if name in ("torch", "tunekit") or name.startswith(("nvidia-", "triton"))]
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    declared = [*project["dependencies"], *(line for extra in project["optional-dependencies"].values() for line in extra)]
+    extras = project["optional-dependencies"].values()
+    declared = [*project["dependencies"], *(line for extra in extras for line in extra)]
     for requirement in map(Requirement, declared):
         name = canonicalize_name(requirement.name)
         if name != "torch":
