@@ -54,6 +54,7 @@ examples:
 
 # The words torchrun accepts for --nproc_per_node besides a number.
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+_SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 # How long the nodes wait for each other at the rendezvous unless --rdzv_conf says: time for a scheduler to start
 # every node, yet a node that never comes (a wrong address, a firewall, a command not run) is reported in minutes,
@@ -447,13 +448,15 @@ def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[s
         for name in list(logging.root.manager.loggerDict):
             if name.startswith(_TORCHRUN_LOGGERS):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
+    # What the workers inherit, restored afterwards: a later run in this process (a test, a notebook) is on its own.
+    saved_env = {name: os.environ.get(name) for name in (LAUNCHER_REPORTS_ERRORS_ENV, _SHARE_STORE_ENV)}
     os.environ[LAUNCHER_REPORTS_ERRORS_ENV] = "1"
     # A fresh store for every rendezvous round (c10d), hosted by that round's rank 0, instead of one kept by the
     # launcher across rounds: after a restart, the old round's keys (the dead ranks' addresses) would be read by the
     # new workers, and the nodes cannot tell the rounds apart by TORCHELASTIC_RESTART_COUNT, which torchrun counts
     # per node (only the node where a worker failed raises it). The static rendezvous ignores this; there
     # init_distributed keeps the attempts apart in the launcher's store.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.setdefault(_SHARE_STORE_ENV, "1")
     try:
         run(launch)
     except ChildFailedError as e:
@@ -468,6 +471,12 @@ def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[s
         if e.sigval != signal.SIGINT:
             print(f"tune: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
         return 128 + int(e.sigval)
+    finally:
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return 0
 
 
