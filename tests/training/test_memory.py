@@ -663,7 +663,8 @@ def test_a_micro_batch_above_a_process_share_is_cut_to_it():
         shapes[world] = (plan.micro_batch_size, plan.accumulation_steps)
     assert shapes == {1: (16, 2), 2: (16, 1), 4: (8, 1), 8: (4, 1)}
     assert plan.reasons == ("micro_batch_size: 16 -> 4, each process's share of batch_size 32 on 8 processes",)
-    with pytest.raises(UserError, match=r"^batch_size: 30 is not divisible by the world size \(4\); use batch_size=28 or 32$"):
+    does_not_divide = r"^batch_size: 30 is not divisible by the world size \(4\); use batch_size=28 or 32$"
+    with pytest.raises(UserError, match=does_not_divide):
         plan_parallelism(**{**args, "batch_size": 30}, world_size=4, local_world_size=4)
 
 
