@@ -309,7 +309,7 @@ def _scratch(work: Path, tmp: Path, output_dir: str) -> Path:
     return scratch
 
 
-@pytest.mark.slow  # 54 commands, 13 of them launching several processes: about 3.5 minutes on 2 cores
+@pytest.mark.slow  # 55 commands, 13 launching several processes: ~300 s of CPU, 3.5-4.5 minutes on 2 cores
 def test_the_commands_run(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     work = _clone(tmp_path)
