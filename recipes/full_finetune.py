@@ -5,10 +5,13 @@ One file for one device and for many:
     tune run full_finetune_single_device --config demo
     tune run full_finetune_distributed --config demo                     # every local GPU (or CPU processes)
     tune run --nproc_per_node 8 full_finetune_distributed --config llama3_1_8b
-    tune run --nnodes 2 --nproc_per_node 8 --rdzv_endpoint host:29500 full_finetune_distributed --config ...
+    tune run --nnodes 2 --nproc_per_node 8 --rdzv_endpoint host:29500 full_finetune_distributed --config llama3_1_8b
 
-It also runs directly: ``python recipes/full_finetune.py --config recipe_configs/full_finetune/demo.yaml`` (or
-under ``torchrun``). Copy it with ``tune cp full_finetune my_recipe.py`` and edit freely.
+It also runs directly (or under ``torchrun``), from the repository's root:
+
+    python recipes/full_finetune.py --config recipe_configs/full_finetune/demo.yaml
+
+Copy it with ``tune cp full_finetune my_recipe.py`` and edit freely.
 
 The loss of an optimizer step is the mean over every trained token of the global batch (``batch_size``
 sequences, split into ``micro_batch_size`` per device and accumulated), so the same global batch trains the same

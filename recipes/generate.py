@@ -1,7 +1,7 @@
 """Generate a reply from a checkpoint, on one device.
 
     tune run generate --config demo prompt="reverse: hello"
-    tune run generate --config demo checkpoint_dir=outputs/my_run/final temperature=0.8 top_p=0.9
+    tune run generate --config demo checkpoint_dir=outputs/lora_finetune_demo/final/merged temperature=0.8 top_p=0.9
     tune run generate --config demo checkpoint_dir=null adapter_dir=outputs/lora_finetune_demo/final/adapter
 
 The weights come from ``checkpoint_dir`` (``null``: random from ``seed``, the LoRA demo's base). With ``adapter_dir``,

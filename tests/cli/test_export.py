@@ -33,6 +33,34 @@ def test_an_incomplete_checkpoint_is_a_one_line_error(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_step_folder_that_is_gone_is_named_missing_with_the_ones_there(tmp_path, capsys):
+    # keep_last_n deleted step_200: say that it does not exist and which checkpoints do, not "interrupted".
+    for step in ("step_800", "step_1000"):
+        (tmp_path / "checkpoints" / step).mkdir(parents=True)
+        (tmp_path / "checkpoints" / step / "COMPLETE").write_text("{}")
+    (tmp_path / "checkpoints" / "step_1200").mkdir()  # being written: not offered
+    assert main(["export", str(tmp_path / "checkpoints" / "step_200"), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"tune: error: {tmp_path}/checkpoints/step_200: no such folder; the complete step checkpoints of "
+                   f"{tmp_path} are step_800, step_1000\n")
+    assert main(["export", str(tmp_path / "elsewhere" / "step_2"), "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"tune: error: {tmp_path}/elsewhere/step_2: no such folder\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_folder_exports_its_newest_complete_checkpoint(tmp_path, capsys):
+    step, weights = write_step_checkpoint(tmp_path)
+    run = step.parent.parent
+    (run / "checkpoints" / "step_9").mkdir()  # newer, but incomplete
+    assert main(["export", str(run), "--output", str(tmp_path / "hf")]) == 0
+    assert f"exporting {step}, the newest complete step checkpoint of {run}" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    empty = tmp_path / "empty_run"
+    (empty / "checkpoints").mkdir(parents=True)
+    assert main(["export", str(empty), "--output", str(tmp_path / "hf2")]) == 2
+    assert "the run has no complete step checkpoint" in capsys.readouterr().err
+
+
 def test_refuses_to_replace_an_existing_output(tmp_path, capsys):
     step = tmp_path / "step_3"
     step.mkdir()

@@ -157,11 +157,12 @@ def test_tune_run_refuses_before_launching_or_writing(recipe, override, key, tmp
     assert list(tmp_path.iterdir()) == []  # nothing written, no process started
 
 
-@pytest.mark.parametrize("nproc", [3, 4])
+@pytest.mark.parametrize("nproc", [3, 5])
 def test_a_batch_that_does_not_divide_over_the_processes_is_refused_everywhere(nproc, tmp_path, monkeypatch, capsys):
-    # The demo's batch of 32 in micro-batches of 16 fits 1 or 2 processes, not 3 or 4. tune validate used to say OK.
+    # The demo's batch of 32 does not split over 3 or 5 processes. tune validate used to say OK.
     monkeypatch.chdir(tmp_path)
-    expected = f"batch_size: 32 is not divisible by micro_batch_size (16) x world size ({nproc}) = {16 * nproc}"
+    lower = 32 // nproc * nproc
+    expected = f"batch_size: 32 is not divisible by the world size ({nproc}); use batch_size={lower} or {lower + nproc}"
     assert main(["validate", "full_finetune/demo", "--nproc_per_node", str(nproc)]) == 2
     assert expected in capsys.readouterr().err
     assert main(["plan", "full_finetune", "--config", "demo", "--nproc_per_node", str(nproc), "--device-memory-gb", "8"]) == 2
@@ -169,8 +170,16 @@ def test_a_batch_that_does_not_divide_over_the_processes_is_refused_everywhere(n
     assert main(["run", "--nproc_per_node", str(nproc), "full_finetune_distributed", "--config", "demo"]) == 2
     assert expected in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
-    # The same batch in micro-batches of 8 divides over 4.
-    assert main(["validate", "full_finetune/demo", "--nproc_per_node", "4", "micro_batch_size=8"]) == 0
+
+
+@pytest.mark.parametrize("nproc", [4, 8])
+def test_a_micro_batch_above_a_process_share_is_no_refusal(nproc, capsys):
+    # On 4 or 8 processes the demo's micro batch of 16 is above each one's share of 32 sequences: the run cuts it to
+    # the share (the same global batch), so what checks the config before a launch must not refuse it.
+    assert main(["validate", "full_finetune/demo", "--nproc_per_node", str(nproc)]) == 0
+    assert main(["plan", "full_finetune", "--config", "demo", "--nproc_per_node", str(nproc), "--device-memory-gb", "8"]) == 0
+    assert f"micro batch {32 // nproc} x 64 tokens" in capsys.readouterr().out
+    assert main(["validate", "full_finetune/demo", "batch_size=8"]) == 0  # `tune run --help`'s example
 
 
 def test_several_problems_are_all_reported_at_once(capsys):

@@ -646,6 +646,28 @@ def test_given_values_pass_through_checked():
         _plan(micro_batch_size=2, strategy="ddp", activation_checkpointing=0)
 
 
+def test_a_micro_batch_above_a_process_share_is_cut_to_it():
+    # The demo's micro batch of 16, sized for 32 sequences on 2 processes, on 4 and 8: each process takes its whole
+    # share in one micro batch, and the global batch (so the training) stays the same. Processes that do not divide
+    # the batch leave nothing to cut.
+    from toolkit.training.memory import plan_parallelism
+
+    with torch.device("meta"):
+        model = llama3_demo()
+    args = dict(model=model, strategy="ddp", cpu_offload=False, batch_size=32, micro_batch_size=16,
+                device=torch.device("cpu"), device_memory_gb=None, max_seq_len=64, dtype="fp32",
+                activation_checkpointing=False)
+    shapes = {}
+    for world in (1, 2, 4, 8):
+        plan = plan_parallelism(**args, world_size=world, local_world_size=world)
+        shapes[world] = (plan.micro_batch_size, plan.accumulation_steps)
+    assert shapes == {1: (16, 2), 2: (16, 1), 4: (8, 1), 8: (4, 1)}
+    assert plan.reasons == ("micro_batch_size: 16 -> 4, each process's share of batch_size 32 on 8 processes",)
+    does_not_divide = r"^batch_size: 30 is not divisible by the world size \(4\); use batch_size=28 or 32$"
+    with pytest.raises(UserError, match=does_not_divide):
+        plan_parallelism(**{**args, "batch_size": 30}, world_size=4, local_world_size=4)
+
+
 def test_auto_micro_batch_grows_with_offloading():
     # 8B full fine-tune on 8 x 80 GB without checkpointing: keeping the activations on the host lets more fit.
     _, plain = _plan(activation_checkpointing=False)

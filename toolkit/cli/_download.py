@@ -77,10 +77,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "download",
         help="download a model from the Hugging Face hub",
-        description=(
-            "Download a model repository from the Hugging Face hub, e.g. "
-            "tune download meta-llama/Llama-3.2-1B-Instruct --exclude 'original/consolidated*'"
-        ),
+        description="Download a model repository from the Hugging Face hub.",
+        epilog="examples:\n  tune download meta-llama/Llama-3.2-1B-Instruct --exclude 'original/consolidated*'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("repo_id", help="hub repository, e.g. Qwen/Qwen2.5-0.5B-Instruct")
     parser.add_argument(

@@ -50,7 +50,7 @@ examples:
   tune run full_finetune_single_device --config demo
   tune run full_finetune_distributed --nproc_per_node 2 --config demo batch_size=8
   tune run --nnodes 2 --node_rank 0 --rdzv_endpoint host:29400 full_finetune_distributed --config demo
-  tune run my_recipe.py --config my_config.yaml"""
+  tune run my_recipe.py --config my_demo.yaml     # files copied with tune cp (see tune cp --help)"""
 
 # The words torchrun accepts for --nproc_per_node besides a number.
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")

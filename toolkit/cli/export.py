@@ -18,6 +18,31 @@ def parse_size(text: str) -> int:
     return int(number * 1024 ** " KMGT".index(unit or " "))
 
 
+def step_checkpoint(path: Path) -> Path:
+    """The step checkpoint that ``tune export``'s CHECKPOINT names: the folder itself, or the newest complete
+    checkpoint of a run when it names the run's ``output_dir``.
+
+    Raises:
+        UserError: the folder does not exist (the message lists its run's complete checkpoints), or a run folder
+            holds no complete checkpoint.
+    """
+    from toolkit.training.step_checkpoint import CHECKPOINTS_DIR, latest_checkpoint, list_checkpoints
+
+    if not path.exists():
+        # keep_last_n deletes older checkpoints: say which ones there are, rather than only that this one is gone.
+        run = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else path.parent
+        found = ", ".join(p.name for p in list_checkpoints(run))
+        there = f"; the complete step checkpoints of {run} are {found}" if found else ""
+        raise UserError(f"{path}: no such folder{there}")
+    if (path / CHECKPOINTS_DIR).is_dir():  # a run's output_dir
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise UserError(f"{path}: the run has no complete step checkpoint in {path / CHECKPOINTS_DIR}")
+        print(f"exporting {newest}, the newest complete step checkpoint of {path}")
+        return newest
+    return path
+
+
 def export(args: argparse.Namespace) -> int:
     """Run ``tune export`` (see :func:`toolkit.training.step_export.export_step_checkpoint`, which checks the
     checkpoint and ``--output`` before it writes anything)."""
@@ -25,7 +50,7 @@ def export(args: argparse.Namespace) -> int:
     from toolkit.training.step_export import export_step_checkpoint
 
     written = export_step_checkpoint(
-        Path(args.checkpoint), Path(args.output), merged=args.merged, overwrite=args.overwrite,
+        step_checkpoint(Path(args.checkpoint)), Path(args.output), merged=args.merged, overwrite=args.overwrite,
         max_shard_bytes=parse_size(args.max_shard_size), base=args.base,
     )
     for path in written:
@@ -39,13 +64,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "export",
         help="convert a step checkpoint to Hugging Face / PEFT files",
         description=(
-            "Write the model of a step checkpoint (output_dir/checkpoints/step_<N>) as a Hugging Face folder, "
-            "whatever the number of processes that saved it, e.g. "
-            "tune export out/checkpoints/step_500 --output ./hf. An adapter-only checkpoint (LoRA, DoRA, QLoRA) "
+            "Write the model of a step checkpoint (output_dir/checkpoints/step_<N>) as a Hugging Face folder,\n"
+            "whatever the number of processes that saved it. An adapter-only checkpoint (LoRA, DoRA, QLoRA)\n"
             "becomes OUTPUT/adapter in PEFT's format, and with --merged also OUTPUT/merged. One process, streaming."
         ),
+        epilog=(
+            "examples:\n"
+            "  tune export outputs/full_finetune_demo --output hf_model              # a run: its newest checkpoint\n"
+            "  tune export outputs/short/checkpoints/step_15 --output short_step_15  # that step checkpoint\n"
+            "  tune export outputs/lora_finetune_demo --output lora_export --merged  # adapter/ and merged/"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoints/step_<N> folder")
+    parser.add_argument(
+        "checkpoint", metavar="CHECKPOINT",
+        help="a checkpoints/step_<N> folder, or a run's output_dir for its newest complete checkpoint",
+    )
     parser.add_argument("--output", required=True, metavar="DIR", help="folder to write")
     parser.add_argument("--merged", action="store_true", help="adapters: also write the merged model")
     parser.add_argument("--max_shard_size", default="5GB", metavar="SIZE", help="largest safetensors file (default 5GB)")

@@ -119,24 +119,33 @@ def build_parser() -> argparse.ArgumentParser:
     cp = commands.add_parser(
         "cp",
         help="copy a recipe or config to edit it",
-        description="Copy a recipe (tune cp full_finetune my_ft.py) or a config (tune cp full_finetune/demo my.yaml).",
+        description="Copy a recipe or a config to edit it.",
+        epilog="examples:\n  tune cp full_finetune my_recipe.py\n  tune cp full_finetune/demo my_demo.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     cp.add_argument("name", help="recipe, recipe/config, or a config name only one recipe has")
     cp.add_argument("dest", help="file or folder to copy to (.py/.yaml is added when there is no suffix)")
     cp.add_argument("-f", "--force", action="store_true", help="overwrite dest if it exists")
     cp.set_defaults(handler=_cp)
 
-    cat = commands.add_parser("cat", help="print a config or recipe", description="Print a config or a recipe.")
+    cat = commands.add_parser(
+        "cat", help="print a config or recipe", description="Print a config or a recipe.",
+        epilog="examples:\n  tune cat full_finetune/demo\n  tune cat generate",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cat.add_argument("name", help="recipe, recipe/config, or a config name only one recipe has")
     cat.set_defaults(handler=_cat)
 
     check = commands.add_parser(
         "validate",
         help="check a config without running it",
-        description="Load a config, apply overrides and check every key against the recipe's declared schema "
-        "(types, ranges, choices, batch divisibility) and every _component_ against its signature. "
-        "A config file outside recipe_configs/ names its recipe first: tune validate --recipe full_finetune "
-        "my.yaml key=value.",
+        description="Load a config, apply overrides and check every key against the recipe's declared schema\n"
+        "(types, ranges, choices, batch divisibility) and every _component_ against its signature.\n"
+        "A config file outside recipe_configs/ names its recipe first (--recipe).",
+        epilog="examples:\n  tune validate full_finetune/demo batch_size=64\n"
+        "  tune validate --recipe full_finetune my_demo.yaml max_steps=50\n"
+        "  tune validate full_finetune/demo --nproc_per_node 4",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     check.add_argument("config", help="config file, recipe/config, or a config name only one recipe has")
     check.add_argument(

@@ -19,10 +19,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "merge",
         help="merge a LoRA/DoRA adapter into its base checkpoint",
         description=(
-            "Write a Hugging Face checkpoint whose weights are the base's with a PEFT-format LoRA or DoRA adapter "
-            "merged in, e.g. tune merge --base ./Llama-3.2-1B --adapter ./out/final/adapter --output ./merged. "
-            "Works on the files (any model family), one safetensors file in memory at a time."
+            "Write a Hugging Face checkpoint whose weights are the base's with a PEFT-format LoRA or DoRA adapter\n"
+            "merged in. Works on the files (any model family), one safetensors file in memory at a time."
         ),
+        epilog=(
+            "examples:\n"
+            "  tune merge --base outputs/full_finetune_demo/final --adapter outputs/lora_on_demo/final/adapter "
+            "--output merged_demo"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--base", required=True, metavar="DIR", help="the base model's Hugging Face folder")
     parser.add_argument(

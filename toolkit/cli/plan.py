@@ -18,7 +18,7 @@ from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, 
 from toolkit.config import apply_overrides, instantiate, load_config, recipe_keys, validate
 from toolkit.errors import UserError
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
-from toolkit.training.accumulation import gradient_accumulation_steps
+from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.activations import checkpoint_interval
 from toolkit.training.memory import (
     StepKernels,
@@ -199,6 +199,9 @@ def plan_command(argv: Sequence[str]) -> int:
         auto_note = "; ".join(chosen.reasons)
     accumulation = 1
     if "batch_size" in cfg:  # (a batch that does not divide was refused with the config)
+        micro_batch_size = micro_batch_within_share(
+            batch_size=cfg.batch_size, micro_batch_size=micro_batch_size, world_size=world_size
+        )  # as tune run cuts it
         accumulation = gradient_accumulation_steps(
             batch_size=cfg.batch_size, micro_batch_size=micro_batch_size, world_size=world_size
         )

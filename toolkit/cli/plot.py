@@ -228,10 +228,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "plot",
         help="plot runs' metrics.jsonl (loss, learning rate, tokens/s, memory) as a PNG",
         description=(
-            "Draw loss (and validation loss where recorded), learning rate, tokens/s and peak memory against the "
-            "step for one or more runs, overlaid, e.g. tune plot outputs/run_a outputs/run_b --output cmp.png. "
-            "Without matplotlib (the `plot` extra) it prints the per-run summary only."
+            "Draw loss (and validation loss where recorded), learning rate, tokens/s and peak memory against the\n"
+            "step for one or more runs, overlaid. Without matplotlib (the `plot` extra) it prints the per-run\n"
+            "summary only."
         ),
+        epilog="examples:\n  tune plot outputs/full_finetune_demo outputs/lora_finetune_demo --output runs.png",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "run_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's output_dir (has metrics.jsonl), or the file itself"

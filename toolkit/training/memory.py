@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import UserError
-from toolkit.training.accumulation import gradient_accumulation_steps
+from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 # The activation and logits formulas, also importable from here as they were before they got their own module.
 from toolkit.training.activation_memory import _precision, activation_bytes, logits_bytes, offloaded_activation_bytes
 from toolkit.training.activations import checkpoint_interval
@@ -535,7 +535,7 @@ class ParallelPlan:
         cpu_offload: whether sharded parameters and optimizer state live in host memory.
         micro_batch_size: sequences per device per forward/backward.
         accumulation_steps: micro-steps per optimizer step (``batch_size = world x micro x steps``).
-        reasons: one line per ``auto`` decision, naming the numbers it was made from.
+        reasons: one line per ``auto`` decision or cut micro batch, naming the numbers it was made from.
     """
 
     strategy: str
@@ -573,7 +573,8 @@ def plan_parallelism(
     at the configured micro batch (at 1 when that is ``auto`` too), never one with ``cpu_offload`` on a CPU.
     ``micro_batch_size: auto`` then picks the largest micro batch that divides this rank's share of ``batch_size``
     (so the global batch, and the training, stay the same) and whose estimate fits; with ``optimizer_in_backward``,
-    which cannot accumulate, that share whole or nothing. Given values pass through, checked.
+    which cannot accumulate, that share whole or nothing. Given values pass through, checked, except that a micro
+    batch above a process's share of ``batch_size`` is cut to that share (:func:`micro_batch_within_share`).
 
     Args:
         model: the model, on the meta device (only shapes are read).
@@ -601,9 +602,20 @@ def plan_parallelism(
     auto_batch = micro_batch_size == "auto"
     if not auto_batch and not isinstance(micro_batch_size, int):
         raise UserError(f"micro_batch_size: must be a positive integer or auto, got {micro_batch_size!r}")
+    reasons = []
+    if not auto_batch:
+        given = micro_batch_size
+        micro_batch_size = micro_batch_within_share(
+            batch_size=batch_size, micro_batch_size=given, world_size=world_size
+        )
+        if micro_batch_size != given:
+            reasons.append(
+                f"micro_batch_size: {given} -> {micro_batch_size}, each process's share of batch_size {batch_size} "
+                f"on {world_size} processes"
+            )
     if strategy != "auto" and not auto_batch:
         steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro_batch_size, world_size=world_size)
-        return ParallelPlan(strategy, cpu_offload, micro_batch_size, steps)
+        return ParallelPlan(strategy, cpu_offload, micro_batch_size, steps, tuple(reasons))
     memory = device_memory_bytes(device)
     if memory is None:
         if device_memory_gb is None:
@@ -624,7 +636,6 @@ def plan_parallelism(
         whole = optimizer_in_backward and batch_size >= world_size and batch_size % world_size == 0
         micro = batch_size // world_size if whole else 1
     steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=world_size)
-    reasons = []
     if strategy == "auto":
         strategy, estimate, reason = choose_strategy(
             model, device_memory_bytes=memory, num_nodes=num_nodes, micro_batch_size=micro,

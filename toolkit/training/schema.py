@@ -28,7 +28,7 @@ from toolkit.config._schema import (
     rule,
 )
 from toolkit.errors import UserError
-from toolkit.training.accumulation import gradient_accumulation_steps
+from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.attention import SDPA_BACKENDS
 from toolkit.training.parallel import STRATEGIES
 from toolkit.training.precision import PRECISIONS
@@ -116,11 +116,13 @@ def batch_divides(ctx: Context) -> Iterator[tuple[str, str]]:
         if world is not None and batch % world:
             yield "batch_size", f"{batch} does not split over {world} processes; use a multiple of {world}"
         return
-    if world is None:  # any number of processes: at least whole micro-batches
-        if batch % micro:
+    if world is None:  # any number of processes: at least whole micro-batches (one above the batch is cut to it)
+        if batch % min(micro, batch):
             yield "batch_size", f"{batch} is not a multiple of micro_batch_size ({micro}), on any number of processes"
         return
     try:
+        # As the run cuts it: a micro batch above a process's share of the batch is that share.
+        micro = micro_batch_within_share(batch_size=batch, micro_batch_size=micro, world_size=world)
         gradient_accumulation_steps(batch_size=batch, micro_batch_size=micro, world_size=world)
     except UserError as e:
         yield "batch_size", str(e).removeprefix("batch_size: ")
