@@ -195,7 +195,7 @@ def test_a_run_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, capsy
     run = write_run(tmp_path / "run", steps=3, start_loss=3.0)
     run.chmod(0o555)
     try:
-        assert main(["plot", str(run)]) == 1
+        assert main(["plot", str(run)]) == 2
     finally:
         run.chmod(0o755)
     assert one_line(capsys.readouterr().err) == f"tune: error: cannot write '{run / 'metrics.png'}': Permission denied"
@@ -219,7 +219,7 @@ def test_a_bad_line_is_named_by_its_number(tmp_path, capsys, lines, message):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    assert main(["plot", str(run)]) == 1
+    assert main(["plot", str(run)]) == 2
     assert one_line(capsys.readouterr().err).startswith(f"tune: error: '{run / 'metrics.jsonl'}', {message}")
 
 
@@ -227,14 +227,14 @@ def test_a_line_that_is_not_utf8_is_named(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "note": "caf\xe9"}\n')
-    assert main(["plot", str(run)]) == 1
+    assert main(["plot", str(run)]) == 2
     assert one_line(capsys.readouterr().err).startswith(f"tune: error: '{run / 'metrics.jsonl'}', line 2: not valid")
 
 
 def test_only_blank_lines_is_no_records(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("\n  \n")
-    assert main(["plot", str(tmp_path / "run")]) == 1
+    assert main(["plot", str(tmp_path / "run")]) == 2
     assert one_line(capsys.readouterr().err) == f"tune: error: '{tmp_path / 'run' / 'metrics.jsonl'}' has no records yet"
 
 
@@ -251,7 +251,7 @@ def test_nan_losses_are_reported_and_left_out_of_the_lines(tmp_path, capsys, mon
         "(first: step 3)"
     )
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": NaN}\n{"step": 2, "loss": NaN}\n')
-    assert main(["plot", str(run)]) == 1
+    assert main(["plot", str(run)]) == 2
     assert one_line(capsys.readouterr().err) == (
         "tune: error: no run has a finite loss to plot: every loss recorded is NaN, infinite or not a number"
     )
