@@ -43,6 +43,7 @@ from toolkit.training import (
     destroy_distributed,
     init_distributed,
     materialize,
+    on_rank_zero,
     parallel_dims,
     parallelize,
     precision_policy,
@@ -50,6 +51,7 @@ from toolkit.training import (
     sdpa_preference,
     set_seed,
 )
+from toolkit.training.checkpointing import check_writable_folder
 from toolkit.training.peft import adapter_linear, fill_adapter_model
 from toolkit.training.parallel import STRATEGIES
 from toolkit.training.schema import MODEL_KEYS, PARALLEL_KEYS
@@ -111,6 +113,9 @@ def evaluate(cfg: DictConfig) -> None:
     # --- Processes, devices and precision --------------------------------------------------------------------------
     env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     precision = precision_policy(cfg.dtype, device=env.device)
+    # The report is written into output_dir at the end: a folder that cannot be written stops the run here instead.
+    output_dir = Path(cfg.output_dir).expanduser()
+    on_rank_zero(check_writable_folder, output_dir)
     dims = parallel_dims(
         strategy=cfg.data_parallel, world_size=env.world_size, local_world_size=env.local_world_size,
         shard_size=cfg.hsdp_shard_size, device_type=env.device.type,
@@ -196,7 +201,7 @@ def evaluate(cfg: DictConfig) -> None:
         )
 
     if env.is_rank_zero:
-        path = write_report(results, Path(cfg.output_dir))
+        path = write_report(results, output_dir)
         print(f"wrote {path}", flush=True)
 
 

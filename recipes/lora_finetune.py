@@ -28,6 +28,7 @@ from toolkit.generation import exact_match_accuracy
 from toolkit.training.schema import TRAINING_SCHEMA
 from toolkit.modules.peft import get_adapter_params, get_merged_state_dict
 from toolkit.modules.peft import set_trainable_params
+from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.peft import fill_adapter_model, save_peft_adapter
 from toolkit.training import (
     MetricsLogger,
@@ -115,11 +116,14 @@ def train(cfg: DictConfig) -> None:
     # --- Processes, devices and precision --------------------------------------------------------------------------
     env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     precision = precision_policy(cfg.dtype, device=env.device)
-    output_dir = Path(cfg.output_dir)
+    output_dir = Path(cfg.output_dir).expanduser()
     profiler_options = profiler_settings(cfg.get("profiler"))  # a misspelled option stops here, before any output
     # The checkpoint to resume from (`resume_from`; after a restart by torchrun, the run's own newest), or None for
     # a fresh start. The folder is only checked here: nothing in it is cleared or written until the inputs are built.
-    resume = on_rank_zero(start_run, output_dir, overwrite=cfg.overwrite, resume_from=cfg.resume_from)
+    base_checkpoint = cfg.checkpointer.get("checkpoint_dir")  # never inside a folder that overwrite=true clears
+    resume = on_rank_zero(
+        start_run, output_dir, overwrite=cfg.overwrite, resume_from=cfg.resume_from, base_checkpoint=base_checkpoint
+    )
 
     # --- Model: built on the meta device (no memory), then sharded or wrapped, materialized, initialized or loaded --
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights
@@ -211,6 +215,7 @@ def train(cfg: DictConfig) -> None:
             sampler=ValidationSampler(len(val_dataset), rank=env.rank, world_size=env.world_size),
             collate_fn=collate,
         )
+    eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None  # held-out accuracy, if set
     total_steps = cfg.epochs * sampler.steps_per_epoch
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
@@ -230,15 +235,20 @@ def train(cfg: DictConfig) -> None:
         output_dir, every_n_steps=cfg.save_every_n_steps, keep_last_n=cfg.keep_last_n, async_save=cfg.async_save,
         trainable_only=True, base_checkpoint=checkpointer.checkpoint_dir,
     )
-    # An old run in output_dir (overwrite=true) is cleared only now that every input has been built and the
-    # checkpointer has checked that every node sees output_dir.
-    if resume is None:
-        on_rank_zero(claim_output_dir, output_dir, overwrite=cfg.overwrite)
     step = checkpoints.load(resume, state, config=cfg) if resume is not None else 0
 
+    # --- The output folder: claimed once everything that can fail on the user's input is built and checked -------
+    # TensorBoard, W&B, MLflow, stdout, besides metrics.jsonl: built on rank zero now (packages imported, options and
+    # the W&B login checked), they write nothing until their first record.
+    loggers = build_metric_loggers_on_rank_zero(cfg.get("metric_loggers") or [], output_dir=output_dir,
+                                                initial_step=step)
+    # Only now is an old run in output_dir (overwrite=true) cleared; the checkpointer has also checked that every
+    # node sees output_dir.
+    if resume is None:
+        on_rank_zero(claim_output_dir, output_dir, overwrite=cfg.overwrite, base_checkpoint=base_checkpoint)
     log = MetricsLogger(
         output_dir, enabled=env.is_rank_zero, total_steps=total_steps, initial_step=step, progress_bar=cfg.progress_bar,
-        loggers=cfg.get("metric_loggers") or [],  # TensorBoard, W&B, MLflow, stdout, besides metrics.jsonl
+        loggers=loggers,
         log_every_n_steps=cfg.log_every_n_steps,  # a loss line on the terminal every N steps
     )
     log.log_config(cfg)
@@ -257,7 +267,6 @@ def train(cfg: DictConfig) -> None:
         log.print(reason)
     if cfg.get("float8"):
         log.print(f"float8 matmuls in {len(float8_layers)} layers")
-    eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None
     if eval_tasks and resume is None:
         evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")
 

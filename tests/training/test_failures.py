@@ -157,20 +157,22 @@ def test_a_fresh_start_checks_the_folder_first_and_clears_it_only_when_claimed(t
     old = tmp_path / "run"
     (old / "final").mkdir(parents=True)
     (old / "metrics.jsonl").write_text("{}\n")
-    (old / "notes.txt").write_text("the user's own file")
+    (old / "tensorboard").mkdir()
     with pytest.raises(UserError, match="already holds a run"):
         start_run(old, overwrite=False, resume_from=None)
     # overwrite=true: checked, but nothing is removed until the recipe claims the folder (its inputs all built).
     assert start_run(old, overwrite=True, resume_from=None) is None
     assert (old / "metrics.jsonl").is_file() and (old / "final").is_dir()
     claim_output_dir(old, overwrite=True)
-    assert sorted(p.name for p in old.iterdir()) == [".job", "notes.txt"]
-    # A restart of the same job before its first checkpoint starts afresh over its own files, without overwrite.
+    assert sorted(p.name for p in old.iterdir()) == [".job"]  # the old run's TensorBoard events go with it
+    # A restart of the same job before its first checkpoint starts afresh over its own files, without overwrite,
+    # and keeps what else the folder holds.
     (old / "metrics.jsonl").write_text("{}\n")
+    (old / "notes.txt").write_text("the user's own file")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert start_run(old, overwrite=False, resume_from=None) is None
     claim_output_dir(old, overwrite=False)
-    assert not (old / "metrics.jsonl").exists()
+    assert sorted(p.name for p in old.iterdir()) == [".job", "notes.txt"]
     # Another job's files are not its own.
     (old / "metrics.jsonl").write_text("{}\n")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")

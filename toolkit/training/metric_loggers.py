@@ -9,9 +9,13 @@ A config lists them by name, with options where the defaults do not do::
       - {type: wandb, project: my-project, mode: offline}
       - {type: mlflow, tracking_uri: "sqlite:///mlflow.db", experiment_name: my-experiment}
 
-and :class:`~toolkit.training.MetricsLogger` builds them on rank zero only (``loggers=cfg.get("metric_loggers", [])``).
-TensorBoard, W&B and MLflow are optional extras: their packages are imported when such a logger is built, and a
-missing one is a :class:`~toolkit.errors.UserError` naming the extra to install.
+and :func:`build_metric_loggers_on_rank_zero` builds them on rank zero only. TensorBoard, W&B and MLflow are optional extras: their
+packages are imported when such a logger is built, and a missing one is a :class:`~toolkit.errors.UserError` naming
+the extra to install.
+
+Building a logger checks everything it can (package, options, the W&B login, the MLflow tracking store) and writes
+nothing into the output folder: each opens its files or its tracker run at its first record. A recipe builds them
+before it claims the output folder, so that a bad entry stops the run with an old run there as it was.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import importlib
 import inspect
 import json
 import numbers
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -32,6 +37,7 @@ from tqdm import tqdm
 
 from toolkit.config import did_you_mean
 from toolkit.errors import UserError
+from toolkit.training.distributed import on_rank_zero
 
 
 @runtime_checkable
@@ -119,8 +125,17 @@ class TensorBoardLogger:
     """
 
     def __init__(self, log_dir: str | Path, *, purge_step: int | None = None) -> None:
-        tensorboard = _import_extra("torch.utils.tensorboard", "tensorboard")
-        self.writer = tensorboard.SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        self._summary_writer = _import_extra("torch.utils.tensorboard", "tensorboard").SummaryWriter
+        self.log_dir = Path(log_dir)
+        self.purge_step = purge_step
+        self._writer = None
+
+    @property
+    def writer(self):
+        """The event file writer, created (with its folder) at the first record."""
+        if self._writer is None:
+            self._writer = self._summary_writer(log_dir=str(self.log_dir), purge_step=self.purge_step)
+        return self._writer
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         for key, value in numeric_metrics(metrics).items():
@@ -132,7 +147,8 @@ class TensorBoardLogger:
         self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()))
 
     def close(self) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 _WANDB_MODES = ("online", "offline", "disabled", "shared")
@@ -163,14 +179,29 @@ class WandBLogger:
     ) -> None:
         if mode not in (None, *_WANDB_MODES):
             raise UserError(f"wandb metric logger: mode must be one of {', '.join(_WANDB_MODES)}, got '{mode}'")
-        wandb = _import_extra("wandb", "wandb")
+        self._wandb = _import_extra("wandb", "wandb")
+        self._settings = dict(
+            project=project, entity=entity, name=name, group=group, tags=list(tags) if tags else None,
+            notes=notes, mode=mode, dir=None if dir is None else str(dir), id=id, resume=resume,
+        )
+        self._run = None
+        # The login wandb.init would ask for, asked now (from a terminal it prompts, elsewhere it fails), so that a
+        # missing API key stops the run before it claims its output folder.
+        if (mode or os.environ.get("WANDB_MODE") or "online") in ("online", "shared"):
+            self._user_errors(lambda: self._wandb.login(verify=False))
+
+    def _user_errors(self, call):
         try:
-            self.run = wandb.init(
-                project=project, entity=entity, name=name, group=group, tags=list(tags) if tags else None,
-                notes=notes, mode=mode, dir=None if dir is None else str(dir), id=id, resume=resume,
-            )
-        except wandb.errors.UsageError as e:  # not logged in, bad mode, ...
+            return call()
+        except self._wandb.errors.UsageError as e:  # not logged in, bad mode, ...
             raise UserError(f"wandb metric logger: {e} (or log offline: mode: offline, or WANDB_MODE=offline)") from e
+
+    @property
+    def run(self):
+        """The W&B run, started (writing under ``dir``) at the first record."""
+        if self._run is None:
+            self._run = self._user_errors(lambda: self._wandb.init(**self._settings))
+        return self._run
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         self.run.log(numeric_metrics(metrics), step=step)
@@ -179,7 +210,8 @@ class WandBLogger:
         self.run.config.update(dict(config), allow_val_change=True)
 
     def close(self) -> None:
-        self.run.finish()
+        if self._run is not None:
+            self._run.finish()
 
 
 # MLflow accepts at most this many params in one log_batch call.
@@ -208,12 +240,29 @@ class MLflowLogger:
     ) -> None:
         tracking = _import_extra("mlflow.tracking", "mlflow")
         self._entities = importlib.import_module("mlflow.entities")
-        self.client = tracking.MlflowClient(tracking_uri=tracking_uri)
+        mlflow_error = importlib.import_module("mlflow.exceptions").MlflowException
+        # The tracking store is reached now (a wrong URI stops the run before it claims its output folder); the run
+        # itself is created at the first record.
         name = experiment_name or "Default"
-        experiment = self.client.get_experiment_by_name(name)
-        experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
-        run = self.client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
-        self.run_id = run.info.run_id
+        try:
+            self.client = tracking.MlflowClient(tracking_uri=tracking_uri)
+            experiment = self.client.get_experiment_by_name(name)
+            self._experiment_id = (
+                experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
+            )
+        except mlflow_error as e:
+            raise UserError(f"mlflow metric logger: {_first_line(e)}") from e
+        self._run_name = run_name
+        self._tags = dict(tags or {})
+        self._run_id: str | None = None
+
+    @property
+    def run_id(self) -> str:
+        """The MLflow run's id; the run is created at the first record."""
+        if self._run_id is None:
+            run = self.client.create_run(self._experiment_id, run_name=self._run_name, tags=self._tags)
+            self._run_id = run.info.run_id
+        return self._run_id
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         timestamp_ms = int(time.time() * 1000)
@@ -228,7 +277,13 @@ class MLflowLogger:
             self.client.log_batch(self.run_id, params=params[start : start + _MLFLOW_BATCH])
 
     def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+        if self._run_id is not None:
+            self.client.set_terminated(self._run_id)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -299,7 +354,8 @@ def parse_metric_logger_spec(spec: MetricLoggerSpec) -> tuple[str, dict[str, Any
 def build_metric_loggers(
     specs: Sequence[MetricLoggerSpec | MetricLogger], *, output_dir: str | Path, initial_step: int = 0
 ) -> list[MetricLogger]:
-    """Build the loggers a config's ``metric_loggers`` list names (call on rank zero only).
+    """Build the loggers a config's ``metric_loggers`` list names, in this process; nothing is written until their
+    first record.
 
     Args:
         specs: entries like ``"tensorboard"`` or ``{"type": "wandb", "project": "x", "mode": "offline"}``;
@@ -323,4 +379,21 @@ def build_metric_loggers(
         for logger in loggers:
             logger.close()
         raise
+    return loggers
+
+
+def build_metric_loggers_on_rank_zero(
+    specs: Sequence[MetricLoggerSpec], *, output_dir: str | Path, initial_step: int = 0
+) -> list[MetricLogger]:
+    """A run's loggers (see :func:`build_metric_loggers`), built on rank zero; the other ranks check the entries
+    and get none. A collective under a process group: a failure on rank zero (a package missing, W&B not logged
+    in) is raised on every rank, so none is left waiting for it.
+
+    Raises:
+        UserError: as :func:`build_metric_loggers`.
+    """
+    for spec in specs:
+        parse_metric_logger_spec(spec)
+    loggers: list[MetricLogger] = []
+    on_rank_zero(lambda: loggers.extend(build_metric_loggers(specs, output_dir=output_dir, initial_step=initial_step)))
     return loggers

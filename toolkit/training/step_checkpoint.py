@@ -20,6 +20,7 @@ its tensors spread over the ranks by DCP.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import re
 import shutil
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +55,7 @@ from torch.optim import Optimizer
 from toolkit.data import GlobalBatchSampler
 from toolkit.errors import UserError
 from toolkit.training.debug import inject_fault
-from toolkit.training.distributed import barrier, shared_filesystem
+from toolkit.training.distributed import shared_filesystem
 from toolkit.training.optim import OptimizerInBackward
 from toolkit.training.safe_load import (
     RefusedPickle,
@@ -282,6 +284,72 @@ def _link_or_copy(files: list[Path], folder: Path) -> None:
             shutil.copy2(file, folder / file.name)
 
 
+def os_error_text(error: OSError) -> str:
+    """An OS error as its code and text, e.g. ``ENOSPC: No space left on device``, for a one-line message."""
+    code = errno.errorcode.get(error.errno) if error.errno else None
+    text = error.strerror or str(error) or type(error).__name__
+    return f"{code}: {text}" if code else text
+
+
+def _find_os_error(error: BaseException) -> OSError | None:
+    """The OSError behind ``error``: itself, the first one a DCP ``CheckpointException`` gathered from the ranks,
+    or one it was raised from; None when the failure is something else (a bug keeps its traceback)."""
+    while error is not None:
+        if isinstance(error, OSError):
+            return error
+        if isinstance(error, CheckpointException):
+            for failure in error.failures.values():
+                found = _find_os_error(failure[0] if isinstance(failure, tuple) else failure)
+                if found is not None:
+                    return found
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def write_failure(error: BaseException, folder: Path) -> OSError | None:
+    """The OS's refusal behind ``error``, raised while writing into ``folder``, or None (a bug: it keeps its
+    traceback).
+
+    Besides :func:`_find_os_error`'s: torch's zip writer (``torch.save``, which DCP writes tensors with) reports a
+    failed write as a ``RuntimeError`` ("unexpected pos ..."), its OSError lost once DCP has gathered the ranks'
+    failures; when the filesystem is then full (under 1 MiB free), the disk is taken to be why.
+    """
+    found = _find_os_error(error)
+    if found is not None or not isinstance(error, (RuntimeError, CheckpointException)):
+        return found
+    existing = Path(folder).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        stats = os.statvfs(existing)
+    except OSError:
+        return None
+    if stats.f_bavail * stats.f_frsize < 2**20:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
+
+
+def raise_on_every_rank(error: str | None) -> None:
+    """Raise the first failed rank's ``error`` as a UserError on every rank, or return on all when none failed.
+
+    A collective (every rank calls it): a rank whose write failed then never leaves the others waiting in a
+    collective it does not reach.
+    """
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise UserError(error)
+
+
+def _save_rng_state(file: Path) -> None:
+    # Through a Python file: a failed write then carries its OSError (torch.save to a path reports only an iostream
+    # error).
+    with open(file, "wb") as f:
+        torch.save(_rng_state(), f)
+
+
 def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -341,7 +409,9 @@ class StepCheckpointer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._pending: Future | None = None
+        self._pending_path: Path | None = None
         self._finished: threading.Event | None = None  # rank 0: set once the marker of the pending save is written
+        self._finish_error: str | None = None  # rank 0: why the pending save's marker could not be written
         # Background writes run collectives of their own: on a separate group they cannot interleave with training's.
         self._async_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
@@ -391,53 +461,101 @@ class StepCheckpointer:
         """Write ``step_<step>`` (a collective: every rank calls it). Returns its path.
 
         The marker is written once every rank's files are on disk; with ``async_save`` that happens in the
-        background, and this returns as soon as the tensors are copied to host memory.
+        background, and this returns as soon as the tensors are copied to host memory (a failure of the background
+        write is raised by the next save, or by :meth:`wait`).
+
+        Raises:
+            UserError: the checkpoint could not be written (a full disk, a read-only folder...): its folder is
+                removed, and the previous complete checkpoint stays as it was (pruning runs only once a newer one
+                is complete).
         """
         self.wait()
         path = self.root / f"step_{step}"
+        # Until its marker is written the folder is only a draft, ignored by resume and pruned: a failed save
+        # removes it, and the complete checkpoints before it are not touched.
+        error = None
         if self.rank == 0:
-            if path.exists():  # left by an attempt that died while writing it
-                shutil.rmtree(path)
-            (path / "rng").mkdir(parents=True)
-            _write_atomically(path / TRAINER_STATE, json.dumps(self._trainer_state(step, state, strategy), indent=2))
-            OmegaConf.save(config, path / "config.yaml")
-            if self.base_checkpoint is not None:
-                if self._base_files is None:
-                    self._base_files = _snapshot_base_files(self.base_checkpoint, self.root / _BASE_FILES_SNAPSHOT)
-                if self._base_files:
-                    _link_or_copy(self._base_files, path / BASE_FILES_DIR)
-        barrier()
-        torch.save(_rng_state(), path / "rng" / f"rank_{self.rank}.pt")
+            error = self._written(path, lambda: self._write_trainer_files(path, step, state, config, strategy))
+        self._fail_together(path, error)
+        error = self._written(path, lambda: _save_rng_state(path / "rng" / f"rank_{self.rank}.pt"))
+        self._fail_together(path, error)
         tensors = self._tensor_state(state)
         if self.async_save:
             self._pending = dcp.async_save(tensors, checkpoint_id=str(path), process_group=self._async_group)
+            self._pending_path = path
             if self.rank == 0:
                 finished = self._finished = threading.Event()
 
                 def finish(future: Future) -> None:
                     try:
-                        self._finish(path, future)
+                        if future.exception() is None:  # else wait() raises it
+                            self._finish_error = self._written(path, lambda: self._finish(path))
                     finally:
                         finished.set()
 
                 self._pending.add_done_callback(finish)
         else:
-            dcp.save(tensors, checkpoint_id=str(path))
-            # DCP's save returns on every rank only after all of them wrote their files and rank 0 the metadata.
-            if self.rank == 0:
-                self._finish(path)
+            error = self._written(path, lambda: dcp.save(tensors, checkpoint_id=str(path)))
+            # DCP's save returns (or fails) on every rank only after all of them wrote their files and rank 0 the
+            # metadata.
+            if error is None and self.rank == 0:
+                error = self._written(path, lambda: self._finish(path))
+            if error is not None:
+                self._remove_draft(path)
+                raise UserError(error)
         return path
 
-    def _finish(self, path: Path, future: Future | None = None) -> None:
-        if future is not None and future.exception() is not None:
-            log.error("checkpoint %s was not completed: %s", path, future.exception())
-            return
+    def _write_trainer_files(
+        self, path: Path, step: int, state: TrainingState, config: DictConfig, strategy: str | None
+    ) -> None:
+        if path.exists():  # left by an attempt that died while writing it
+            shutil.rmtree(path)
+        (path / "rng").mkdir(parents=True)
+        _write_atomically(path / TRAINER_STATE, json.dumps(self._trainer_state(step, state, strategy), indent=2))
+        OmegaConf.save(config, path / "config.yaml")
+        if self.base_checkpoint is not None:
+            if self._base_files is None:
+                self._base_files = _snapshot_base_files(self.base_checkpoint, self.root / _BASE_FILES_SNAPSHOT)
+            if self._base_files:
+                _link_or_copy(self._base_files, path / BASE_FILES_DIR)
+
+    def _written(self, path: Path, write: Callable[[], Any]) -> str | None:
+        """Run ``write``, part of saving the checkpoint ``path``: None if it succeeded, else the one-line message of
+        the OS's refusal (a full disk, a read-only folder). Any other failure is a bug and raises as it is."""
+        try:
+            write()
+            return None
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+            os_error = write_failure(e, path)
+            if os_error is None:
+                raise
+        return self._failure_message(path, os_error)
+
+    def _failure_message(self, path: Path, error: OSError) -> str:
+        newest = next((p for p in reversed(list_checkpoints(self.root.parent)) if p != path), None)
+        kept = f"the newest complete one, {newest}, is kept" if newest else "no earlier checkpoint was complete"
+        return f"{path}: cannot write the step checkpoint ({os_error_text(error)}); {kept}"
+
+    def _fail_together(self, path: Path, error: str | None) -> None:
+        # A collective: if a rank failed, every rank raises its message and the draft goes.
+        try:
+            raise_on_every_rank(error)
+        except UserError:
+            self._remove_draft(path)
+            raise
+
+    def _remove_draft(self, path: Path) -> None:
+        if self.rank == 0:  # an unfinished checkpoint (no marker), which may hold what filled the disk
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _finish(self, path: Path) -> None:
         inject_fault("save", step=checkpoint_step(path), rank=self.rank)
         marker = {"step": checkpoint_step(path), "job": _job_key()}  # the job: see find_resume_checkpoint
         _write_atomically(path / COMPLETE_MARKER, json.dumps(marker) + "\n")
         self._prune(newest=path)
 
     def _prune(self, *, newest: Path) -> None:
+        # Only ever called once ``newest`` is complete: until then every older checkpoint stays.
         newest_step = checkpoint_step(newest)
         for path in list_checkpoints(self.root.parent, complete_only=False):
             step = checkpoint_step(path)
@@ -448,15 +566,28 @@ class StepCheckpointer:
                 shutil.rmtree(path, ignore_errors=True)
 
     def wait(self) -> None:
-        """Block until a background save has finished (a no-op otherwise)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
+        """Block until a background save has finished (a no-op otherwise).
+
+        Raises:
+            UserError: the background write failed (see :meth:`save`), on every rank.
+        """
+        if self._pending is None:
+            return
+        pending, path, self._pending = self._pending, self._pending_path, None
+        error = None
+        try:
             pending.result()
-            # A future's result is visible before its callbacks have run: wait for the marker and pruning too.
-            if self._finished is not None:
-                self._finished.wait()
-                self._finished = None
-            barrier()
+        except (Exception, CheckpointException) as e:
+            os_error = write_failure(e, path)
+            if os_error is None:
+                raise
+            error = self._failure_message(path, os_error)
+        # A future's result is visible before its callbacks have run: wait for the marker and pruning too.
+        if self._finished is not None:
+            self._finished.wait()
+            self._finished = None
+            error, self._finish_error = error or self._finish_error, None
+        self._fail_together(path, error)
 
     # --- loading ----------------------------------------------------------------------------------------------------
 
@@ -645,38 +776,59 @@ def _job_key() -> str:
     return run_id if run_id != "none" else f"agent-{os.getppid()}"
 
 
-def start_run(output_dir: str | Path, *, overwrite: bool, resume_from: str | None) -> Path | None:
-    """The checkpoint to resume from (None: a fresh start), having checked that a fresh start may use ``output_dir``.
+def start_run(
+    output_dir: str | Path, *, overwrite: bool, resume_from: str | None, base_checkpoint: str | Path | None = None
+) -> Path | None:
+    """The checkpoint to resume from (None: a fresh start), having checked that the run may use ``output_dir``.
 
-    Run it on rank zero (``on_rank_zero``), first thing. It writes nothing: a fresh start then calls
-    :func:`claim_output_dir` once everything that can fail on the user's input (model, weights, tokenizer, data)
-    is built, so a run that stops on a bad input leaves an old run in the folder as it was, even with
-    ``overwrite``. Resuming leaves the folder as it is (the metrics log is cut back to the checkpoint's step once it
-    has loaded).
+    Run it on rank zero (``on_rank_zero``), first thing. It changes nothing (only a probe file is made and removed,
+    to know the folder is writable): a fresh start then calls :func:`claim_output_dir` once everything that can fail
+    on the user's input (model, weights, tokenizer, data, eval tasks, metric loggers) is built, so a run that stops
+    on a bad input leaves an old run in the folder as it was, even with ``overwrite``. ``base_checkpoint`` (the
+    run's ``checkpointer.checkpoint_dir``) must not be inside a folder that ``overwrite`` would clear. Resuming
+    leaves the folder as it is (the metrics log is cut back to the checkpoint's step once it has loaded).
 
     Raises:
-        UserError: ``resume_from`` is not a complete checkpoint, or the folder holds a run and ``overwrite`` is off.
+        UserError: ``overwrite`` is not a bool; ``resume_from`` is not a complete checkpoint; ``output_dir`` is not
+            a writable folder of its own; or it holds a run that may not be replaced (see
+            :func:`~toolkit.training.checkpointing.prepare_output_dir`).
     """
-    from toolkit.training.checkpointing import prepare_output_dir
+    from toolkit.training.checkpointing import check_overwrite, check_run_folder, prepare_output_dir
 
+    check_overwrite(overwrite)
     resume = find_resume_checkpoint(resume_from, output_dir)
     if resume is None:
-        prepare_output_dir(output_dir, overwrite=overwrite or _own_folder(output_dir), check_only=True)
+        prepare_output_dir(
+            output_dir, overwrite=overwrite, own_run=_own_folder(output_dir), base_checkpoint=base_checkpoint,
+            check_only=True,
+        )
+    else:
+        check_run_folder(output_dir)  # a resumed run writes there too
     return resume
 
 
-def claim_output_dir(output_dir: str | Path, *, overwrite: bool) -> None:
+def claim_output_dir(output_dir: str | Path, *, overwrite: bool, base_checkpoint: str | Path | None = None) -> None:
     """For a fresh start (:func:`start_run` returned None), before the run's first write: clear what an old run
-    wrote into ``output_dir`` (``overwrite``) and mark the folder as this job's. A worker restarted by torchrun
-    before its first checkpoint starts afresh over its own job's files. Run it on rank zero (``on_rank_zero``).
+    wrote into ``output_dir`` (``overwrite``), with the same checks as :func:`start_run`, and mark the folder as
+    this job's. A worker restarted by torchrun before its first checkpoint starts afresh over its own job's files.
+    Run it on rank zero (``on_rank_zero``).
+
+    Raises:
+        UserError: as :func:`start_run`, or the folder could not be cleared or written (the OS error named).
     """
     from toolkit.training.checkpointing import prepare_output_dir
 
-    prepare_output_dir(output_dir, overwrite=overwrite or _own_folder(output_dir))
-    (Path(output_dir) / _OWNER_FILE).write_text(_job_key())
+    prepare_output_dir(
+        output_dir, overwrite=overwrite, own_run=_own_folder(output_dir), base_checkpoint=base_checkpoint
+    )
+    owner = Path(output_dir).expanduser() / _OWNER_FILE
+    try:
+        owner.write_text(_job_key())
+    except OSError as e:
+        raise UserError(f"output_dir: cannot write {owner} ({os_error_text(e)})") from None
 
 
 def _own_folder(output_dir: str | Path) -> bool:
     # A restarted worker's folder holds its own job's files (marked by claim_output_dir), not another run's.
-    owner = Path(output_dir) / _OWNER_FILE
+    owner = Path(output_dir).expanduser() / _OWNER_FILE
     return restart_count() > 0 and owner.is_file() and owner.read_text() == _job_key()
