@@ -78,6 +78,8 @@ TRAINING_CASES = [
     ("lr_scheduler.min_lr_ratio=1.5", "lr_scheduler.min_lr_ratio"),
     ("profiler.enable=true", "profiler.enable"),
     ("metric_loggers=tensorboard", "metric_loggers"),
+    ("metric_loggers=[tensorbord]", "metric_loggers[0]"),
+    ("metric_loggers=[{type: wandb, projct: x}]", "metric_loggers[0]"),
 ]
 
 LORA_CASES = [
@@ -198,3 +200,17 @@ def test_a_typo_in_the_config_file_itself_is_named(tmp_path: Path, capsys):
         f"tune: error: {path}: max_steps: missing: the recipe reads it (an integer >= 1 or null)",
         f"tune: error: {path}: max_step: not a key this recipe reads; did you mean 'max_steps'?",
     ]
+
+
+def test_a_finished_run_is_refused_before_any_process_starts(tmp_path, monkeypatch, capsys):
+    # The recipe's rank 0 refused it too, but only after torchrun had started every process (15 s on 2 cores).
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "outputs" / "full_finetune_demo"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    before = sorted(p.name for p in run.iterdir())
+    assert main(["run", "--nproc_per_node", "2", "full_finetune_distributed", "--config", "demo"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("tune: error: output_dir: ") and "already holds a run (metrics.jsonl)" in line, line
+    assert "overwrite=true" in line
+    assert sorted(p.name for p in run.iterdir()) == before  # nothing launched, nothing written

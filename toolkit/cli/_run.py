@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
-from toolkit.config import apply_overrides, load_config, recipe_keys, validate
+from toolkit.config import Schema, apply_overrides, load_config, recipe_keys, validate
 from toolkit.config._parse import split_config_arg
 from toolkit.config._recipe import LAUNCHER_REPORTS_ERRORS_ENV, USER_ERROR_KEY
 from toolkit.errors import UserError
@@ -499,6 +499,20 @@ def _import_torch_quietly(argv: list[str]) -> None:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
+def _check_output_dir(cfg: Any, schema: Schema | None) -> None:
+    """Refuse an output folder the run would refuse (a finished run without overwrite, a base checkpoint inside it,
+    a folder it cannot write) before any process starts, as the recipe's rank 0 checks it again before it writes."""
+    if schema is None or not {"output_dir", "overwrite", "resume_from"} <= schema.keys.keys():
+        return
+    from toolkit.training import start_run
+
+    checkpointer = cfg.get("checkpointer")
+    start_run(
+        cfg.output_dir, overwrite=cfg.overwrite, resume_from=cfg.resume_from,
+        base_checkpoint=checkpointer.get("checkpoint_dir") if checkpointer is not None else None,
+    )
+
+
 def run_command(argv: Sequence[str]) -> int:
     """``tune run``; see ``HELP``.
 
@@ -544,7 +558,10 @@ def run_command(argv: Sequence[str]) -> int:
     cfg = load_config(config_path)
     apply_overrides(cfg, overrides, recipe=recipe_keys(path))
     world = _data_parallel_size(launch) if distributed else 1
-    validate(cfg, schema=recipe_schema(path), data_parallel_size=world)
+    schema = recipe_schema(path)
+    validate(cfg, schema=schema, data_parallel_size=world)
+    if not distributed or launch.node_rank == 0:  # where rank 0, which writes the run, will be
+        _check_output_dir(cfg, schema)
 
     recipe_argv = ["--config", str(config_path), *overrides]
     if distributed:

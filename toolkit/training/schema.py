@@ -30,6 +30,7 @@ from toolkit.config._schema import (
 from toolkit.errors import UserError
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.attention import SDPA_BACKENDS
+from toolkit.training.metric_loggers import parse_metric_logger_spec
 from toolkit.training.parallel import STRATEGIES
 from toolkit.training.precision import PRECISIONS
 from toolkit.training.profiling import profiler_settings
@@ -160,5 +161,18 @@ def profiler_options(ctx: Context) -> Iterator[tuple[str, str]]:
         yield key, problem
 
 
-TRAINING_SCHEMA = Schema(TRAINING_KEYS, rules=(batch_divides, shard_groups_divide, optimizer_accepts, profiler_options))
+@rule("metric_loggers")
+def metric_logger_options(ctx: Context) -> Iterator[tuple[str, str]]:
+    """Every ``metric_loggers`` entry names a logger and only options it takes (its package is checked when built)."""
+    for i, spec in enumerate(ctx.get("metric_loggers") or ()):
+        try:
+            parse_metric_logger_spec(spec)
+        except UserError as e:
+            yield f"metric_loggers[{i}]", str(e).removeprefix("metric_loggers: ")
+
+
+TRAINING_SCHEMA = Schema(
+    TRAINING_KEYS,
+    rules=(batch_divides, shard_groups_divide, optimizer_accepts, profiler_options, metric_logger_options),
+)
 
