@@ -63,7 +63,7 @@ def assert_refused(code: int, err: list[str], *named: str) -> None:
 
 
 BAD_INPUTS = {
-    "a misspelled metric logger": (["metric_loggers=[{type: tensorbord}]"], "metric_loggers: unknown type 'tensorbord'"),
+    "a misspelled metric logger": (["metric_loggers=[{type: tensorbord}]"], "metric_loggers[0]: unknown type 'tensorbord'"),
     "an eval task typo": (
         ["eval_tasks={_component_: toolkit.data.demo_tasks, split: heldot, num_samples: 4}"], "'heldot'"
     ),
