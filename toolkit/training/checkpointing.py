@@ -344,6 +344,8 @@ class HFCheckpointer:
             except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
                 os_error = write_failure(e, tmp_dir)
                 if os_error is None:
+                    if not together:  # alone, nothing else writes there: leave no half-written folder behind
+                        shutil.rmtree(tmp_dir, ignore_errors=True)
                     raise
                 kept = "the earlier one is kept" if output_dir.exists() else "nothing was written there"
                 error = f"{output_dir}: cannot write the Hugging Face checkpoint ({os_error_text(os_error)}); {kept}"
