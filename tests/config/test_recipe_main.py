@@ -25,6 +25,11 @@ def main(cfg):
         raise RuntimeError("a real bug")
     if cfg.action == "interrupt":
         raise KeyboardInterrupt
+    if cfg.action == "disk_full":
+        import errno
+        raise OSError(errno.ENOSPC, "No space left on device", "out/metrics.jsonl")
+    if cfg.action == "missing_file":
+        open("no/such/file")
     print("ran with", cfg.value)
 
 if __name__ == "__main__":
@@ -111,3 +116,14 @@ def test_called_with_a_config_is_a_plain_call() -> None:
 def test_help(tmp_path: Path, flag: str) -> None:
     result = _run(tmp_path, flag)
     assert result.returncode == 0 and "--config PATH" in result.stdout
+
+
+def test_a_full_disk_is_one_line_and_other_os_errors_keep_their_traceback(tmp_path: Path) -> None:
+    # metrics.jsonl, config.yaml and the adapter files have no handler of their own: a full disk there is not a bug.
+    result = _run(tmp_path, "action=disk_full")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: out/metrics.jsonl: cannot write (ENOSPC: No space left on device)"
+    ]
+    result = _run(tmp_path, "action=missing_file")
+    assert result.returncode == 1 and "Traceback" in result.stderr and "FileNotFoundError" in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
 import json
@@ -62,6 +63,10 @@ def report_user_error(error: UserError) -> None:
     sys.stderr.flush()
 
 
+# Errors of the storage a run writes to, reported as one line rather than a traceback.
+_STORAGE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
 def _data_parallel_size() -> int:
     # The processes torchrun started; every one of them is a data-parallel rank.
     try:
@@ -114,6 +119,14 @@ def recipe_main(fn: Callable[[DictConfig], T] | None = None, *, schema: Schema |
             return result
         except UserError as e:
             report_user_error(e)
+            sys.exit(2)
+        except OSError as e:
+            if e.errno not in _STORAGE_ERRORS:
+                raise
+            # A full disk or a folder that cannot be written is the machine's state, not a bug: one line naming the
+            # file (the recipe's checkpoints already say this themselves, and keep the previous one usable).
+            where = f"{e.filename}: " if e.filename else ""
+            report_user_error(UserError(f"{where}cannot write ({errno.errorcode.get(e.errno, e.errno)}: {e.strerror})"))
             sys.exit(2)
         except KeyboardInterrupt:
             sys.exit(130)
