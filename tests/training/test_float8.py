@@ -119,7 +119,7 @@ def test_refused_without_a_float8_gpu():
 def test_float8_trains_like_bf16():
     # e4m3 keeps 3 mantissa bits of activations and weights (relative rounding up to 2^-4), e5m2 2 bits of output
     # gradients (2^-3); with one scale per tensor the errors average out over each dot product, and over 6 steps the
-    # loss stays within 0.15% of bf16's here (bf16 itself rounds to 2^-8). 1% leaves room for other CPUs' kernels.
+    # loss stays within 0.13% of bf16's here (bf16 itself rounds to 2^-8). 1% leaves room for other CPUs' kernels.
     steps = batches(6)
     bf16 = train(demo_model(float8=False, dtype=torch.bfloat16), steps)
     float8 = train(demo_model(float8=True, dtype=torch.bfloat16), steps)
@@ -128,11 +128,12 @@ def test_float8_trains_like_bf16():
 
 
 def test_lora_with_float8_bases_trains_like_bf16():
-    # The LoRA demo (adapters on every projection) with its bases in float8: as close to bf16 as the plain model.
+    # Adapters on every projection, their bases in float8: as close to bf16 as the plain model (0.04% here). Rank-8
+    # adapters on a random base learn slowly: 0.17 nats in 6 steps.
     steps = batches(6)
     bf16 = train(demo_model(float8=False, dtype=torch.bfloat16, lora=True), steps)
     float8 = train(demo_model(float8=True, dtype=torch.bfloat16, lora=True), steps)
-    assert bf16[-1] < bf16[0] - 0.3  # it learns
+    assert bf16[-1] < bf16[0] - 0.1  # it learns
     assert float8 != bf16  # the bases did run in float8
     torch.testing.assert_close(float8, bf16, rtol=0.01, atol=0)
 
@@ -147,7 +148,7 @@ def test_zero3_gathers_float8_weights_exactly(tmp_path):
     assert runs["float8_all_gather_weight"] == "WeightWithDynamicFloat8CastTensor"
     assert runs["float8_all_gather"] == runs["float32_all_gather"]
     # LoRA's float8 bases, sharded: as on one process, to the float8 rounding of activations scaled per process
-    # (measured 4.5e-4 apart; a backward that used a freed, zeroed weight was 2% off at step 2).
+    # (measured 2.1e-4 apart; a backward that used a freed, zeroed weight was 2% off at step 2).
     one_process = train(demo_model(float8=True, dtype=torch.float32, lora=True), batches(3))
     torch.testing.assert_close(runs["lora_float8_zero3"], one_process, rtol=2e-3, atol=0)
 
