@@ -4,7 +4,7 @@ order is restored after. On a GPU: cuDNN serves our grouped-query layers and mat
 import pytest
 import torch
 
-from tests.launch import run_tune
+from tests.launch import run_recipe_here, run_tune
 from toolkit.errors import UserError
 from toolkit.modules import GroupedQueryAttention, RotaryPositionalEmbeddings
 from toolkit.training import sdpa_preference
@@ -70,10 +70,10 @@ def test_on_cpu_every_preference_computes_the_same_attention(name):
 
 
 def test_the_recipe_takes_the_setting_and_refuses_a_typo(tmp_path):
-    args = ["run", "full_finetune_single_device", "--config", "demo", "max_steps=1", "progress_bar=false",
-            "~eval_tasks"]
-    run_tune(*args, f"output_dir={tmp_path / 'ok'}", "sdpa_backend=cudnn", check=True)
-    bad = run_tune(*args, f"output_dir={tmp_path / 'bad'}", "sdpa_backend=cudann")
+    overrides = ["max_steps=1", "progress_bar=false", "~eval_tasks"]
+    run_recipe_here("full_finetune", "demo", *overrides, f"output_dir={tmp_path / 'ok'}", "sdpa_backend=cudnn")
+    bad = run_tune("run", "full_finetune_single_device", "--config", "demo", *overrides,
+                   f"output_dir={tmp_path / 'bad'}", "sdpa_backend=cudann")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "sdpa_backend: expects one of default, flash, efficient, math, cudnn or null, got 'cudann'" in bad.stderr
 

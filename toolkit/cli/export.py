@@ -71,7 +71,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=(
             "examples:\n"
             "  tune export outputs/full_finetune_demo --output hf_model              # a run: its newest checkpoint\n"
-            "  tune export outputs/short/checkpoints/step_15 --output short_step_15  # that step checkpoint\n"
+            "  tune export outputs/short/checkpoints/step_6 --output short_step_6    # that step checkpoint\n"
             "  tune export outputs/lora_finetune_demo --output lora_export --merged  # adapter/ and merged/"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
