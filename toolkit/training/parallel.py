@@ -13,6 +13,7 @@ The model knows nothing of this: transforms take the model and explicit keyword 
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -20,7 +21,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -204,10 +204,20 @@ def shard_optimizer_state(optimizer: Optimizer, *, dims: ParallelDims) -> Optimi
     optimizer state, since it sees only each rank's shard)."""
     if dims.strategy != "zero1" or dims.world_size == 1:
         return optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # see is_zero_redundancy
+
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **defaults)
+
+
+def is_zero_redundancy(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` is ZeRO-1's ZeroRedundancyOptimizer, without importing ``torch.distributed.optim``
+    where nothing made one: that package compiles its eight functional optimizers with TorchScript on import, most
+    of a second in every process that never uses it."""
+    module = sys.modules.get("torch.distributed.optim")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -49,7 +49,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from toolkit.data import GlobalBatchSampler
@@ -57,6 +56,7 @@ from toolkit.errors import UserError
 from toolkit.training.debug import inject_fault
 from toolkit.training.distributed import shared_filesystem
 from toolkit.training.optim import OptimizerInBackward
+from toolkit.training.parallel import is_zero_redundancy
 from toolkit.training.safe_load import (
     RefusedPickle,
     SafeFileSystemReader,
@@ -429,7 +429,7 @@ class StepCheckpointer:
         # ZeRO-1 keeps the state of this rank's parameters in an inner optimizer, the step inside backward one
         # optimizer per parameter; saved by parameter name, their state is that of one optimizer over all
         # parameters, and reshards to any world size like the rest.
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
+        if is_zero_redundancy(optimizer):
             return optimizer.optim
         if isinstance(optimizer, OptimizerInBackward):
             return tuple(optimizer.optimizers.values())
