@@ -139,5 +139,9 @@ def test_from_pretrained_tells_families_apart(llama2_model, mistral_model, gemma
 
 def test_llama2_rejects_turns_out_of_order(llama2_model):
     tokenizer = llama2_tokenizer(str(llama2_model[0]))
-    with pytest.raises(UserError, match="message 0 is 'assistant'"):
+    with pytest.raises(UserError, match="message 1 is 'assistant', not 'user'"):
         tokenizer.tokenize_messages([{"role": "assistant", "content": "hi"}])
+    # Counted from 1 with the system message, as the row shows them: the third is the second user turn.
+    with pytest.raises(UserError, match="message 3 is 'user', not 'assistant'"):
+        tokenizer.tokenize_messages([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                     {"role": "user", "content": "again"}])

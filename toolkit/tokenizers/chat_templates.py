@@ -76,12 +76,13 @@ def _split_system(messages: list[dict]) -> tuple[str | None, list[tuple[int, dic
 
 
 def _check_alternation(turns: list[tuple[int, dict]], family: str) -> None:
-    for position, (_, message) in enumerate(turns):
+    # Numbered as the user counts the messages of the row: from 1, the system message included.
+    for position, (index, message) in enumerate(turns):
         expected = "user" if position % 2 == 0 else "assistant"
         if message["role"] != expected:
             raise UserError(
                 f"{family} chat format needs an optional system message, then user and assistant turns in "
-                f"alternation starting with user; message {position} is {message['role']!r}"
+                f"alternation starting with user; message {index + 1} is {message['role']!r}, not {expected!r}"
             )
 
 
