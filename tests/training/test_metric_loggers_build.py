@@ -1,11 +1,13 @@
 """Building a metric logger checks what it can and writes nothing into the output folder: a recipe builds them
 before it claims the folder, and each opens its files (or its tracker run) at its first record."""
 
+import os
 import sys
 import types
 
 import pytest
 
+from tests.launch import free_port
 from toolkit.errors import UserError
 from toolkit.training.metric_loggers import build_metric_loggers, build_metric_loggers_on_rank_zero
 
@@ -85,8 +87,34 @@ def test_mlflow_reaches_its_store_when_built_and_creates_its_run_at_the_first_re
     logger.close()
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FINISHED"
-    with pytest.raises(UserError, match="mlflow metric logger: "):
+    with pytest.raises(UserError, match="mlflow metric logger: tracking_uri 'bogus://nowhere': "):
         build_metric_loggers([{"type": "mlflow", "tracking_uri": "bogus://nowhere"}], output_dir=tmp_path)
+
+
+def test_an_unreachable_mlflow_server_is_one_line_after_one_retry_not_minutes(tmp_path, monkeypatch):
+    # Nothing listens on the port: MLflow's defaults retry 7 times with exponential backoff (minutes); the build asks
+    # twice. MLflow's own settings are left as they were for the rest of the run.
+    pytest.importorskip("mlflow.tracking")
+    import mlflow.utils.rest_utils as rest_utils
+
+    attempts = []
+    real = rest_utils.http_request
+
+    def counted(*args, **kwargs):
+        attempts.append(os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rest_utils, "http_request", counted)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")  # the retry itself at once
+    uri = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(UserError) as error:
+        build_metric_loggers([{"type": "mlflow", "tracking_uri": uri}], output_dir=tmp_path)
+    assert str(error.value).startswith(f"mlflow metric logger: tracking_uri '{uri}': ")
+    assert "\n" not in str(error.value)
+    assert attempts and set(attempts) == {"1"}
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ and "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
 
 
 def test_on_rank_zero_without_a_process_group_builds_here_and_checks_every_entry(tmp_path):

@@ -20,6 +20,7 @@ before it claims the output folder, so that a bad entry stops the run with an ol
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -27,7 +28,7 @@ import numbers
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
@@ -246,12 +247,14 @@ class MLflowLogger:
         name = experiment_name or "Default"
         try:
             self.client = tracking.MlflowClient(tracking_uri=tracking_uri)
-            experiment = self.client.get_experiment_by_name(name)
-            self._experiment_id = (
-                experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
-            )
+            with _mlflow_asked_once():
+                experiment = self.client.get_experiment_by_name(name)
+                self._experiment_id = (
+                    experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
+                )
         except mlflow_error as e:
-            raise UserError(f"mlflow metric logger: {_first_line(e)}") from e
+            where = f"tracking_uri {tracking_uri!r}: " if tracking_uri else ""
+            raise UserError(f"mlflow metric logger: {where}{_first_line(e)}") from e
         self._run_name = run_name
         self._tags = dict(tags or {})
         self._run_id: str | None = None
@@ -279,6 +282,25 @@ class MLflowLogger:
     def close(self) -> None:
         if self._run_id is not None:
             self.client.set_terminated(self._run_id)
+
+
+# A tracking server is asked these few times, this many seconds each, when the logger is built: MLflow's own defaults
+# (7 retries with exponential backoff, 120 s timeouts) keep a run with a mistyped or unreachable http URI waiting
+# for minutes before it says so. Later requests, mid-run, keep MLflow's patient defaults (or the user's settings).
+_MLFLOW_FIRST_CONTACT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+
+
+@contextlib.contextmanager
+def _mlflow_asked_once() -> Iterator[None]:
+    """MLflow's HTTP retries and timeout cut to :data:`_MLFLOW_FIRST_CONTACT` inside the block, where the user has
+    not set them (MLflow reads them at every request)."""
+    added = [name for name in _MLFLOW_FIRST_CONTACT if name not in os.environ]
+    os.environ.update({name: _MLFLOW_FIRST_CONTACT[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def _first_line(error: BaseException) -> str:
