@@ -123,6 +123,18 @@ def test_unknown_or_missing_sources(tmp_path: Path) -> None:
         open_source(str(tmp_path), format="parquet")
 
 
+@pytest.mark.parametrize("selector", [{"name": "en"}, {"revision": "v2"}, {"split": "validation"}])
+def test_a_hub_selector_on_a_local_file_is_refused(tmp_path: Path, selector: dict) -> None:
+    # Local files are read whole: a split, configuration or revision would silently select nothing.
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "a"}\n')
+    ((key, value),) = selector.items()
+    with pytest.raises(UserError, match=f"dataset {key}='{value}' selects from a hub dataset, but source") as error:
+        open_source(str(path), **selector)
+    assert "\n" not in str(error.value)
+    assert _rows(str(path), split="train")  # the hub configs' default split stays accepted
+
+
 class _FakeHubDataset(list):
     _fingerprint = "abc123"
 

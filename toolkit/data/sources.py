@@ -125,6 +125,15 @@ def open_source(
         if format is not None or looks_local:
             raise UserError(f"dataset source {source!r} does not exist{_missing_path_hint(source)}")
         return _hub_source(source, split=split, name=name, revision=revision, local_hint=True)
+    # The hub's selectors mean nothing to local files, which are read whole: a user who set one expected another
+    # dataset than the one that would be read. `split: train` is the default the hub configs spell out.
+    hub_only = {"name": name, "revision": revision, "split": None if split == "train" else split}
+    for key, value in hub_only.items():
+        if value is not None:
+            raise UserError(
+                f"dataset {key}={value!r} selects from a hub dataset, but source {source!r} is a local path, read "
+                f"whole; remove {key}, or split the data into files of their own"
+            )
     if Path(source).expanduser().is_dir() and not paths:
         raise UserError(f"dataset source {source!r} is an empty folder")
     if format is None:
