@@ -19,16 +19,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(script: str | Path, *args: str, nproc: int = 2, timeout_s: float = 180) -> subprocess.CompletedProcess:
+def run_workers(
+    script: str | Path, *args: str, nproc: int = 2, timeout_s: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``python script *args`` on ``nproc`` processes under ``torch.distributed.run`` on a free port.
 
-    The environment is :func:`_env`'s; output is captured. A worker that hangs fails the test after ``timeout_s``
-    (``subprocess.TimeoutExpired``) instead of stalling the suite.
+    The environment is :func:`_env`'s (``env`` added); output is captured. A worker that hangs fails the test after
+    ``timeout_s`` (``subprocess.TimeoutExpired``) instead of stalling the suite.
     """
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
          "--master_port", str(free_port()), str(script), *args],
-        capture_output=True, text=True, timeout=timeout_s, env=_env(),
+        capture_output=True, text=True, timeout=timeout_s, env=_env(env),
     )
 
 
@@ -87,7 +89,11 @@ def run_tune_here(*args: str, env: dict[str, str] | None = None) -> subprocess.C
 
     from toolkit.cli.main import main
 
-    assert not any(a.endswith("_distributed") or a.startswith(("--nproc", "--nnodes")) for a in args), "use run_tune"
+    torchrun_flags = ("--nproc_per_node", "--nnodes", "--max_restarts", "--standalone", "--rdzv_backend")
+    launches = args[:1] == ("run",) and any(
+        a.endswith("_distributed") or a.split("=")[0] in torchrun_flags for a in args[1:]
+    )
+    assert not launches, "a launch starts processes: use run_tune"
     env = {"TUNE_INJECT_FAULT": "", **(env or {})}
     saved_env = {name: os.environ.get(name) for name in env}
     saved_threads = torch.get_num_threads()
@@ -143,13 +149,14 @@ class RecipeRun:
 
 
 def run_recipes(
-    runs: list[RecipeRun], *, nproc: int = 2, timeout_s: float = 600
+    runs: list[RecipeRun], *, nproc: int = 2, timeout_s: float = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``runs`` one after another in ONE launch of ``nproc`` processes (torchrun, gloo, CPU): each is
     configured and validated as `tune run` does it and runs the recipe's ``main``, in the same process group, so
     that the interpreters, imports and process-group set-up (most of a demo run's time) are paid once for all of
     them. A run that fails ends the launch (non-zero exit, its traceback in stderr). Rank zero's stdout of each run
-    goes to its :meth:`RecipeRun.stdout` file; each run's time is printed to stderr."""
+    goes to its :meth:`RecipeRun.stdout` file; each run's time is printed to stderr. ``env`` is added to the
+    workers' environment."""
     import json
     import tempfile
 
@@ -162,4 +169,4 @@ def run_recipes(
     ]
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=runs[0].output_dir.parent, delete=False) as f:
         json.dump(spec, f)
-    return run_workers(REPO / "tests" / "_recipe_runs_worker.py", f.name, nproc=nproc, timeout_s=timeout_s)
+    return run_workers(REPO / "tests" / "_recipe_runs_worker.py", f.name, nproc=nproc, timeout_s=timeout_s, env=env)
