@@ -19,16 +19,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(script: str | Path, *args: str, nproc: int = 2, timeout_s: float = 180) -> subprocess.CompletedProcess:
+def run_workers(
+    script: str | Path, *args: str, nproc: int = 2, timeout_s: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``python script *args`` on ``nproc`` processes under ``torch.distributed.run`` on a free port.
 
-    The environment is :func:`_env`'s; output is captured. A worker that hangs fails the test after ``timeout_s``
-    (``subprocess.TimeoutExpired``) instead of stalling the suite.
+    The environment is :func:`_env`'s (``env`` added); output is captured. A worker that hangs fails the test after
+    ``timeout_s`` (``subprocess.TimeoutExpired``) instead of stalling the suite.
     """
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
          "--master_port", str(free_port()), str(script), *args],
-        capture_output=True, text=True, timeout=timeout_s, env=_env(),
+        capture_output=True, text=True, timeout=timeout_s, env=_env(env),
     )
 
 
@@ -63,3 +65,108 @@ def run_recipe_here(recipe: str, config: str, *overrides: str) -> None:
     apply_overrides(cfg, list(overrides))
     validate(cfg)
     runpy.run_path(str(recipes_dir() / f"{recipe}.py"))["main"](cfg)
+
+
+def run_tune_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``tune *args`` in this process, for commands that start no other process (``tune run ..._single_device``,
+    ``tune export``, ``tune plan``): the code path of the command itself (``tune run`` runs a one-device recipe in
+    its own process), without an interpreter start and a torch import.
+
+    As :func:`run_tune`'s subprocess would: one thread for torch's kernels (so that the arithmetic is the same, and
+    bitwise comparisons with runs in subprocesses hold), ``env`` in the environment (and an empty
+    ``TUNE_INJECT_FAULT`` unless given), stdout and stderr captured in files, Python's default warning filters with
+    warnings printed to stderr, and records of ``logging`` at WARNING and above written to stderr as Python's
+    last-resort handler writes them where no logging is configured (pytest's own handlers would otherwise take
+    them). Returns the exit code and the captured output as a ``CompletedProcess``.
+    """
+    import contextlib
+    import faulthandler
+    import logging
+    import tempfile
+    import warnings
+
+    import torch
+
+    from toolkit.cli.main import main
+
+    torchrun_flags = ("--nproc_per_node", "--nnodes", "--max_restarts", "--standalone", "--rdzv_backend")
+    launches = args[:1] == ("run",) and any(
+        a.endswith("_distributed") or a.split("=")[0] in torchrun_flags for a in args[1:]
+    )
+    assert not launches, "a launch starts processes: use run_tune"
+    env = {"TUNE_INJECT_FAULT": "", **(env or {})}
+    saved_env = {name: os.environ.get(name) for name in env}
+    saved_threads = torch.get_num_threads()
+    faulthandler_enabled = faulthandler.is_enabled()
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        handler = logging.StreamHandler(stderr)
+        handler.setLevel(logging.WARNING)
+
+        def show(message, category, filename, lineno, file=None, line=None) -> None:
+            stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+        os.environ.update(env)
+        torch.set_num_threads(1)
+        logging.getLogger().addHandler(handler)
+        try:
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings():
+                warnings.resetwarnings()
+                for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                    warnings.simplefilter("ignore", category)
+                warnings.showwarning = show
+                code = main(list(args))
+        finally:
+            logging.getLogger().removeHandler(handler)
+            torch.set_num_threads(saved_threads)
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            # torchrun's error recording points the fault handler at the recipe's stderr, a file closed below.
+            if faulthandler_enabled and sys.__stderr__ is not None:
+                faulthandler.enable(file=sys.__stderr__, all_threads=True)
+            else:
+                faulthandler.disable()
+        stdout.seek(0)
+        stderr.seek(0)
+        return subprocess.CompletedProcess(["tune", *args], code, stdout.read(), stderr.read())
+
+
+class RecipeRun:
+    """One run for :func:`run_recipes`: ``tune run <recipe>_distributed --config <config> output_dir=<output_dir>
+    <overrides>``; its rank zero's stdout is kept next to ``output_dir`` (:meth:`stdout`)."""
+
+    def __init__(self, recipe: str, output_dir: str | Path, *overrides: str, config: str = "demo") -> None:
+        self.recipe, self.output_dir, self.overrides, self.config = recipe, Path(output_dir), list(overrides), config
+
+    @property
+    def stdout_file(self) -> Path:
+        return self.output_dir.with_name(self.output_dir.name + ".stdout")
+
+    def stdout(self) -> str:
+        return self.stdout_file.read_text()
+
+
+def run_recipes(
+    runs: list[RecipeRun], *, nproc: int = 2, timeout_s: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``runs`` one after another in ONE launch of ``nproc`` processes (torchrun, gloo, CPU): each is
+    configured and validated as `tune run` does it and runs the recipe's ``main``, in the same process group, so
+    that the interpreters, imports and process-group set-up (most of a demo run's time) are paid once for all of
+    them. A run that fails ends the launch (non-zero exit, its traceback in stderr). Rank zero's stdout of each run
+    goes to its :meth:`RecipeRun.stdout` file; each run's time is printed to stderr. ``env`` is added to the
+    workers' environment."""
+    import json
+    import tempfile
+
+    for run in runs:
+        run.output_dir.parent.mkdir(parents=True, exist_ok=True)
+    spec = [
+        {"recipe": r.recipe, "config": r.config, "overrides": [f"output_dir={r.output_dir}", *r.overrides],
+         "stdout": str(r.stdout_file)}
+        for r in runs
+    ]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", dir=runs[0].output_dir.parent, delete=False) as f:
+        json.dump(spec, f)
+    return run_workers(REPO / "tests" / "_recipe_runs_worker.py", f.name, nproc=nproc, timeout_s=timeout_s, env=env)

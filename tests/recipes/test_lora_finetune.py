@@ -1,23 +1,30 @@
 """The lora_finetune recipe end to end: parity across processes and strategies, activation checkpointing under
-DDP, and exports that load in `peft` and `transformers`."""
+DDP, and exports that load in `peft` and `transformers`.
+
+The 1-process runs go through `tune run` in the test's own process; the 2-process runs share one launch
+(``two_process_runs``)."""
 
 import json
 import re
-from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.launch import run_tune
+from tests.launch import RecipeRun, run_recipes, run_tune_here
 
+QLORA = ["model.quantize_base=true", "save_merged=false"]
 FAST = [
     "max_steps=4", "dataset.num_samples=256", "dataset.word_len=[2,8]", "progress_bar=false", "~eval_tasks",
     "batch_size=8", "micro_batch_size=2",
 ]
 
 
-tune = partial(run_tune, timeout_s=300, check=True)
+def tune(*args: str):
+    """``tune *args`` in this process (commands that start no process); a non-zero exit fails the test."""
+    result = run_tune_here(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 def losses(out: Path) -> list[float]:
@@ -40,13 +47,37 @@ def single(base_checkpoint, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("extra", [
-    ["data_parallel=ddp", "activation_checkpointing=true"],
+# The 2-process runs, by name: their overrides (each against the 1-process run of the same model).
+TWO_PROCESS_RUNS = {
+    "ddp_activation_checkpointing": ["data_parallel=ddp", "activation_checkpointing=true"],
     # Every 2nd layer checkpointed under FSDP2; offloading is a no-op on the CPU but goes through the recipe.
-    ["data_parallel=zero3", "activation_checkpointing=2", "activation_offloading=true"],
-])
-def test_two_processes_match_one(extra, single, base_checkpoint, tmp_path):
-    _assert_two_processes_match(extra, single, base_checkpoint, tmp_path)
+    "zero3_activation_checkpointing_2_offloading": [
+        "data_parallel=zero3", "activation_checkpointing=2", "activation_offloading=true",
+    ],
+    "dora_ddp": ["data_parallel=ddp", "model.use_dora=true"],
+    "dora_zero3": ["data_parallel=zero3", "model.use_dora=true"],
+    "qlora_zero3": ["data_parallel=zero3", *QLORA],
+    "qlora_ddp": ["data_parallel=ddp", *QLORA],
+}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(base_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    """Every run of TWO_PROCESS_RUNS (2 processes, LoRA on ``base_checkpoint``), in one launch; by name, their
+    output folders."""
+    root = tmp_path_factory.mktemp("two_processes")
+    runs = {
+        name: RecipeRun("lora_finetune", root / name, f"checkpointer.checkpoint_dir={base_checkpoint}", *FAST, *extra)
+        for name, extra in TWO_PROCESS_RUNS.items()
+    }
+    result = run_recipes(list(runs.values()), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {name: r.output_dir for name, r in runs.items()}
+
+
+@pytest.mark.parametrize("layout", ["ddp_activation_checkpointing", "zero3_activation_checkpointing_2_offloading"])
+def test_two_processes_match_one(layout, single, two_process_runs):
+    _assert_two_processes_match(two_process_runs[layout], single)
 
 
 @pytest.fixture(scope="module")
@@ -58,24 +89,21 @@ def dora_single(base_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_dora_two_processes_match_one(strategy, dora_single, base_checkpoint, tmp_path):
+def test_dora_two_processes_match_one(strategy, dora_single, two_process_runs):
     # DoRA's magnitudes are initialized from the (sharded, under zero3) base rows' norms and train too.
-    _assert_two_processes_match([f"data_parallel={strategy}", "model.use_dora=true"], dora_single, base_checkpoint, tmp_path)
+    _assert_two_processes_match(two_process_runs[f"dora_{strategy}"], dora_single)
 
 
-def _assert_two_processes_match(extra, single, base_checkpoint, tmp_path):
+def _assert_two_processes_match(out, single):
     # DDP + LoRA + activation checkpointing is the combination that fails elsewhere with "Expected to mark a
     # variable ready only once"; here it must run and train identically. Tolerances as in the parity tests.
-    tune("run", "--nproc_per_node", "2", "lora_finetune_distributed", "--config", "demo", f"output_dir={tmp_path}",
-         f"checkpointer.checkpoint_dir={base_checkpoint}", *FAST, *extra)
-    torch.testing.assert_close(losses(tmp_path), losses(single), rtol=1e-5, atol=0)
+    torch.testing.assert_close(losses(out), losses(single), rtol=1e-5, atol=0)
     from safetensors.torch import load_file
 
-    ours = load_file(tmp_path / "final" / "adapter" / "adapter_model.safetensors")
+    ours = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
     reference = load_file(single / "final" / "adapter" / "adapter_model.safetensors")
     for key in reference:
         torch.testing.assert_close(ours[key], reference[key], rtol=1e-4, atol=1e-6)
-
 
 
 def test_auto_plans_memory_for_the_adapters_only(tmp_path):
@@ -113,9 +141,6 @@ def test_adapter_loads_in_peft_and_matches_the_merged_export(single, base_checkp
         torch.testing.assert_close(with_adapter(tokens).logits, merged.eval()(tokens).logits, atol=1e-4, rtol=0)
 
 
-QLORA = ["model.quantize_base=true", "save_merged=false"]
-
-
 @pytest.fixture(scope="module")
 def qlora_single(base_checkpoint, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("qlora_single")
@@ -125,11 +150,9 @@ def qlora_single(base_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])
-def test_qlora_trains_alike_on_one_process_and_two(strategy, qlora_single, base_checkpoint, tmp_path):
+def test_qlora_trains_alike_on_one_process_and_two(strategy, qlora_single, two_process_runs):
     # zero3 shards the NF4 base itself (each rank keeps half of every quantized weight); DDP keeps a whole copy
     # per rank and must not broadcast it (a broadcast re-quantizes NF4 and shifts the base: losses 1e-5 apart).
-    tune("run", "--nproc_per_node", "2", "lora_finetune_distributed", "--config", "demo", f"output_dir={tmp_path}",
-         f"checkpointer.checkpoint_dir={base_checkpoint}", f"data_parallel={strategy}", *FAST, *QLORA)
     reference = losses(qlora_single)
     assert reference[-1] < reference[0], "QLoRA trains"
-    torch.testing.assert_close(losses(tmp_path), reference, rtol=1e-5, atol=0)
+    torch.testing.assert_close(losses(two_process_runs[f"qlora_{strategy}"]), reference, rtol=1e-5, atol=0)

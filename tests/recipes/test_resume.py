@@ -3,6 +3,11 @@
 Every run is the CPU demo in fp32 on a small slice of its data: deterministic, so "the same run" means bitwise
 equal weights and losses on the same number of processes. On a different number of processes the gradient sums are
 rounded in another order, so there the losses agree to fp32 rounding (rtol 1e-5, as in the parity tests).
+
+What costs time here is starting processes, not training (a demo run is a second or two of it): the uninterrupted
+2-process runs share one launch (``two_process_runs``), the resumes of the killed 2-process runs another
+(``killed_then_resumed``), and 1-process runs go through `tune run` in the test's own process (``run_here``). Only
+the runs that are killed, and the restart by torchrun, are launches of their own.
 """
 
 import json
@@ -14,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.launch import run_tune
+from tests.launch import RecipeRun, run_recipes, run_tune, run_tune_here
 
 FAST = [
     "max_steps=8", "dataset.num_samples=256", "progress_bar=false", "~eval_tasks", "batch_size=8",
@@ -31,11 +36,30 @@ def run(
     output_dir: Path, *overrides: str, nproc: int = 2, fault: str | None = None, restarts: int = 0,
     recipe: str = "full_finetune",
 ):
+    """`tune run` in a new process (torchrun's launcher and its workers for 2 processes or restarts)."""
     launch = ["--nproc_per_node", str(nproc)] if nproc > 1 else []
     if restarts:
         launch += ["--max_restarts", str(restarts)]
     recipe += "_distributed" if nproc > 1 or restarts else "_single_device"
     return tune("run", *launch, recipe, "--config", "demo", f"output_dir={output_dir}", *FAST, *overrides, fault=fault)
+
+
+def run_here(output_dir: Path, *overrides: str, recipe: str = "full_finetune") -> subprocess.CompletedProcess:
+    """`tune run <recipe>_single_device` in this process: the same command, exit code and output, no process start."""
+    return run_tune_here(
+        "run", f"{recipe}_single_device", "--config", "demo", f"output_dir={output_dir}", *FAST, *overrides
+    )
+
+
+def together(output_dir: Path, *overrides: str, recipe: str = "full_finetune") -> RecipeRun:
+    """A 2-process run for :func:`run_together`."""
+    return RecipeRun(recipe, output_dir, *FAST, *overrides)
+
+
+def run_together(*runs: RecipeRun, nproc: int = 2) -> None:
+    """The runs one after another in one launch of ``nproc`` processes (see ``tests.launch.run_recipes``)."""
+    result = run_recipes(list(runs), nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def losses(output_dir: Path) -> list[float]:
@@ -61,20 +85,46 @@ def complete_steps(output_dir: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted 2-process run (DDP); its checkpoints at steps 3, 6 and 8 are reused below."""
-    out = tmp_path_factory.mktemp("reference")
-    result = run(out)
+def reference_single(tmp_path_factory) -> Path:
+    """The uninterrupted 1-process run; its checkpoint at step 3 is resumed on 2 processes below."""
+    out = tmp_path_factory.mktemp("reference_single")
+    result = run_here(out)
     assert result.returncode == 0, result.stderr
-    assert complete_steps(out) == [3, 6, 8]
     return out
 
 
 @pytest.fixture(scope="module")
-def reference_single(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference_single")
-    result = run(out, nproc=1)
-    assert result.returncode == 0, result.stderr
+def two_process_runs(reference_single, tmp_path_factory) -> dict[str, Path]:
+    """Every uninterrupted 2-process run of this file, in one launch; by name, the output folder of each:
+
+    - ``reference``: DDP; its checkpoints at steps 3, 6 and 8 are reused below.
+    - ``zero1``, ``zero3``: 6 steps under each sharded strategy, whose step 3 is resumed on 1 process.
+    - ``keep_last_n``: ``keep_last_n=2`` with asynchronous saves.
+    - ``one_process_step_3``: ``reference_single``'s step 3 resumed on 2 processes.
+    - ``lora_reference``: LoRA with adapter dropout (the reference of the LoRA kill below).
+    - ``dora_zero3``: DoRA under ZeRO-3, whose step 3 is resumed on 1 process.
+    """
+    root = tmp_path_factory.mktemp("two_processes")
+    runs = {
+        "reference": together(root / "reference"),
+        "zero1": together(root / "zero1", "data_parallel=zero1", "max_steps=6"),
+        "zero3": together(root / "zero3", "data_parallel=zero3", "max_steps=6"),
+        "keep_last_n": together(root / "keep_last_n", "keep_last_n=2", "async_save=true"),
+        "one_process_step_3": together(
+            root / "one_process_step_3", f"resume_from={reference_single / 'checkpoints' / 'step_3'}"
+        ),
+        "lora_reference": together(root / "lora_reference", LORA_DROPOUT, recipe="lora_finetune"),
+        "dora_zero3": together(root / "dora_zero3", *DORA, "data_parallel=zero3", recipe="lora_finetune"),
+    }
+    run_together(*runs.values())
+    return {name: r.output_dir for name, r in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(two_process_runs) -> Path:
+    """The uninterrupted 2-process run (DDP); its checkpoints at steps 3, 6 and 8 are reused below."""
+    out = two_process_runs["reference"]
+    assert complete_steps(out) == [3, 6, 8]
     return out
 
 
@@ -90,56 +140,100 @@ def kill_then_resume(output_dir: Path, fault: str, *overrides: str, killed_state
     return resumed.stdout
 
 
+# Adapter dropout, so that every random draw between the checkpoint and the kill must repeat on resume (the data
+# loader's iterator once drew from the global RNG, which the resumed run then drew once more).
+LORA_DROPOUT = "model.lora_dropout=0.1"
+DORA = ["save_merged=false", "model.use_dora=true"]
+# The 2-process runs killed by SIGKILL: the fault, the overrides, the recipe.
+KILLED = {
+    "two_processes": ("after_step:7:1", [], "full_finetune"),  # rank 1 dies after step 7; the last checkpoint: 6
+    "while_saving": ("save:6", [], "full_finetune"),  # step 6's files are all written, its marker is not
+    "async_save": ("after_step:7:1", ["async_save=true"], "full_finetune"),
+    "lora": ("after_step:7:1", [LORA_DROPOUT, "save_merged=false"], "lora_finetune"),
+}
+
+
+class Killed:
+    """A killed run: its folder, what the kill left there, and the stdout of its resume."""
+
+    def __init__(self, output_dir: Path, stdout_file: Path) -> None:
+        self.output_dir, self.stdout_file = output_dir, stdout_file
+        self.complete_steps = complete_steps(output_dir)
+        self.checkpoint_folders = sorted(p.name for p in (output_dir / "checkpoints").iterdir())
+        self.has_final = (output_dir / "final").exists()
+
+    @property
+    def resumed_stdout(self) -> str:
+        return self.stdout_file.read_text()
+
+
+@pytest.fixture(scope="module")
+def killed_then_resumed(tmp_path_factory) -> dict[str, Killed]:
+    """Each run of ``KILLED`` killed in its own launch, what it left recorded, then all resumed with
+    ``resume_from=auto`` in one launch."""
+    root = tmp_path_factory.mktemp("killed")
+    killed, resumes = {}, []
+    for name, (fault, overrides, recipe) in KILLED.items():
+        result = run(root / name, *overrides, fault=fault, recipe=recipe)
+        assert result.returncode != 0, f"{name}: the fault {fault} killed nothing"
+        resumes.append(together(root / name, *overrides, "resume_from=auto", recipe=recipe))
+        killed[name] = Killed(root / name, resumes[-1].stdout_file)
+    run_together(*resumes)
+    return killed
+
+
 def assert_same_run(output_dir: Path, reference: Path) -> None:
     assert losses(output_dir) == losses(reference)
     assert_bitwise_equal(weights(output_dir), weights(reference))
 
 
-def test_sigkill_then_resume_is_bitwise_exact_on_two_processes(reference, tmp_path):
-    def left(out: Path) -> None:
-        assert complete_steps(out) == [3, 6] and not (out / "final").exists()
-
-    # Rank 1 dies after step 7; the last checkpoint is step 6.
-    assert "resumed at step 6" in kill_then_resume(tmp_path, "after_step:7:1", killed_state=left)
-    assert_same_run(tmp_path, reference)
+def test_sigkill_then_resume_is_bitwise_exact_on_two_processes(killed_then_resumed, reference):
+    # Rank 1 died after step 7; the last checkpoint is step 6.
+    killed = killed_then_resumed["two_processes"]
+    assert killed.complete_steps == [3, 6] and not killed.has_final
+    assert "resumed at step 6" in killed.resumed_stdout
+    assert_same_run(killed.output_dir, reference)
 
 
 def test_sigkill_then_resume_is_bitwise_exact_on_one_process(reference_single, tmp_path):
-    assert "resumed at step 3" in kill_then_resume(tmp_path, "after_step:5", nproc=1)
+    killed = run(tmp_path, fault="after_step:5", nproc=1)  # a real SIGKILL: the run needs a process of its own
+    assert killed.returncode != 0
+    resumed = run_here(tmp_path, "resume_from=auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed at step 3" in resumed.stdout
     assert_same_run(tmp_path, reference_single)
 
 
 def test_two_process_checkpoint_resumes_on_one_process(reference, tmp_path):
-    resumed = run(tmp_path, f"resume_from={reference / 'checkpoints' / 'step_6'}", nproc=1)
+    resumed = run_here(tmp_path, f"resume_from={reference / 'checkpoints' / 'step_6'}")
     assert resumed.returncode == 0, resumed.stderr
     torch.testing.assert_close(losses(tmp_path), losses(reference)[6:], rtol=1e-5, atol=1e-6)
 
 
-def test_one_process_checkpoint_resumes_on_two_processes(reference_single, reference, tmp_path):
-    resumed = run(tmp_path, f"resume_from={reference_single / 'checkpoints' / 'step_3'}")
-    assert resumed.returncode == 0, resumed.stderr
-    torch.testing.assert_close(losses(tmp_path), losses(reference)[3:], rtol=1e-5, atol=1e-6)
+def test_one_process_checkpoint_resumes_on_two_processes(two_process_runs, reference):
+    # reference_single's step 3, resumed on 2 processes (in two_process_runs).
+    torch.testing.assert_close(
+        losses(two_process_runs["one_process_step_3"]), losses(reference)[3:], rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])
-def test_sharded_checkpoint_reshards_to_another_world_size_and_strategy(strategy, reference, tmp_path):
+def test_sharded_checkpoint_reshards_to_another_world_size_and_strategy(strategy, two_process_runs, reference,
+                                                                         tmp_path):
     # Optimizer state sharded by ZeRO-1 (whole parameters per rank) or FSDP2 (rows of every parameter), saved by
-    # 2 processes and loaded by 1 process with DDP's layout.
-    sharded = tmp_path / strategy
-    result = run(sharded, f"data_parallel={strategy}", "max_steps=6")
-    assert result.returncode == 0, result.stderr
-    resumed = run(tmp_path / "resumed", f"resume_from={sharded / 'checkpoints' / 'step_3'}", nproc=1)
+    # 2 processes (6 steps, in two_process_runs) and loaded by 1 process with DDP's layout.
+    sharded = two_process_runs[strategy]
+    resumed = run_here(tmp_path / "resumed", f"resume_from={sharded / 'checkpoints' / 'step_3'}")
     assert resumed.returncode == 0, resumed.stderr
     torch.testing.assert_close(losses(tmp_path / "resumed"), losses(reference)[3:], rtol=1e-5, atol=1e-6)
 
 
-def test_kill_while_saving_leaves_the_previous_checkpoint_for_auto(reference, tmp_path):
-    def left(out: Path) -> None:
-        assert complete_steps(out) == [3] and (out / "checkpoints" / "step_6").is_dir()
-
+def test_kill_while_saving_leaves_the_previous_checkpoint_for_auto(killed_then_resumed, reference):
     # Step 6's files are all written, its marker is not.
-    assert "resumed at step 3" in kill_then_resume(tmp_path, "save:6", killed_state=left)
-    assert_same_run(tmp_path, reference)
+    killed = killed_then_resumed["while_saving"]
+    assert killed.complete_steps == [3] and "step_6" in killed.checkpoint_folders
+    assert "resumed at step 3" in killed.resumed_stdout
+    assert_same_run(killed.output_dir, reference)
 
 
 def test_max_restarts_recovers_from_a_dead_rank(reference, tmp_path):
@@ -150,7 +244,7 @@ def test_max_restarts_recovers_from_a_dead_rank(reference, tmp_path):
 
 def test_tune_export_converts_a_step_checkpoint_offline(reference, tmp_path):
     # The last step checkpoint holds the final weights; written by 2 processes, converted by one.
-    result = tune("export", str(reference / "checkpoints" / "step_8"), "--output", str(tmp_path / "hf"))
+    result = run_tune_here("export", str(reference / "checkpoints" / "step_8"), "--output", str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
     assert_bitwise_equal(load_file(tmp_path / "hf" / "model.safetensors"), weights(reference))
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
@@ -171,16 +265,15 @@ def test_a_step_checkpoint_is_a_base_checkpoint_for_a_new_run(reference):
         assert torch.equal(value, final[hf_key]), key
 
 
-def test_keep_last_n_prunes_old_checkpoints(tmp_path):
-    result = run(tmp_path, "keep_last_n=2", "async_save=true")
-    assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_6", "step_8"]
-    assert complete_steps(tmp_path) == [6, 8]
+def test_keep_last_n_prunes_old_checkpoints(two_process_runs):
+    # keep_last_n=2 with asynchronous saves (in two_process_runs).
+    out = two_process_runs["keep_last_n"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_6", "step_8"]
+    assert complete_steps(out) == [6, 8]
 
 
-def test_async_save_resumes_exactly(reference, tmp_path):
-    kill_then_resume(tmp_path, "after_step:7:1", "async_save=true")
-    assert_same_run(tmp_path, reference)
+def test_async_save_resumes_exactly(killed_then_resumed, reference):
+    assert_same_run(killed_then_resumed["async_save"].output_dir, reference)
 
 
 # --- adapters: step checkpoints hold only the adapters and their optimizer state -----------------------------------
@@ -190,37 +283,31 @@ def adapter(output_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(output_dir / "final" / "adapter" / "adapter_model.safetensors")
 
 
-def test_lora_sigkill_then_resume_is_bitwise_exact(tmp_path):
-    # With adapter dropout, so that every random draw between the checkpoint and the kill must repeat on resume
-    # (the data loader's iterator once drew from the global RNG, which the resumed run then drew once more).
-    dropout = "model.lora_dropout=0.1"
-    reference = run(tmp_path / "reference", dropout, recipe="lora_finetune")
-    assert reference.returncode == 0, reference.stderr
-    kill_then_resume(tmp_path / "run", "after_step:7:1", dropout, "save_merged=false", recipe="lora_finetune")
-    assert losses(tmp_path / "run") == losses(tmp_path / "reference")
-    assert_bitwise_equal(adapter(tmp_path / "run"), adapter(tmp_path / "reference"))
+def test_lora_sigkill_then_resume_is_bitwise_exact(two_process_runs, killed_then_resumed, tmp_path):
+    # With adapter dropout (LORA_DROPOUT): every random draw between the checkpoint and the kill must repeat on
+    # resume. The reference is two_process_runs' uninterrupted LoRA run; the kill, after step 7 on rank 1.
+    reference = two_process_runs["lora_reference"]
+    resumed = killed_then_resumed["lora"].output_dir
+    assert losses(resumed) == losses(reference)
+    assert_bitwise_equal(adapter(resumed), adapter(reference))
     # Offline, the last step checkpoint becomes the same PEFT adapter and merged model as the run's own export.
-    step_8 = tmp_path / "run" / "checkpoints" / "step_8"
-    result = tune("export", str(step_8), "--output", str(tmp_path / "export"), "--merged")
+    step_8 = resumed / "checkpoints" / "step_8"
+    result = run_tune_here("export", str(step_8), "--output", str(tmp_path / "export"), "--merged")
     assert result.returncode == 0, result.stderr
-    assert_bitwise_equal(
-        load_file(tmp_path / "export" / "adapter" / "adapter_model.safetensors"), adapter(tmp_path / "reference")
-    )
+    assert_bitwise_equal(load_file(tmp_path / "export" / "adapter" / "adapter_model.safetensors"), adapter(reference))
     merged = load_file(tmp_path / "export" / "merged" / "model.safetensors")
-    assert_bitwise_equal(merged, load_file(tmp_path / "reference" / "final" / "merged" / "model.safetensors"))
+    assert_bitwise_equal(merged, load_file(reference / "final" / "merged" / "model.safetensors"))
     # Only what trains is saved: no frozen base weight in the checkpoint.
-    metadata = (tmp_path / "run" / "checkpoints" / "step_6" / ".metadata").read_bytes()
+    metadata = (resumed / "checkpoints" / "step_6" / ".metadata").read_bytes()
     assert b"lora_a" in metadata and b"q_proj.weight" not in metadata
 
 
-def test_dora_zero3_checkpoint_resumes_on_one_process(tmp_path):
-    dora = ["save_merged=false", "model.use_dora=true"]
-    sharded = run(tmp_path / "zero3", *dora, "data_parallel=zero3", recipe="lora_finetune")
-    assert sharded.returncode == 0, sharded.stderr
-    step_3 = tmp_path / "zero3" / "checkpoints" / "step_3"
-    resumed = run(tmp_path / "resumed", *dora, f"resume_from={step_3}", nproc=1, recipe="lora_finetune")
+def test_dora_zero3_checkpoint_resumes_on_one_process(two_process_runs, tmp_path):
+    sharded = two_process_runs["dora_zero3"]  # DoRA under ZeRO-3 on 2 processes
+    step_3 = sharded / "checkpoints" / "step_3"
+    resumed = run_here(tmp_path / "resumed", *DORA, f"resume_from={step_3}", recipe="lora_finetune")
     assert resumed.returncode == 0, resumed.stderr
-    torch.testing.assert_close(losses(tmp_path / "resumed"), losses(tmp_path / "zero3")[3:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses(tmp_path / "resumed"), losses(sharded)[3:], rtol=1e-5, atol=1e-6)
 
 
 # --- integrity: a bad checkpoint is refused with the file and key, before the run's files are touched -----------
@@ -232,11 +319,16 @@ def copy_checkpoint(reference: Path, tmp_path: Path) -> Path:
     return step
 
 
-def refused(tmp_path: Path, step: Path, *overrides: str) -> str:
+def refused(tmp_path: Path, step: Path, *overrides: str, new_process: bool = False) -> str:
+    """The 1-process resume from ``step``, refused with exit 2 before metrics.jsonl is touched; its stderr. In this
+    process (`tune run` on one device runs the recipe in its own process), or with ``new_process`` in a new one."""
     out = tmp_path / "run"
     out.mkdir(exist_ok=True)
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
-    result = run(out, f"resume_from={step}", *overrides, nproc=1)
+    if new_process:
+        result = run(out, f"resume_from={step}", *overrides, nproc=1)
+    else:
+        result = run_here(out, f"resume_from={step}", *overrides)
     assert result.returncode == 2, result.stderr
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n', "nothing overwritten"
     return result.stderr
@@ -246,7 +338,7 @@ def test_truncated_file_is_named(reference, tmp_path):
     step = copy_checkpoint(reference, tmp_path)
     shard = step / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
-    assert "__1_0.distcp: truncated" in refused(tmp_path, step)
+    assert "__1_0.distcp: truncated" in refused(tmp_path, step, new_process=True)  # the command end to end, once
 
 
 def test_corrupt_metadata_is_named(reference, tmp_path):

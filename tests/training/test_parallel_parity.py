@@ -4,6 +4,9 @@ Every run uses the demo's samples with variable-length words, a global batch of 
 runs differ only in the order in which gradient sums are reduced, so losses agree to ~1e-7 relative; we allow
 1e-5. Weights after 5 Adam steps are compared at 1e-4 relative: Adam divides by sqrt(v), which turns rounding-level
 gradient differences on tiny-gradient entries into larger relative update differences.
+
+The 1-process runs go through `tune run` in the test's own process; the 2-process runs share one launch
+(``two_process_runs``); HSDP on 4 processes is a `tune run` of its own.
 """
 
 import json
@@ -14,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tests.launch import run_tune
+from tests.launch import RecipeRun, run_recipes, run_tune, run_tune_here
 from toolkit.data import GlobalBatchSampler, demo_dataset, padded_collate
 from toolkit.models.llama3 import llama3_demo
 from toolkit.tokenizers import byte_tokenizer
@@ -26,10 +29,20 @@ COMMON = [
 ]
 
 
-def run(out: Path, *args: str, nproc: int | None = None) -> list[float]:
-    launch = ["--nproc_per_node", str(nproc), "full_finetune_distributed"] if nproc else ["full_finetune_single_device"]
-    run_tune("run", *launch, "--config", "demo", f"output_dir={out}", *COMMON, *args, timeout_s=300, check=True)
+def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(out: Path, *args: str, nproc: int | None = None) -> list[float]:
+    """`tune run`: on one process in this process, on ``nproc`` in new ones."""
+    if nproc:
+        run_tune("run", "--nproc_per_node", str(nproc), "full_finetune_distributed", "--config", "demo",
+                 f"output_dir={out}", *COMMON, *args, timeout_s=300, check=True)
+    else:
+        result = run_tune_here("run", "full_finetune_single_device", "--config", "demo", f"output_dir={out}", *COMMON,
+                               *args)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return losses(out)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +52,28 @@ def reference(tmp_path_factory) -> tuple[list[float], dict]:
     return run(out), load_file(out / "final" / "model.safetensors")
 
 
-def assert_same_training(out: Path, losses: list[float], reference, *, weight_atol: float = 1e-6) -> None:
+# The 2-process runs (2 processes x 2 micro-steps of 2), by name: their overrides.
+TWO_PROCESS_RUNS = {
+    **{strategy: [f"data_parallel={strategy}"] for strategy in ("ddp", "zero1", "zero2", "zero3")},
+    **{f"activation_checkpointing_{strategy}": [f"data_parallel={strategy}", "activation_checkpointing=true"]
+       for strategy in ("ddp", "zero3")},
+    "fused_chunks": ["loss_chunks=3", "data_parallel=zero3"],
+}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> dict[str, Path]:
+    """Every run of TWO_PROCESS_RUNS, one after another in one launch; by name, their output folders."""
+    root = tmp_path_factory.mktemp("two_processes")
+    runs = {name: RecipeRun("full_finetune", root / name, *COMMON, *args) for name, args in TWO_PROCESS_RUNS.items()}
+    result = run_recipes(list(runs.values()), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {name: r.output_dir for name, r in runs.items()}
+
+
+def assert_same_training(out: Path, reference, *, weight_atol: float = 1e-6) -> None:
     ref_losses, ref_weights = reference
-    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(losses(out), ref_losses, rtol=1e-5, atol=0)
     weights = load_file(out / "final" / "model.safetensors")
     assert weights.keys() == ref_weights.keys()
     for key in ref_weights:
@@ -49,37 +81,38 @@ def assert_same_training(out: Path, losses: list[float], reference, *, weight_at
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
-def test_two_processes_each_strategy(strategy, reference, tmp_path):
+def test_two_processes_each_strategy(strategy, reference, two_process_runs):
     # 2 processes x 2 micro-steps of 2.
-    losses = run(tmp_path, f"data_parallel={strategy}", nproc=2)
-    assert_same_training(tmp_path, losses, reference)
+    out = two_process_runs[strategy]
+    assert_same_training(out, reference)
 
 
 def test_hsdp_on_a_2x2_mesh(reference, tmp_path):
     # 4 processes x 1 micro-step: shard over pairs, replicate across the two pairs.
-    losses = run(tmp_path, "data_parallel=hsdp", "hsdp_shard_size=2", nproc=4)
-    assert_same_training(tmp_path, losses, reference)
+    run(tmp_path, "data_parallel=hsdp", "hsdp_shard_size=2", nproc=4)
+    assert_same_training(tmp_path, reference)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_activation_checkpointing_changes_nothing(strategy, reference, tmp_path):
-    losses = run(tmp_path, f"data_parallel={strategy}", "activation_checkpointing=true", nproc=2)
-    assert_same_training(tmp_path, losses, reference)
+def test_activation_checkpointing_changes_nothing(strategy, reference, two_process_runs):
+    out = two_process_runs[f"activation_checkpointing_{strategy}"]  # 2 processes
+    assert_same_training(out, reference)
 
 
 @pytest.mark.parametrize("loss", ["logits", "fused_chunks"])
-def test_the_loss_path_changes_nothing(loss, reference, tmp_path):
+def test_the_loss_path_changes_nothing(loss, reference, request, tmp_path):
     # The reference takes the fused projection and loss in one chunk (the demo's default). Whole logits then the
     # loss (fused_loss=false), and the fused loss in 3 chunks on zero3 (FSDP2's gathered output weight gets the
     # gradient computed in forward): the same training. The logits' gradient is computed another way (softmax -
     # one_hot from one float32 softmax, against autograd's chain through log_softmax), so the weights get 1e-5
     # absolute rather than 1e-6: measured, one of the 0.9M weights moved 4e-6 (Adam's 1/sqrt(v) enlarges
     # rounding-level gradient differences on entries with near-zero gradients, as the module docstring says).
-    if loss == "logits":
-        losses = run(tmp_path, "fused_loss=false")
-    else:
-        losses = run(tmp_path, "loss_chunks=3", "data_parallel=zero3", nproc=2)
-    assert_same_training(tmp_path, losses, reference, weight_atol=1e-5)
+    if loss == "logits":  # 1 process
+        out = tmp_path
+        run(out, "fused_loss=false")
+    else:  # 2 processes
+        out = request.getfixturevalue("two_process_runs")["fused_chunks"]
+    assert_same_training(out, reference, weight_atol=1e-5)
 
 
 def test_logged_loss_is_the_global_token_mean_not_a_mean_of_micro_batch_means(reference):
