@@ -1,20 +1,28 @@
 """The eval recipe end to end: a fine-tuned demo model beats a random one, 2 processes report what 1 does, and a
 LoRA adapter loads on its base, with the LoRA model restated in the config or built from the adapter's settings (by
-the generate recipe too)."""
+the generate recipe too).
+
+Training and 1-process evaluations run in the test's own process; the two evaluations on 2 processes share one
+launch (``sharded_reports``)."""
 
 import json
 import math
-from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 import toolkit.generation
-from tests.launch import run_recipe_here, run_tune
+from tests.launch import RecipeRun, run_recipe_here, run_recipes, run_tune_here
 from toolkit.errors import UserError
 
-tune = partial(run_tune, timeout_s=300, check=True)  # `tune ...` in a new process; fails the test on an error
+
+def tune(*args: str):
+    """``tune *args`` in this process (commands that start no process); a non-zero exit fails the test."""
+    result = run_tune_here(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
 
 # The demo restricted to one task family (upper-casing), which the demo model learns within 150 steps (all four
 # families together take well over 300 steps on a CPU), and 100 held-out samples for both measures. An answer is
@@ -29,11 +37,14 @@ LORA_MODEL = (
 )
 
 
-def evaluate(out: Path, *overrides: str, recipe: str = "eval") -> dict:
-    """``tune run <recipe> --config demo``, in a new process."""
-    result = tune("run", recipe, "--config", "demo", f"output_dir={out}", *EVAL, *overrides)
+def evaluate(out: Path, *overrides: str) -> dict:
+    """``tune run eval --config demo`` (one device: in this process, as `tune run` runs it)."""
+    return read_report(out, tune("run", "eval", "--config", "demo", f"output_dir={out}", *EVAL, *overrides).stdout)
+
+
+def read_report(out: Path, stdout: str) -> dict:
     report = json.loads((out / "eval.json").read_text())
-    assert f"{report['val_loss']:.4f}" in result.stdout, "the table shows the numbers of eval.json"
+    assert f"{report['val_loss']:.4f}" in stdout, "the table shows the numbers of eval.json"
     return report
 
 
@@ -70,12 +81,9 @@ def test_fine_tuned_checkpoint_beats_a_random_model(fine_tuned, fine_tuned_repor
     assert tuned["val_loss"] < base["val_loss"]
 
 
-def test_two_processes_report_what_one_does(fine_tuned, fine_tuned_report, tmp_path):
+def test_two_processes_report_what_one_does(fine_tuned_report, sharded_reports):
     # Sharded (FSDP2): every forward is a collective, and 100 samples split 50/50 into 4 micro-batches each.
-    sharded = evaluate(
-        tmp_path, f"checkpointer.checkpoint_dir={fine_tuned}", "data_parallel=zero3", "--nproc_per_node", "2",
-        recipe="eval_distributed",
-    )
+    sharded = sharded_reports["fine_tuned"]
     assert sharded["val_tokens"] == fine_tuned_report["val_tokens"]
     assert (sharded["correct"], sharded["total"]) == (fine_tuned_report["correct"], fine_tuned_report["total"])
     # The same tokens in other batches (other padded lengths) round differently in float32; see
@@ -105,7 +113,7 @@ def lora_report(lora_run, tmp_path_factory) -> dict:
     return evaluate_here(tmp_path_factory.mktemp("adapted"), *LORA, f"adapter_dir={lora_run / 'final' / 'adapter'}")
 
 
-def test_lora_adapter_on_its_random_base(lora_run, lora_report, tmp_path):
+def test_lora_adapter_on_its_random_base(lora_run, lora_report, sharded_reports, tmp_path):
     train = lora_run
     # The LoRA model without an adapter folder computes exactly that base (B = 0).
     without = evaluate_here(tmp_path / "base", *LORA)
@@ -119,12 +127,27 @@ def test_lora_adapter_on_its_random_base(lora_run, lora_report, tmp_path):
     # per logit; a different random base or a misplaced adapter would be off by far more.
     assert merged["val_loss"] == pytest.approx(adapted["val_loss"], rel=1e-5)
     # The adapter on a sharded base (2 processes, FSDP2): the random base and the adapter land in every shard.
-    sharded = evaluate(
-        tmp_path / "sharded", *LORA, f"adapter_dir={train / 'final' / 'adapter'}", "data_parallel=zero3",
-        "--nproc_per_node", "2", recipe="eval_distributed",
-    )
+    sharded = sharded_reports["lora"]
     assert sharded["val_tokens"] == adapted["val_tokens"]
     assert sharded["val_loss"] == pytest.approx(adapted["val_loss"], rel=1e-6)  # as in the test above
+
+
+@pytest.fixture(scope="module")
+def sharded_reports(fine_tuned, lora_run, tmp_path_factory) -> dict[str, dict]:
+    """The evaluations on 2 processes under zero3 (FSDP2), in one launch: ``fine_tuned``, and the LoRA adapter of
+    ``lora_run`` on its random base (the LoRA model restated in the config)."""
+    root = tmp_path_factory.mktemp("sharded")
+    runs = {
+        "fine_tuned": RecipeRun(
+            "eval", root / "fine_tuned", *EVAL, f"checkpointer.checkpoint_dir={fine_tuned}", "data_parallel=zero3"
+        ),
+        "lora": RecipeRun(
+            "eval", root / "lora", *EVAL, *LORA, f"adapter_dir={lora_run / 'final' / 'adapter'}", "data_parallel=zero3"
+        ),
+    }
+    result = run_recipes(list(runs.values()), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {name: read_report(r.output_dir, r.stdout()) for name, r in runs.items()}
 
 
 def test_adapter_on_the_plain_model_config_needs_no_restated_lora_model(lora_run, lora_report, tmp_path):
