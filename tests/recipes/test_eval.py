@@ -108,6 +108,7 @@ def fine_tuned_report(fine_tuned, tmp_path_factory) -> dict:
     return evaluate(tmp_path_factory.mktemp("eval_full"), f"checkpointer.checkpoint_dir={fine_tuned}")
 
 
+@pytest.mark.slow  # `launched`: 150 training steps and four other runs, about a minute
 def test_fine_tuned_checkpoint_beats_a_random_model(fine_tuned, fine_tuned_report, tmp_path):
     base = evaluate_here(tmp_path, "checkpointer.checkpoint_dir=null")
     tuned = fine_tuned_report
@@ -119,6 +120,7 @@ def test_fine_tuned_checkpoint_beats_a_random_model(fine_tuned, fine_tuned_repor
     assert tuned["val_loss"] < base["val_loss"]
 
 
+@pytest.mark.slow  # `launched`: 150 training steps and four other runs, about a minute
 def test_two_processes_report_what_one_does(fine_tuned_report, sharded_reports):
     # Sharded (FSDP2): every forward is a collective, and 100 samples split 50/50 into 4 micro-batches each.
     sharded = sharded_reports["fine_tuned"]
@@ -149,6 +151,7 @@ def lora_report(lora_run, tmp_path_factory) -> dict:
     return evaluate_here(tmp_path_factory.mktemp("adapted"), *LORA, f"adapter_dir={lora_run / 'final' / 'adapter'}")
 
 
+@pytest.mark.slow  # `launched`: 150 training steps and four other runs, about a minute
 def test_lora_adapter_on_its_random_base(lora_run, lora_report, sharded_reports, tmp_path):
     train = lora_run
     # The LoRA model without an adapter folder computes exactly that base (B = 0).
@@ -168,6 +171,7 @@ def test_lora_adapter_on_its_random_base(lora_run, lora_report, sharded_reports,
     assert sharded["val_loss"] == pytest.approx(adapted["val_loss"], rel=1e-6)  # as in the test above
 
 
+@pytest.mark.slow  # `launched`: 150 training steps and four other runs, about a minute
 def test_adapter_on_the_plain_model_config_needs_no_restated_lora_model(lora_run, lora_report, tmp_path):
     # The demo config's own `model` (llama3_demo): the LoRA model comes from the adapter's adapter_config.json.
     plain = evaluate_here(
@@ -177,6 +181,7 @@ def test_adapter_on_the_plain_model_config_needs_no_restated_lora_model(lora_run
     assert plain == lora_report
 
 
+@pytest.mark.slow  # `launched`: 150 training steps and four other runs, about a minute
 def test_generate_rebuilds_the_lora_demo_from_its_seed_and_adapter(lora_run, monkeypatch, capsys):
     # The generate config's header example: the LoRA demo's random base from the seed, its adapter on the plain
     # llama3_demo. The model generate decodes with must compute the run's own merged export.

@@ -187,6 +187,7 @@ def assert_same_run(output_dir: Path, reference: Path) -> None:
     assert_bitwise_equal(weights(output_dir), weights(reference))
 
 
+@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
 def test_sigkill_then_resume_is_bitwise_exact_on_two_processes(killed_then_resumed, reference):
     # Rank 1 died after step 7; the last checkpoint is step 6.
     killed = killed_then_resumed["two_processes"]
@@ -228,6 +229,7 @@ def test_sharded_checkpoint_reshards_to_another_world_size_and_strategy(strategy
     torch.testing.assert_close(losses(tmp_path / "resumed"), losses(reference)[3:], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
 def test_kill_while_saving_leaves_the_previous_checkpoint_for_auto(killed_then_resumed, reference):
     # Step 6's files are all written, its marker is not.
     killed = killed_then_resumed["while_saving"]
@@ -236,6 +238,7 @@ def test_kill_while_saving_leaves_the_previous_checkpoint_for_auto(killed_then_r
     assert_same_run(killed.output_dir, reference)
 
 
+@pytest.mark.slow  # two worker groups, one after the kill
 def test_max_restarts_recovers_from_a_dead_rank(reference, tmp_path):
     result = run(tmp_path, fault="after_step:7:1", restarts=1)  # no resume_from: the restart resumes by itself
     assert result.returncode == 0, result.stderr
@@ -272,6 +275,7 @@ def test_keep_last_n_prunes_old_checkpoints(two_process_runs):
     assert complete_steps(out) == [6, 8]
 
 
+@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
 def test_async_save_resumes_exactly(killed_then_resumed, reference):
     assert_same_run(killed_then_resumed["async_save"].output_dir, reference)
 
@@ -283,6 +287,7 @@ def adapter(output_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(output_dir / "final" / "adapter" / "adapter_model.safetensors")
 
 
+@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
 def test_lora_sigkill_then_resume_is_bitwise_exact(two_process_runs, killed_then_resumed, tmp_path):
     # With adapter dropout (LORA_DROPOUT): every random draw between the checkpoint and the kill must repeat on
     # resume. The reference is two_process_runs' uninterrupted LoRA run; the kill, after step 7 on rank 1.

@@ -199,6 +199,7 @@ def test_a_fresh_start_checks_the_folder_first_and_clears_it_only_when_claimed(t
     with pytest.raises(UserError, match="already holds a run"):
         start_run(old, overwrite=False, resume_from=None)
 
+@pytest.mark.slow  # a 1-process run, then two worker groups
 def test_max_restarts_after_resume_from_continues_from_the_new_checkpoint(tmp_path):
     """A run started from another run's step_3 saves step_4, loses rank 1 after step 5, and is restarted by torchrun:
     it must go on from step_4, not from step_3 again (promise 3: only the steps since the last checkpoint are lost)."""
