@@ -128,18 +128,6 @@ def reference(two_process_runs) -> Path:
     return out
 
 
-def kill_then_resume(output_dir: Path, fault: str, *overrides: str, killed_state=None, **launch) -> str:
-    """Run until ``fault`` kills a rank, check what is left (``killed_state(output_dir)``), resume with
-    ``resume_from=auto``; returns the resumed run's stdout."""
-    killed = run(output_dir, *overrides, fault=fault, **launch)
-    assert killed.returncode != 0
-    if killed_state is not None:
-        killed_state(output_dir)
-    resumed = run(output_dir, *overrides, "resume_from=auto", **launch)
-    assert resumed.returncode == 0, resumed.stderr
-    return resumed.stdout
-
-
 # Adapter dropout, so that every random draw between the checkpoint and the kill must repeat on resume (the data
 # loader's iterator once drew from the global RNG, which the resumed run then drew once more).
 LORA_DROPOUT = "model.lora_dropout=0.1"
