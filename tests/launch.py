@@ -1,11 +1,13 @@
 """Running things from tests: the `tune` command in a subprocess and a worker script on several local processes
 with torchrun (gloo, CPU), both bounded in time, and a recipe's ``main`` in the test's own process."""
 
+import contextlib
 import os
 import runpy
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,16 +57,42 @@ def run_tune(
     return result
 
 
+@contextlib.contextmanager
+def as_in_a_subprocess(env: dict[str, str] | None = None) -> Iterator[None]:
+    """What a subprocess of :func:`run_tune` would have, for code run in this process meanwhile: ``env`` in the
+    environment (and an empty ``TUNE_INJECT_FAULT`` unless given), and one thread for torch's kernels
+    (``OMP_NUM_THREADS=1``): the same arithmetic, so that bitwise comparisons with runs in subprocesses hold, and
+    no threads spinning for a core that another process holds (on a busy machine, two threads made a demo run ten
+    times slower)."""
+    import torch
+
+    env = {"TUNE_INJECT_FAULT": "", **(env or {})}
+    saved_env = {name: os.environ.get(name) for name in env}
+    saved_threads = torch.get_num_threads()
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run_recipe_here(recipe: str, config: str, *overrides: str) -> None:
     """``recipe``'s ``main`` on its ``config`` with ``overrides``, validated as `tune run` would, in this process
-    (no interpreter start: faster than :func:`run_tune`)."""
+    (no interpreter start: faster than :func:`run_tune`), with one torch thread as in a subprocess."""
     from toolkit.config import apply_overrides, load_config, validate
     from toolkit.paths import configs_dir, recipes_dir
 
     cfg = load_config(configs_dir() / recipe / f"{config}.yaml")
     apply_overrides(cfg, list(overrides))
     validate(cfg)
-    runpy.run_path(str(recipes_dir() / f"{recipe}.py"))["main"](cfg)
+    with as_in_a_subprocess():
+        runpy.run_path(str(recipes_dir() / f"{recipe}.py"))["main"](cfg)
 
 
 def run_tune_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -72,20 +100,16 @@ def run_tune_here(*args: str, env: dict[str, str] | None = None) -> subprocess.C
     ``tune export``, ``tune plan``): the code path of the command itself (``tune run`` runs a one-device recipe in
     its own process), without an interpreter start and a torch import.
 
-    As :func:`run_tune`'s subprocess would: one thread for torch's kernels (so that the arithmetic is the same, and
-    bitwise comparisons with runs in subprocesses hold), ``env`` in the environment (and an empty
-    ``TUNE_INJECT_FAULT`` unless given), stdout and stderr captured in files, Python's default warning filters with
-    warnings printed to stderr, and records of ``logging`` at WARNING and above written to stderr as Python's
-    last-resort handler writes them where no logging is configured (pytest's own handlers would otherwise take
-    them). Returns the exit code and the captured output as a ``CompletedProcess``.
+    As :func:`run_tune`'s subprocess would (see :func:`as_in_a_subprocess`): ``env``, one torch thread, stdout
+    and stderr captured in files, Python's default warning filters with warnings printed to stderr, and records of
+    ``logging`` at WARNING and above written to stderr as Python's last-resort handler writes them where no logging
+    is configured (pytest's own handlers would otherwise take them). Returns the exit code and the captured output
+    as a ``CompletedProcess``.
     """
-    import contextlib
     import faulthandler
     import logging
     import tempfile
     import warnings
-
-    import torch
 
     from toolkit.cli.main import main
 
@@ -94,9 +118,6 @@ def run_tune_here(*args: str, env: dict[str, str] | None = None) -> subprocess.C
         a.endswith("_distributed") or a.split("=")[0] in torchrun_flags for a in args[1:]
     )
     assert not launches, "a launch starts processes: use run_tune"
-    env = {"TUNE_INJECT_FAULT": "", **(env or {})}
-    saved_env = {name: os.environ.get(name) for name in env}
-    saved_threads = torch.get_num_threads()
     faulthandler_enabled = faulthandler.is_enabled()
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         handler = logging.StreamHandler(stderr)
@@ -105,11 +126,10 @@ def run_tune_here(*args: str, env: dict[str, str] | None = None) -> subprocess.C
         def show(message, category, filename, lineno, file=None, line=None) -> None:
             stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
-        os.environ.update(env)
-        torch.set_num_threads(1)
         logging.getLogger().addHandler(handler)
         try:
-            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings():
+            with as_in_a_subprocess(env), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
+                    warnings.catch_warnings():
                 warnings.resetwarnings()
                 for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
                     warnings.simplefilter("ignore", category)
@@ -117,12 +137,6 @@ def run_tune_here(*args: str, env: dict[str, str] | None = None) -> subprocess.C
                 code = main(list(args))
         finally:
             logging.getLogger().removeHandler(handler)
-            torch.set_num_threads(saved_threads)
-            for name, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
             # torchrun's error recording points the fault handler at the recipe's stderr, a file closed below.
             if faulthandler_enabled and sys.__stderr__ is not None:
                 faulthandler.enable(file=sys.__stderr__, all_threads=True)

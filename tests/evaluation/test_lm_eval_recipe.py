@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import run_recipe_here, run_tune
+from tests.launch import RecipeRun, run_recipe_here, run_recipes
 from toolkit.errors import UserError
 from toolkit.generation import generate
 from toolkit.tokenizers import byte_tokenizer
@@ -134,17 +134,28 @@ def test_a_group_reports_the_samples_of_its_tasks(tmp_path, capsys, write_lm_eva
     assert {task: r["samples"] for task, r in report.items()} == {"parts": 5, "part_a": 3, "part_b": 2}
     assert re.search(r"^parts samples +5 \(0-shot\)$", capsys.readouterr().out, flags=re.M)
 
+@pytest.fixture(scope="module")
+def two_process_reports(setup, tmp_path_factory) -> dict[str, dict]:
+    """The eval recipe on 2 processes under ddp and under zero3, one after the other in one launch: by layout,
+    the ``lm_eval`` part of each run's eval.json."""
+    root = tmp_path_factory.mktemp("two_processes")
+    runs = {
+        data_parallel: RecipeRun(
+            "eval", root / data_parallel, f"data_parallel={data_parallel}", *HARNESS_ONLY, *setup["overrides"]
+        )
+        for data_parallel in ("ddp", "zero3")
+    }
+    result = run_recipes(list(runs.values()), nproc=2, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {name: json.loads((r.output_dir / "eval.json").read_text())["lm_eval"] for name, r in runs.items()}
+
+
 @pytest.mark.parametrize("data_parallel", ["ddp", "zero3"])
-def test_two_processes_report_what_one_does(setup, tmp_path, data_parallel):
+def test_two_processes_report_what_one_does(setup, two_process_reports, data_parallel):
     # ddp: whole copies, each process scores and generates for its share of the requests. zero3: FSDP2, every
     # forward a collective: shares of the scoring padded to the same number of batches, every answer generated on
     # both processes.
-    run_tune(
-        "run", "eval_distributed", "--nproc_per_node", "2", "--config", "demo", f"output_dir={tmp_path}",
-        f"data_parallel={data_parallel}", *HARNESS_ONLY, *setup["overrides"],
-        timeout_s=300, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, check=True,
-    )
-    two = json.loads((tmp_path / "eval.json").read_text())["lm_eval"]
+    two = two_process_reports[data_parallel]
     one = setup["report"]["lm_eval"]
     assert two.keys() == one.keys()
     for task in one:

@@ -1,20 +1,28 @@
 """The eval recipe end to end: a fine-tuned demo model beats a random one, 2 processes report what 1 does, and a
 LoRA adapter loads on its base, with the LoRA model restated in the config or built from the adapter's settings (by
-the generate recipe too)."""
+the generate recipe too).
+
+The training runs and the evaluations on 2 processes share one launch (``launched``); the 1-process evaluations
+run in the test's own process."""
 
 import json
 import math
-from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 import toolkit.generation
-from tests.launch import run_recipe_here, run_tune
+from tests.launch import RecipeRun, run_recipe_here, run_recipes, run_tune_here
 from toolkit.errors import UserError
 
-tune = partial(run_tune, timeout_s=300, check=True)  # `tune ...` in a new process; fails the test on an error
+
+def tune(*args: str):
+    """``tune *args`` in this process (commands that start no process); a non-zero exit fails the test."""
+    result = run_tune_here(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
 
 # The demo restricted to one task family (upper-casing), which the demo model learns within 150 steps (all four
 # families together take well over 300 steps on a CPU), and 100 held-out samples for both measures. An answer is
@@ -29,11 +37,14 @@ LORA_MODEL = (
 )
 
 
-def evaluate(out: Path, *overrides: str, recipe: str = "eval") -> dict:
-    """``tune run <recipe> --config demo``, in a new process."""
-    result = tune("run", recipe, "--config", "demo", f"output_dir={out}", *EVAL, *overrides)
+def evaluate(out: Path, *overrides: str) -> dict:
+    """``tune run eval --config demo`` (one device: in this process, as `tune run` runs it)."""
+    return read_report(out, tune("run", "eval", "--config", "demo", f"output_dir={out}", *EVAL, *overrides).stdout)
+
+
+def read_report(out: Path, stdout: str) -> dict:
     report = json.loads((out / "eval.json").read_text())
-    assert f"{report['val_loss']:.4f}" in result.stdout, "the table shows the numbers of eval.json"
+    assert f"{report['val_loss']:.4f}" in stdout, "the table shows the numbers of eval.json"
     return report
 
 
@@ -43,15 +54,53 @@ def evaluate_here(out: Path, *overrides: str) -> dict:
     return json.loads((out / "eval.json").read_text())
 
 
+SMALL = ["dataset.num_samples=32", "eval_tasks.num_samples=8"]
+# The eval recipe rebuilds the training run's random base from the same seed.
+LORA = ["checkpointer.checkpoint_dir=null", LORA_MODEL, *SMALL]
+
+
 @pytest.fixture(scope="module")
-def fine_tuned(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("full")
-    tune(
-        "run", "full_finetune_single_device", "--config", "demo", f"output_dir={out}", "max_steps=150",
-        "dataset.num_samples=4800", "micro_batch_size=32", "progress_bar=false", "save_every_n_steps=null",
-        "~eval_tasks", *TASK,
-    )
-    return out / "final"
+def launched(tmp_path_factory) -> dict:
+    """Every run on 2 processes, one after another in one launch: the full fine-tune (``fine_tuned``), the LoRA run
+    (``lora_run``), then the evaluations under zero3 (FSDP2) of each (``sharded_reports``). Training on 2
+    processes takes half the time of 1 (the 150 steps: 33 s against 60 s) and trains the same model up to float
+    rounding (promise 1)."""
+    root = tmp_path_factory.mktemp("launched")
+    full, lora = root / "full", root / "lora"
+    sharded = {
+        "fine_tuned": RecipeRun(
+            "eval", root / "eval_fine_tuned", *EVAL, f"checkpointer.checkpoint_dir={full / 'final'}",
+            "data_parallel=zero3",
+        ),
+        "lora": RecipeRun(
+            "eval", root / "eval_lora", *EVAL, *LORA, f"adapter_dir={lora / 'final' / 'adapter'}", "data_parallel=zero3"
+        ),
+    }
+    runs = [
+        # The global batch of 32 in one micro-batch of 16 per process, as one process takes it in one of 32.
+        RecipeRun(
+            "full_finetune", full, "max_steps=150", "dataset.num_samples=4800", "micro_batch_size=16",
+            "progress_bar=false", "save_every_n_steps=null", "~eval_tasks", *TASK,
+        ),
+        RecipeRun(
+            "lora_finetune", lora, "max_steps=20", "batch_size=16", "micro_batch_size=8", "dataset.num_samples=320",
+            "progress_bar=false", "save_every_n_steps=null", *TASK,
+        ),
+        *sharded.values(),
+    ]
+    result = run_recipes(runs, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {
+        "fine_tuned": full / "final",
+        "lora_run": lora,
+        "sharded_reports": {name: read_report(r.output_dir, r.stdout()) for name, r in sharded.items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(launched) -> Path:
+    """The demo fine-tuned for 150 steps on the upper-casing task (2 processes): its ``final`` folder."""
+    return launched["fine_tuned"]
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +108,7 @@ def fine_tuned_report(fine_tuned, tmp_path_factory) -> dict:
     return evaluate(tmp_path_factory.mktemp("eval_full"), f"checkpointer.checkpoint_dir={fine_tuned}")
 
 
+@pytest.mark.slow  # `launched`: 150 training steps and four other runs, about a minute
 def test_fine_tuned_checkpoint_beats_a_random_model(fine_tuned, fine_tuned_report, tmp_path):
     base = evaluate_here(tmp_path, "checkpointer.checkpoint_dir=null")
     tuned = fine_tuned_report
@@ -70,12 +120,10 @@ def test_fine_tuned_checkpoint_beats_a_random_model(fine_tuned, fine_tuned_repor
     assert tuned["val_loss"] < base["val_loss"]
 
 
-def test_two_processes_report_what_one_does(fine_tuned, fine_tuned_report, tmp_path):
+@pytest.mark.slow  # `launched`: 150 training steps and four other runs, about a minute
+def test_two_processes_report_what_one_does(fine_tuned_report, sharded_reports):
     # Sharded (FSDP2): every forward is a collective, and 100 samples split 50/50 into 4 micro-batches each.
-    sharded = evaluate(
-        tmp_path, f"checkpointer.checkpoint_dir={fine_tuned}", "data_parallel=zero3", "--nproc_per_node", "2",
-        recipe="eval_distributed",
-    )
+    sharded = sharded_reports["fine_tuned"]
     assert sharded["val_tokens"] == fine_tuned_report["val_tokens"]
     assert (sharded["correct"], sharded["total"]) == (fine_tuned_report["correct"], fine_tuned_report["total"])
     # The same tokens in other batches (other padded lengths) round differently in float32; see
@@ -84,19 +132,17 @@ def test_two_processes_report_what_one_does(fine_tuned, fine_tuned_report, tmp_p
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory) -> Path:
-    """The LoRA demo (a random base from the seed) trained for 20 steps: ``final/adapter`` and ``final/merged``."""
-    train = tmp_path_factory.mktemp("lora")
-    tune(
-        "run", "lora_finetune_single_device", "--config", "demo", f"output_dir={train}", "max_steps=20",
-        "batch_size=16", "dataset.num_samples=320", "progress_bar=false", "save_every_n_steps=null", *TASK,
-    )
-    return train
+def lora_run(launched) -> Path:
+    """The LoRA demo (a random base from the seed) trained for 20 steps (2 processes): ``final/adapter`` and
+    ``final/merged``."""
+    return launched["lora_run"]
 
 
-SMALL = ["dataset.num_samples=32", "eval_tasks.num_samples=8"]
-# The eval recipe rebuilds the training run's random base from the same seed.
-LORA = ["checkpointer.checkpoint_dir=null", LORA_MODEL, *SMALL]
+@pytest.fixture(scope="module")
+def sharded_reports(launched) -> dict[str, dict]:
+    """The evaluations on 2 processes under zero3 (FSDP2): ``fine_tuned``, and the LoRA adapter of ``lora_run`` on
+    its random base (the LoRA model restated in the config)."""
+    return launched["sharded_reports"]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +151,8 @@ def lora_report(lora_run, tmp_path_factory) -> dict:
     return evaluate_here(tmp_path_factory.mktemp("adapted"), *LORA, f"adapter_dir={lora_run / 'final' / 'adapter'}")
 
 
-def test_lora_adapter_on_its_random_base(lora_run, lora_report, tmp_path):
+@pytest.mark.slow  # `launched`: 150 training steps and four other runs, about a minute
+def test_lora_adapter_on_its_random_base(lora_run, lora_report, sharded_reports, tmp_path):
     train = lora_run
     # The LoRA model without an adapter folder computes exactly that base (B = 0).
     without = evaluate_here(tmp_path / "base", *LORA)
@@ -119,14 +166,12 @@ def test_lora_adapter_on_its_random_base(lora_run, lora_report, tmp_path):
     # per logit; a different random base or a misplaced adapter would be off by far more.
     assert merged["val_loss"] == pytest.approx(adapted["val_loss"], rel=1e-5)
     # The adapter on a sharded base (2 processes, FSDP2): the random base and the adapter land in every shard.
-    sharded = evaluate(
-        tmp_path / "sharded", *LORA, f"adapter_dir={train / 'final' / 'adapter'}", "data_parallel=zero3",
-        "--nproc_per_node", "2", recipe="eval_distributed",
-    )
+    sharded = sharded_reports["lora"]
     assert sharded["val_tokens"] == adapted["val_tokens"]
     assert sharded["val_loss"] == pytest.approx(adapted["val_loss"], rel=1e-6)  # as in the test above
 
 
+@pytest.mark.slow  # `launched`: 150 training steps and four other runs, about a minute
 def test_adapter_on_the_plain_model_config_needs_no_restated_lora_model(lora_run, lora_report, tmp_path):
     # The demo config's own `model` (llama3_demo): the LoRA model comes from the adapter's adapter_config.json.
     plain = evaluate_here(
@@ -136,6 +181,7 @@ def test_adapter_on_the_plain_model_config_needs_no_restated_lora_model(lora_run
     assert plain == lora_report
 
 
+@pytest.mark.slow  # `launched`: 150 training steps and four other runs, about a minute
 def test_generate_rebuilds_the_lora_demo_from_its_seed_and_adapter(lora_run, monkeypatch, capsys):
     # The generate config's header example: the LoRA demo's random base from the seed, its adapter on the plain
     # llama3_demo. The model generate decodes with must compute the run's own merged export.

@@ -128,18 +128,6 @@ def reference(two_process_runs) -> Path:
     return out
 
 
-def kill_then_resume(output_dir: Path, fault: str, *overrides: str, killed_state=None, **launch) -> str:
-    """Run until ``fault`` kills a rank, check what is left (``killed_state(output_dir)``), resume with
-    ``resume_from=auto``; returns the resumed run's stdout."""
-    killed = run(output_dir, *overrides, fault=fault, **launch)
-    assert killed.returncode != 0
-    if killed_state is not None:
-        killed_state(output_dir)
-    resumed = run(output_dir, *overrides, "resume_from=auto", **launch)
-    assert resumed.returncode == 0, resumed.stderr
-    return resumed.stdout
-
-
 # Adapter dropout, so that every random draw between the checkpoint and the kill must repeat on resume (the data
 # loader's iterator once drew from the global RNG, which the resumed run then drew once more).
 LORA_DROPOUT = "model.lora_dropout=0.1"
@@ -187,6 +175,7 @@ def assert_same_run(output_dir: Path, reference: Path) -> None:
     assert_bitwise_equal(weights(output_dir), weights(reference))
 
 
+@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
 def test_sigkill_then_resume_is_bitwise_exact_on_two_processes(killed_then_resumed, reference):
     # Rank 1 died after step 7; the last checkpoint is step 6.
     killed = killed_then_resumed["two_processes"]
@@ -228,6 +217,7 @@ def test_sharded_checkpoint_reshards_to_another_world_size_and_strategy(strategy
     torch.testing.assert_close(losses(tmp_path / "resumed"), losses(reference)[3:], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
 def test_kill_while_saving_leaves_the_previous_checkpoint_for_auto(killed_then_resumed, reference):
     # Step 6's files are all written, its marker is not.
     killed = killed_then_resumed["while_saving"]
@@ -236,6 +226,7 @@ def test_kill_while_saving_leaves_the_previous_checkpoint_for_auto(killed_then_r
     assert_same_run(killed.output_dir, reference)
 
 
+@pytest.mark.slow  # two worker groups, one after the kill
 def test_max_restarts_recovers_from_a_dead_rank(reference, tmp_path):
     result = run(tmp_path, fault="after_step:7:1", restarts=1)  # no resume_from: the restart resumes by itself
     assert result.returncode == 0, result.stderr
@@ -272,6 +263,7 @@ def test_keep_last_n_prunes_old_checkpoints(two_process_runs):
     assert complete_steps(out) == [6, 8]
 
 
+@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
 def test_async_save_resumes_exactly(killed_then_resumed, reference):
     assert_same_run(killed_then_resumed["async_save"].output_dir, reference)
 
@@ -283,6 +275,7 @@ def adapter(output_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(output_dir / "final" / "adapter" / "adapter_model.safetensors")
 
 
+@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
 def test_lora_sigkill_then_resume_is_bitwise_exact(two_process_runs, killed_then_resumed, tmp_path):
     # With adapter dropout (LORA_DROPOUT): every random draw between the checkpoint and the kill must repeat on
     # resume. The reference is two_process_runs' uninterrupted LoRA run; the kill, after step 7 on rank 1.

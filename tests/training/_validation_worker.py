@@ -1,5 +1,7 @@
 """Worker for test_validation.py, run under torchrun: the validation loss of a seeded tiny Llama, replicated (DDP)
-or sharded (FSDP2), each rank reading its slice of a small set. Rank zero writes the result as JSON."""
+or sharded (FSDP2), each rank reading its slice of a small set. ``python _validation_worker.py OUT STRATEGY...``
+computes it under each strategy in turn, each on a fresh model in the same process group; rank zero writes every
+rank's result, by strategy, as JSON to OUT."""
 
 import gc
 import json
@@ -43,10 +45,8 @@ def loader(rank: int, world_size: int) -> DataLoader:
     )
 
 
-if __name__ == "__main__":
-    strategy, out = sys.argv[1], Path(sys.argv[2])
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+def validate_under(strategy: str, rank: int, world_size: int) -> list[dict]:
+    """Every rank's result under ``strategy``."""
     model = tiny_model()
     dims = parallel_dims(strategy=strategy, world_size=world_size, local_world_size=world_size, device_type="cpu")
     model = apply_data_parallel(model, dims=dims, device=torch.device("cpu"))
@@ -56,13 +56,22 @@ if __name__ == "__main__":
     result["batches_on_this_rank"] = len(loader(rank, world_size))
     gathered = [None] * world_size
     dist.all_gather_object(gathered, result)
-    if rank == 0:
-        out.write_text(json.dumps(gathered))
     # FSDP2's device mesh keeps the process group alive past destroy_process_group; freed only at interpreter exit,
     # a gloo thread may then still be releasing the last collective's tensors and abort the process ("terminate
     # called without an active exception"; ~1 run in 4 here). Freeing the model first joins those threads in time.
     del model
     gc.collect()
+    dist.barrier()
+    return gathered
+
+
+if __name__ == "__main__":
+    out, strategies = Path(sys.argv[1]), sys.argv[2:]
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = {strategy: validate_under(strategy, rank, world_size) for strategy in strategies}
+    if rank == 0:
+        out.write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
     # And skip interpreter teardown altogether, as the recipes' torchrun workers do (toolkit.config.recipe_main):

@@ -1,4 +1,7 @@
-"""Bad data-parallel settings stop before training with one line; a crashing rank is reported, not a hang."""
+"""Bad data-parallel settings stop before training with one line; a crashing rank is reported, not a hang.
+
+The 2-process runs that succeed share one launch (``two_process_runs``); the launches that fail or restart are
+their own; 1-process runs go through `tune run` in the test's own process."""
 
 import subprocess
 from pathlib import Path
@@ -6,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import run_tune
+from tests.launch import RecipeRun, run_recipes, run_tune, run_tune_here
 from toolkit.errors import UserError
 from toolkit.training import (
     StepCheckpointer,
@@ -80,12 +83,33 @@ def test_a_crashing_rank_is_named_and_the_others_do_not_hang(tmp_path):
     assert "rank 1" in last_line and "RuntimeError: injected failure on rank 1" in last_line
 
 
-def test_metrics_gather_per_rank_figures(tmp_path):
-    result = tune_run(tmp_path, "log_every_n_steps=1")
-    assert result.returncode == 0, result.stderr[-2000:]
+# The held-out evaluation's settings (see its test below): a collective timeout low enough that a regression fails
+# fast. Every run of the launch below has it: the process group, formed by the launch's first run, keeps it.
+EVAL = ["eval_tasks.num_samples=6", "dist_timeout_s=60"]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> dict[str, RecipeRun]:
+    """The 2-process runs of this file that succeed, in one launch, by name."""
+    root = tmp_path_factory.mktemp("two_processes")
+    fast_without_eval = [arg for arg in FAST if arg != "~eval_tasks"]
+    runs = {
+        **{f"eval_{strategy}": RecipeRun("full_finetune", root / f"eval_{strategy}", *fast_without_eval, *EVAL,
+                                         f"data_parallel={strategy}") for strategy in ("ddp", "zero3")},
+        "metrics": RecipeRun("full_finetune", root / "metrics", *FAST, "dist_timeout_s=60", "log_every_n_steps=1"),
+        "auto": RecipeRun("full_finetune", root / "auto", *FAST, "dist_timeout_s=60", "data_parallel=auto",
+                          "device_memory_gb=24"),
+    }
+    result = run_recipes(list(runs.values()), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return runs
+
+
+def test_metrics_gather_per_rank_figures(two_process_runs):
     import json
 
-    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    # log_every_n_steps=1 on 2 processes.
+    record = json.loads((two_process_runs["metrics"].output_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["rank_step_time_s_max"] >= record["rank_step_time_s_min"] > 0
     assert record["slowest_rank"] in (0, 1)
     assert record["rank_peak_memory_gib_max"] > 0
@@ -95,30 +119,26 @@ def test_metrics_gather_per_rank_figures(tmp_path):
     assert record["rank_data_wait_s_max"] >= record["rank_data_wait_s_min"] >= 0 and record["data_wait_s"] >= 0
 
 
-def test_auto_strategy_is_resolved_and_explained(tmp_path):
-    result = tune_run(tmp_path, "data_parallel=auto", "device_memory_gb=24")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "data_parallel: auto -> ddp needs" in result.stdout
+def test_auto_strategy_is_resolved_and_explained(two_process_runs):
+    # data_parallel=auto device_memory_gb=24 on 2 processes.
+    assert "data_parallel: auto -> ddp needs" in two_process_runs["auto"].stdout()
 
 
 def test_auto_without_device_memory_on_cpu_is_one_line(tmp_path):
-    result = tune_run(tmp_path, "data_parallel=auto")
+    result = run_tune_here("run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path}", *FAST,
+                           "data_parallel=auto")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "device_memory_gb" in result.stderr
 
 
-def test_held_out_evaluation_under_zero3_matches_ddp(tmp_path):
+def test_held_out_evaluation_under_zero3_matches_ddp(two_process_runs):
     """Sharded layers all-gather in every forward: evaluation must not let ranks run different numbers of
     forwards (which waited for the collective timeout, set low here so a regression fails fast)."""
     lines = {}
     for strategy in ("ddp", "zero3"):
-        out = tmp_path / strategy
-        result = run_tune(
-            "run", "--nproc_per_node", "2", "full_finetune_distributed", "--config", "demo", f"output_dir={out}",
-            "max_steps=2", "dataset.num_samples=64", "progress_bar=false", "batch_size=4", "micro_batch_size=2",
-            "eval_tasks.num_samples=6", "dist_timeout_s=60", f"data_parallel={strategy}", timeout_s=180, check=True,
-        )
-        lines[strategy] = [line for line in result.stdout.splitlines() if line.startswith("held-out accuracy")]
+        # 2 steps on 2 processes, held-out accuracy on 6 samples before and after training (EVAL).
+        stdout = two_process_runs[f"eval_{strategy}"].stdout()
+        lines[strategy] = [line for line in stdout.splitlines() if line.startswith("held-out accuracy")]
         assert len(lines[strategy]) == 2 and all(line.endswith("/6)") for line in lines[strategy])
     assert lines["zero3"] == lines["ddp"]
 
@@ -179,16 +199,18 @@ def test_a_fresh_start_checks_the_folder_first_and_clears_it_only_when_claimed(t
     with pytest.raises(UserError, match="already holds a run"):
         start_run(old, overwrite=False, resume_from=None)
 
+@pytest.mark.slow  # a 1-process run, then two worker groups
 def test_max_restarts_after_resume_from_continues_from_the_new_checkpoint(tmp_path):
     """A run started from another run's step_3 saves step_4, loses rank 1 after step 5, and is restarted by torchrun:
     it must go on from step_4, not from step_3 again (promise 3: only the steps since the last checkpoint are lost)."""
     tiny = [*FAST[1:], "dist_timeout_s=60"]  # FAST without its max_steps
-    first = run_tune(
+    first = run_tune_here(
         "run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path / 'first'}", *tiny,
-        "max_steps=3", "save_every_n_steps=3", timeout_s=120, check=True,
+        "max_steps=3", "save_every_n_steps=3",
     )
     started_from = tmp_path / "first" / "checkpoints" / "step_3"
-    assert first.returncode == 0 and (started_from / "COMPLETE").is_file()
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (started_from / "COMPLETE").is_file()
     result = run_tune(
         "run", "--nproc_per_node", "2", "--max_restarts", "1", "full_finetune_distributed", "--config", "demo",
         f"output_dir={tmp_path / 'second'}", *tiny, "max_steps=6", "save_every_n_steps=2",

@@ -3,19 +3,34 @@ another number, and the recipes' fused AdamW is not used with FSDP2's sharded lo
 with."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.launch import run_workers
+from tests.launch import as_in_a_subprocess, run_workers
 from toolkit.errors import UserError
 from toolkit.data import GlobalBatchSampler
 from toolkit.training import StepCheckpointer, TrainingState, fused_by_default
 from toolkit.training.step import make_grad_scaler
 
 WORKER = Path(__file__).parent / "_fp16_worker.py"
+
+
+def run_worker_here(out: Path) -> None:
+    """The worker's ``main`` on 1 process, in this one (no launch): one torch thread, as torchrun's worker has
+    (OMP_NUM_THREADS=1); without a process group, which on 1 process reduces over nothing, and the model is not
+    wrapped on 1 process either way."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from _fp16_worker import main
+
+        with as_in_a_subprocess():
+            main(str(out))
+    finally:
+        sys.path.remove(str(WORKER.parent))
 
 
 def test_the_scale_starts_divided_by_the_data_parallel_size():
@@ -29,13 +44,10 @@ def test_the_scale_starts_divided_by_the_data_parallel_size():
 def test_overflowing_steps_are_skipped_alike_on_one_and_two_processes(tmp_path):
     # From a scale at which the first steps overflow: before the scale was divided by the world size, 2 processes
     # overflowed one step more than 1 (their backward carries values twice as large) and ended with other weights.
-    runs = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"{nproc}.json"
-        result = run_workers(WORKER, str(out), nproc=nproc)
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[nproc] = json.loads(out.read_text())
-    one, two = runs[1], runs[2]
+    run_worker_here(tmp_path / "1.json")
+    result = run_workers(WORKER, str(tmp_path / "2.json"), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"{nproc}.json").read_text()) for nproc in (1, 2))
     assert [r["skipped"] for r in one] == [r["skipped"] for r in two]
     assert any(r["skipped"] for r in one) and not all(r["skipped"] for r in one)  # the test can tell
     # The same fp16 arithmetic summed in another order (micro-batches, the all-reduce): equal to fp16 rounding of

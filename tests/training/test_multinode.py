@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import free_port
+from tests.launch import free_port, run_tune_here
 
 REPO = Path(__file__).resolve().parents[2]
 # Tiny and fast; words of 2 to 8 letters so that a wrong loss normalization across nodes would show.
@@ -124,11 +124,8 @@ def launch_nodes(
 
 
 def run_single_process(out: Path) -> list[float]:
-    result = subprocess.run(
-        [sys.executable, "-m", "toolkit.cli.main", "run", "full_finetune_single_device", "--config", "demo",
-         f"output_dir={out}", *COMMON],
-        capture_output=True, text=True, timeout=TIMEOUT_S, env=ENV,
-    )
+    # `tune run` on one device runs the recipe in its own process: here, this one.
+    result = run_tune_here("run", "full_finetune_single_device", "--config", "demo", f"output_dir={out}", *COMMON)
     assert result.returncode == 0, result.stderr[-3000:]
     return read_losses(out)
 
@@ -162,6 +159,7 @@ def test_two_nodes_one_process_each_train_like_one_process(reference, tmp_path):
     assert any("2 process(es)" in r.stdout for r in results)
 
 
+@pytest.mark.slow  # two launchers, four workers
 def test_hsdp_two_nodes_two_processes_each(reference, tmp_path):
     """HSDP on a (replicate=2 nodes, shard=2 processes) mesh: shard within a node, replicate across nodes."""
     outs = [tmp_path / "node0", tmp_path / "node1"]
@@ -207,6 +205,7 @@ def dataset_stalling_rank_zero(tokenizer, **kwargs):
     return Stalling(demo_dataset(tokenizer, **kwargs))
 
 
+@pytest.mark.slow  # two launchers, each restarting its worker
 def test_a_rank_lost_on_one_node_is_recovered_on_both(reference, tmp_path):
     """--max_restarts across nodes (promise 3): rank 1 dies after step 2 while rank 0, on the other node, is busy
     outside a collective. Rank 1's launcher restarts its worker as attempt 1; rank 0's launcher restarts its own for

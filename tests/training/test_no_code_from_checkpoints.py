@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
-from tests.launch import run_tune
+from tests.launch import run_tune_here
 from toolkit.cli.main import main as tune
 from toolkit.data import GlobalBatchSampler
 from toolkit.errors import UserError
@@ -168,9 +168,10 @@ def test_tune_run_resume_from_crafted_metadata_is_one_line_and_exit_2(tmp_path, 
     (step / "trainer_state.json").write_text(json.dumps(state))
     (step / "config.yaml").write_text("model:\n  _component_: toolkit.models.llama3.llama3_demo\n  max_seq_len: 64\n")
     (step / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
-    result = run_tune(
+    # `tune run` on one device runs the recipe in its own process: here, this one.
+    result = run_tune_here(
         "run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path / 'out'}",
-        f"resume_from={step}", "progress_bar=false", "~eval_tasks", timeout_s=120,
+        f"resume_from={step}", "progress_bar=false", "~eval_tasks",
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"{step / '.metadata'}: not loaded: it names builtins.exec" in one_line(result.stderr)

@@ -1,12 +1,13 @@
 """A damaged step checkpoint given to resume from stops with one line naming it (exit 2), never a traceback."""
 
 import shutil
+from functools import partial
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.launch import run_tune
+from tests.launch import run_tune, run_tune_here
 from toolkit.data import GlobalBatchSampler
 from toolkit.errors import UserError
 from toolkit.training import StepCheckpointer, TrainingState
@@ -50,13 +51,12 @@ def test_load_names_a_corrupt_shard_as_a_user_error(tmp_path):
 
 
 def test_resume_from_a_corrupt_checkpoint_is_one_line_and_exit_2(tmp_path):
-    def tune(output_dir, *overrides):
-        return run_tune(
-            "run", "full_finetune_single_device", "--config", "demo", f"output_dir={output_dir}", *FAST, *overrides,
-            timeout_s=120,
-        )
+    def tune(output_dir, *overrides, run=partial(run_tune, timeout_s=120)):
+        return run("run", "full_finetune_single_device", "--config", "demo", f"output_dir={output_dir}", *FAST,
+                   *overrides)
 
-    first = tune(tmp_path / "first", "max_steps=3")
+    # The checkpoint is made in this process (the same command); the refusal is `tune run` end to end.
+    first = tune(tmp_path / "first", "max_steps=3", run=run_tune_here)
     assert first.returncode == 0, first.stderr[-2000:]
     damaged = tmp_path / "damaged" / "checkpoints" / "step_3"
     shutil.copytree(tmp_path / "first" / "checkpoints" / "step_3", damaged)

@@ -81,13 +81,19 @@ def test_keeps_eval_mode_and_refuses_a_set_without_targets():
         validation_loss(model, no_targets, device=CPU)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_two_processes_give_the_one_process_loss(strategy, tmp_path):
-    out = tmp_path / "result.json"
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every rank's result on 2 processes, under DDP and under FSDP2, one after the other in one launch."""
+    out = tmp_path_factory.mktemp("validation") / "result.json"
     worker = Path(__file__).parent / "_validation_worker.py"
-    result = run_workers(worker, strategy, str(out))
+    result = run_workers(worker, str(out), "ddp", "zero3")
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_two_processes_give_the_one_process_loss(strategy, two_process_results):
+    ranks = two_process_results[strategy]
     assert [r["batches_on_this_rank"] for r in ranks] == [2, 3], "uneven batch counts exercise the idle forwards"
     assert all(r["restored_train_mode"] for r in ranks)
     single = validation_loss(tiny_model(), loader(0, 1), device=CPU)
