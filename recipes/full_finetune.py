@@ -31,6 +31,7 @@ from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import exact_match_accuracy
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.schema import TRAINING_SCHEMA
+from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
 from toolkit.training import (
     MetricsLogger,
     OptimizerInBackward,
@@ -57,7 +58,6 @@ from toolkit.training import (
     on_rank_zero,
     optimizer_memory_model,
     optimizer_step,
-    parallel_dims,
     parallelize,
     plan_parallelism,
     precision_policy,
@@ -65,10 +65,8 @@ from toolkit.training import (
     resolve_flex_attention,
     sdpa_preference,
     set_seed,
-    shard_optimizer_state,
     start_run,
     step_metrics,
-    unwrap,
     validation_loss,
 )
 

@@ -19,15 +19,8 @@ from toolkit.data import GlobalBatchSampler, demo_dataset, padded_collate
 from toolkit.models.llama3 import llama3_demo, lora_llama3_demo
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.tokenizers import byte_tokenizer
-from toolkit.training import (
-    apply_float8,
-    forward_backward,
-    init_weights,
-    optimizer_step,
-    parallel_dims,
-    parallelize,
-    set_seed,
-)
+from toolkit.parallel import parallel_dims
+from toolkit.training import apply_float8, forward_backward, init_weights, optimizer_step, parallelize, set_seed
 
 CPU = torch.device("cpu")
 BATCH_SIZE = 16

@@ -31,7 +31,7 @@ from toolkit.errors import UserError
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.attention import SDPA_BACKENDS
 from toolkit.training.metric_loggers import parse_metric_logger_spec
-from toolkit.training.parallel import STRATEGIES
+from toolkit.parallel import STRATEGIES
 from toolkit.training.precision import PRECISIONS
 from toolkit.training.profiling import profiler_settings
 

@@ -15,7 +15,7 @@ from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import gradient_scale, start_global_token_count
 from toolkit.training.optim import OptimizerInBackward
-from toolkit.training.parallel import clip_grad_norm, gradient_sync
+from toolkit.parallel import clip_grad_norm, gradient_sync
 
 T = TypeVar("T")
 

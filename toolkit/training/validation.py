@@ -22,7 +22,7 @@ from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.errors import UserError
 from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
-from toolkit.training.parallel import unwrap
+from toolkit.parallel import unwrap
 from toolkit.training.step import iterate_loader
 
 
