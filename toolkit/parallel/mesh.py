@@ -8,14 +8,15 @@ normalization, the metrics) asks for ``dp_size`` and ``dp_rank``; nothing else n
 
 | strategy | parameters            | gradients | optimizer state | built on                                  |
 |----------|-----------------------|-----------|-----------------|-------------------------------------------|
-| ddp      | replicated            | replicated| replicated      | DistributedDataParallel (FSDP2 replicating over ``dp_replicate`` under TP) |
+| ddp      | replicated            | replicated| replicated      | DistributedDataParallel (FSDP2 under TP)  |
 | zero1    | replicated            | replicated| sharded         | DDP + ZeroRedundancyOptimizer             |
 | zero2    | sharded, kept gathered from forward to backward | sharded | sharded | FSDP2, reshard_after_forward=False |
 | zero3    | sharded               | sharded   | sharded         | FSDP2, reshard_after_forward=True         |
 | hsdp     | sharded within a group of ``dp_shard`` ranks, replicated across groups | | | FSDP2 on a 2-D mesh |
 
 Every strategy spans the data-parallel ranks (world size / ``tp``); tensor parallelism splits each layer over
-the ``tp`` ranks of a group (:mod:`toolkit.parallel.tensor_parallel`).
+the ``tp`` ranks of a group (:mod:`toolkit.parallel.tensor_parallel`). Under TP, ``ddp`` runs as FSDP2 with a
+shard group of one (replicating over ``dp_replicate``): DistributedDataParallel takes no DTensor parameters.
 """
 
 from dataclasses import dataclass

@@ -73,7 +73,8 @@ def check_tensor_parallel(model: nn.Module, *, tp: int) -> None:
     for layer in model.layers:
         attn = layer.self_attn
         if attn.num_heads % tp:
-            raise UserError(f"{what} the model's {attn.num_heads} attention heads; choose a divisor of {attn.num_heads}")
+            heads = attn.num_heads
+            raise UserError(f"{what} the model's {heads} attention heads; choose a divisor of {heads}")
         if attn.num_kv_heads % tp:
             raise UserError(
                 f"{what} the model's {attn.num_kv_heads} key/value heads (they are not replicated); choose a divisor "
