@@ -85,7 +85,7 @@ def _load(recipe: str, config: str, overrides: list[str], *, world_size: int) ->
     cfg = load_config(path)
     apply_overrides(cfg, overrides, recipe=recipe_keys(recipe_file))
     # What `tune run` checks, on the planned number of processes: a plan for a run that would be refused is none.
-    validate(cfg, schema=recipe_schema(recipe_file), data_parallel_size=world_size)
+    validate(cfg, schema=recipe_schema(recipe_file), world_size=world_size)
     return cfg, path
 
 

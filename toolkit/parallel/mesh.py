@@ -78,6 +78,11 @@ class ParallelDims:
         (DistributedDataParallel takes no DTensor parameters; FSDP2 with a shard group of one replicates)."""
         return self.is_sharded or (self.tp > 1 and self.dp_size > 1)
 
+    @property
+    def label(self) -> str:
+        """The layout in a few words, for the run's summary line: ``zero3``, ``zero3 x tensor_parallel 2``."""
+        return self.strategy if self.tp == 1 else f"{self.strategy} x tensor_parallel {self.tp}"
+
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """The job's one device mesh, dimensions :data:`MESH_DIMS` (None for one process). A collective."""
         if self.world_size == 1:
