@@ -8,10 +8,12 @@ The layouts, all from one 4-rank mesh:
 - ``ddp_tp2``, ``zero3_tp2``, ``hsdp_tp2``: 2 data-parallel ranks (DDP semantics, ZeRO-3, HSDP on a 2-D FSDP mesh)
   of tensor-parallel pairs.
 
+Then the full fine-tune recipe runs on the demo, zero3 x tensor_parallel 2, into ``sys.argv[2]``.
+
 Every run trains 5 steps of a global batch of 4 rows of different lengths (prompt positions and padding ignored),
 with AdamW and the gradient norm clipped; the layouts differ in how a rank's share is cut into micro-batches too. Rank zero saves, per case and layout, the losses, the
 gradient norms and the final weights (gathered whole) to ``sys.argv[1]`` (``torch.save``); the test computes the
-one-process reference itself with :func:`train` and compares.
+one-process references itself (:func:`train`, and the recipe) and compares.
 """
 
 import sys
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tests.launch import run_recipe_here
 from toolkit.models._decoder import plain_linear
 from toolkit.models._lora import lora_linear
 from toolkit.models.gemma2 import gemma2
@@ -148,7 +151,16 @@ def train(name: str, mode: str, dims: ParallelDims, mesh=None, *, micro_steps: i
     return {"losses": losses, "norms": norms, "weights": weights, "moved": moved}
 
 
-def main(out: str) -> None:
+# The demo recipe as test_parallel_parity.py runs it (variable-length words, 5 steps of 8 sequences in micro-batches
+# of 2), here on zero3 x tensor_parallel 2: each TP pair reads its 4 sequences of a step in 2 micro-steps.
+RECIPE = [
+    "dataset.word_len=[2,8]", "max_steps=5", "dataset.num_samples=256", "progress_bar=false", "~eval_tasks",
+    "batch_size=8", "micro_batch_size=2",
+]
+RECIPE_TP = ["tensor_parallel=2", "data_parallel=zero3"]
+
+
+def main(out: str, recipe_out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
@@ -166,9 +178,10 @@ def main(out: str) -> None:
             results[f"{name}/{mode}/{layout}"] = result
     if rank == 0:
         torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    # Last, the recipe itself, in this process group (it leaves it when done): its sampler, loss normalization and
+    # export under TP, with no second launch.
+    run_recipe_here("full_finetune", "demo", *RECIPE, *RECIPE_TP, f"output_dir={recipe_out}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

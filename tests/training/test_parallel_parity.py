@@ -32,19 +32,15 @@ def run(out: Path, *args: str, nproc: int | None = None) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def num_tokens(out: Path) -> list[int]:
-    return [json.loads(line)["num_tokens"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[list[float], dict, list[int]]:
-    """One process, 4 micro-steps of 2 per optimizer step: losses, final weights, tokens per step."""
+def reference(tmp_path_factory) -> tuple[list[float], dict]:
+    """One process, 4 micro-steps of 2 per optimizer step."""
     out = tmp_path_factory.mktemp("reference")
-    return run(out), load_file(out / "final" / "model.safetensors"), num_tokens(out)
+    return run(out), load_file(out / "final" / "model.safetensors")
 
 
 def assert_same_training(out: Path, losses: list[float], reference, *, weight_atol: float = 1e-6) -> None:
-    ref_losses, ref_weights, _ = reference
+    ref_losses, ref_weights = reference
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     weights = load_file(out / "final" / "model.safetensors")
     assert weights.keys() == ref_weights.keys()
@@ -63,18 +59,6 @@ def test_hsdp_on_a_2x2_mesh(reference, tmp_path):
     # 4 processes x 1 micro-step: shard over pairs, replicate across the two pairs.
     losses = run(tmp_path, "data_parallel=hsdp", "hsdp_shard_size=2", nproc=4)
     assert_same_training(tmp_path, losses, reference)
-
-
-def test_zero3_over_tensor_parallel_pairs_in_the_recipe(reference, tmp_path):
-    # 4 processes: 2 data-parallel ranks (ZeRO-3) of tensor-parallel pairs, each pair reading the same 4 sequences
-    # per step in 2 micro-steps; the vocabulary-parallel fused loss; the model exported from its DTensor shards.
-    # The layouts of tests/training/test_tensor_parallel.py, through the recipe's sampler, loss normalization and
-    # export. The split matmuls sum in another order, so the weights get 1e-5 absolute, as the fused loss's
-    # gradients do above (measured: one of the 0.9M weights moved 2e-6).
-    losses = run(tmp_path, "tensor_parallel=2", "data_parallel=zero3", nproc=4)
-    assert_same_training(tmp_path, losses, reference, weight_atol=1e-5)
-    # Each token counted once, not once per rank of its TP pair (AdamW would hide a gradient scaled by 1/2).
-    assert num_tokens(tmp_path) == reference[2]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
