@@ -210,6 +210,7 @@ TP_CASES = [
     ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "data_parallel=zero3", "cpu_offload=true"], 4,
      "cpu_offload"),
     ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "float8=true"], 2, "float8"),
+    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "compile=true"], 2, "compile"),
     ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "fused_loss=false"], 2, "fused_loss"),
     ("full_finetune", ["tensor_parallel=2"], 2, "eval_tasks"),
     ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "data_parallel=auto"], 2, "data_parallel"),

@@ -8,7 +8,8 @@ The layouts, all from one 4-rank mesh:
 - ``ddp_tp2``, ``zero3_tp2``, ``hsdp_tp2``: 2 data-parallel ranks (DDP semantics, ZeRO-3, HSDP on a 2-D FSDP mesh)
   of tensor-parallel pairs.
 
-Then the full fine-tune recipe runs on the demo, zero3 x tensor_parallel 2, into ``sys.argv[2]``.
+Then the full fine-tune recipe runs on the demo, zero3 x tensor_parallel 2, into ``sys.argv[2]``, saving step
+checkpoints, and again into ``sys.argv[2]_resumed``, resumed from its step 2.
 
 Every run trains 5 steps of a global batch of 4 rows of different lengths (prompt positions and padding ignored),
 with AdamW and the gradient norm clipped; the layouts differ in how a rank's share is cut into micro-batches too. Rank zero saves, per case and layout, the losses, the
@@ -16,14 +17,15 @@ gradient norms and the final weights (gathered whole) to ``sys.argv[1]`` (``torc
 one-process references itself (:func:`train`, and the recipe) and compares.
 """
 
+import runpy
 import sys
-from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.launch import run_recipe_here
+from toolkit.cli._catalog import recipe_schema
+from toolkit.config import apply_overrides, load_config, validate
 from toolkit.models._decoder import plain_linear
 from toolkit.models._lora import lora_linear
 from toolkit.models.gemma2 import gemma2
@@ -32,6 +34,7 @@ from toolkit.models.qwen2_5 import qwen2_5
 from toolkit.modules import Llama3RopeScaling
 from toolkit.modules.peft import get_adapter_params, init_adapters, set_trainable_params
 from toolkit.parallel import ParallelDims, parallel_dims
+from toolkit.paths import configs_dir, recipes_dir
 from toolkit.training import forward_backward, init_weights, optimizer_step, parallelize
 
 STEPS, BATCH, VOCAB = 5, 4, 96
@@ -158,6 +161,18 @@ RECIPE = [
     "batch_size=8", "micro_batch_size=2",
 ]
 RECIPE_TP = ["tensor_parallel=2", "data_parallel=zero3"]
+RESUMED_AT = 2
+
+
+def run_recipe(*overrides: str) -> None:
+    """The full fine-tune recipe on the demo, checked as `tune run` checks it, in this process group (the recipe's
+    ``main`` would leave the group when done; its ``train`` does not)."""
+    cfg = load_config(configs_dir() / "full_finetune" / "demo.yaml")
+    apply_overrides(cfg, [*RECIPE, *overrides])
+    validate(cfg, schema=recipe_schema(recipes_dir() / "full_finetune.py"), world_size=dist.get_world_size())
+    recipe = runpy.run_path(str(recipes_dir() / "full_finetune.py"))
+    with recipe["sdpa_preference"](cfg.get("sdpa_backend")):
+        recipe["train"](cfg)
 
 
 def main(out: str, recipe_out: str) -> None:
@@ -178,9 +193,11 @@ def main(out: str, recipe_out: str) -> None:
             results[f"{name}/{mode}/{layout}"] = result
     if rank == 0:
         torch.save(results, out)
-    # Last, the recipe itself, in this process group (it leaves it when done): its sampler, loss normalization and
-    # export under TP, with no second launch.
-    run_recipe_here("full_finetune", "demo", *RECIPE, *RECIPE_TP, f"output_dir={recipe_out}")
+    # Last, the recipe itself, with no second launch: its sampler, loss normalization, step checkpoints and export
+    # under TP. A run saving every 2 steps, then a run resuming from its step 2 checkpoint on the same layout.
+    run_recipe(*RECIPE_TP, "save_every_n_steps=2", "keep_last_n=null", f"output_dir={recipe_out}")
+    run_recipe(*RECIPE_TP, f"resume_from={recipe_out}/checkpoints/step_{RESUMED_AT}", f"output_dir={recipe_out}_resumed")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

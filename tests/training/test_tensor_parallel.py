@@ -1,5 +1,6 @@
 """Promise 1 across tensor-parallel layouts: one process, tp=2, tp=4, ddp x tp=2, zero3 x tp=2 and hsdp x tp=2
-train the same model from the same global batches, and so does the recipe.
+train the same model from the same global batches; so does the recipe, and its step checkpoints resume on the
+same layout (bitwise) and on one process.
 
 One torchrun launch of 4 processes (tests/training/_tp_worker.py) runs every layout of a tiny Llama 3 (rope
 scaling), Qwen 2.5 (q/k/v biases, tied embeddings) and Gemma 2 (soft-caps, sliding window, tied), full fine-tune,
@@ -64,6 +65,10 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "model.safetensors")
+
+
 def test_the_recipe_on_zero3_over_tensor_parallel_pairs_trains_like_one_process(launch, tmp_path):
     # The demo recipe in this process against the worker's 4 processes (2 ZeRO-3 ranks of TP pairs): the same
     # losses, tokens, gradient norms and exported weights. The split matmuls sum in another order: after 5 AdamW
@@ -76,8 +81,26 @@ def test_the_recipe_on_zero3_over_tensor_parallel_pairs_trains_like_one_process(
     # gradient scaled by 2; the clipped norm does not).
     assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in reference]
     torch.testing.assert_close([r["grad_norm"] for r in ours], [r["grad_norm"] for r in reference], rtol=1e-5, atol=0)
-    weights = load_file(launch / "recipe" / "final" / "model.safetensors")
-    expected = load_file(tmp_path / "final" / "model.safetensors")
+    weights, expected = _weights(launch / "recipe"), _weights(tmp_path)
     assert weights.keys() == expected.keys()
     for key, weight in expected.items():
         torch.testing.assert_close(weights[key], weight, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_a_resume_on_the_same_layout_is_bitwise_exact(launch):
+    uninterrupted, resumed = launch / "recipe", launch / "recipe_resumed"
+    assert [r["step"] for r in _records(resumed)] == list(range(worker.RESUMED_AT + 1, 6))
+    assert [r["loss"] for r in _records(resumed)] == [r["loss"] for r in _records(uninterrupted)][worker.RESUMED_AT :]
+    weights, expected = _weights(resumed), _weights(uninterrupted)
+    assert weights.keys() == expected.keys()
+    for key, weight in expected.items():
+        assert torch.equal(weights[key], weight), key
+
+
+def test_a_tensor_parallel_checkpoint_resumes_on_one_process(launch, tmp_path):
+    # DCP reshards the TP (and ZeRO-3) shards of the model and optimizer state to whole tensors; the sample order and
+    # the RNG state carry over. Another layout sums in another order: float rounding.
+    checkpoint = launch / "recipe" / "checkpoints" / f"step_{worker.RESUMED_AT}"
+    run_recipe_here("full_finetune", "demo", *worker.RECIPE, f"output_dir={tmp_path}", f"resume_from={checkpoint}")
+    expected = [r["loss"] for r in _records(launch / "recipe")][worker.RESUMED_AT :]
+    torch.testing.assert_close([r["loss"] for r in _records(tmp_path)], expected, rtol=1e-5, atol=0)
