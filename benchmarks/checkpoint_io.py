@@ -80,9 +80,14 @@ def worker(args: argparse.Namespace) -> None:
 
     from toolkit.data import GlobalBatchSampler
     from toolkit.models.llama3 import llama3
+    from toolkit.parallel import apply_data_parallel, parallel_dims
     from toolkit.training import (
-        HFCheckpointer, StepCheckpointer, TrainingState, apply_data_parallel, barrier, cosine_with_warmup,
-        init_distributed, parallel_dims,
+        HFCheckpointer,
+        StepCheckpointer,
+        TrainingState,
+        barrier,
+        cosine_with_warmup,
+        init_distributed,
     )
 
     env = init_distributed(device="cpu", timeout_s=1800)

@@ -172,9 +172,15 @@ def _probe_worker(rank: int, world_size: int, port: int, recipe: str, config: st
 
     from toolkit.cli._catalog import config_for_recipe
     from toolkit.config import apply_overrides, instantiate, load_config
+    from toolkit.parallel import apply_data_parallel, parallel_dims, shard_optimizer_state
     from toolkit.training import (
-        apply_data_parallel, destroy_distributed, forward_backward, init_distributed, init_weights, materialize,
-        optimizer_step, parallel_dims, set_seed, shard_optimizer_state,
+        destroy_distributed,
+        forward_backward,
+        init_distributed,
+        init_weights,
+        materialize,
+        optimizer_step,
+        set_seed,
     )
     from torch.distributed.tensor import DTensor
 

@@ -39,12 +39,12 @@ from toolkit.errors import UserError
 from toolkit.evaluation import check_chat_settings, load_lm_eval_tasks, run_lm_eval
 from toolkit.generation import exact_match_accuracy
 from toolkit.modules.peft import adapter_modules
+from toolkit.parallel import STRATEGIES, parallel_dims
 from toolkit.training import (
     destroy_distributed,
     init_distributed,
     materialize,
     on_rank_zero,
-    parallel_dims,
     parallelize,
     precision_policy,
     resolve_flex_attention,
@@ -53,7 +53,6 @@ from toolkit.training import (
 )
 from toolkit.training.checkpointing import check_writable_folder
 from toolkit.training.peft import adapter_linear, fill_adapter_model
-from toolkit.training.parallel import STRATEGIES
 from toolkit.training.schema import MODEL_KEYS, PARALLEL_KEYS
 from toolkit.training.validation import ValidationSampler, validation_loss
 

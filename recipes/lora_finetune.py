@@ -30,6 +30,7 @@ from toolkit.modules.peft import get_adapter_params, get_merged_state_dict
 from toolkit.modules.peft import set_trainable_params
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.peft import fill_adapter_model, save_peft_adapter
+from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
 from toolkit.training import (
     MetricsLogger,
     OptimizerInBackward,
@@ -57,7 +58,6 @@ from toolkit.training import (
     on_rank_zero,
     optimizer_memory_model,
     optimizer_step,
-    parallel_dims,
     parallelize,
     plan_parallelism,
     precision_policy,
@@ -65,10 +65,8 @@ from toolkit.training import (
     resolve_flex_attention,
     sdpa_preference,
     set_seed,
-    shard_optimizer_state,
     start_run,
     step_metrics,
-    unwrap,
     validation_loss,
 )
 
@@ -140,12 +138,16 @@ def train(cfg: DictConfig) -> None:
     # Only the adapters train: before the memory plan (which counts gradients and optimizer state for what trains)
     # and before wrapping (only adapters are reduced).
     set_trainable_params(model, get_adapter_params(model))
+    # `tensor_parallel` ranks split each layer (toolkit.parallel.apply_tp); the data-parallel strategy, the batch
+    # and the memory plan span the other dimension, world size / tensor_parallel ranks.
+    tensor_parallel = cfg.get("tensor_parallel", 1)
+    dp_world, dp_local = env.world_size // tensor_parallel, max(1, env.local_world_size // tensor_parallel)
     # `auto` (data_parallel, micro_batch_size) is resolved from a memory estimate: the least-communicating strategy
     # that fits the device, then the largest micro batch that fits; the global batch never changes.
     plan = plan_parallelism(
         model=model, strategy=cfg.data_parallel, cpu_offload=cfg.cpu_offload, batch_size=cfg.batch_size,
         micro_batch_size=cfg.micro_batch_size, device=env.device, device_memory_gb=cfg.get("device_memory_gb"),
-        world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
+        world_size=dp_world, local_world_size=dp_local, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
         activation_offloading=cfg.activation_offloading, optimizer_in_backward=cfg.get("optimizer_in_backward", False),
         kernels=kernels, shard_size=cfg.hsdp_shard_size,
@@ -159,7 +161,13 @@ def train(cfg: DictConfig) -> None:
         shard_size=cfg.hsdp_shard_size,
         cpu_offload=plan.cpu_offload,
         device_type=env.device.type,
+        tensor_parallel=tensor_parallel,
+        rank=env.rank,
     )
+    # The one device mesh (dp_replicate x dp_shard x tp) every dimension is cut from, and the data-parallel peers
+    # of this rank, over which tokens and losses are summed (the ranks of a TP group share their micro-batches).
+    mesh = dims.build_mesh(env.device.type)
+    dp_group = dims.dp_group(mesh)
     if cfg.get("optimizer_in_backward"):  # what it cannot do is refused here, before any weight is loaded
         check_optimizer_in_backward(
             dims=dims, micro_batch_size=plan.micro_batch_size, accumulation_steps=accum_steps,
@@ -182,21 +190,21 @@ def train(cfg: DictConfig) -> None:
     model = parallelize(
         model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
         mp_policy=precision.fsdp_policy(), activation_checkpointing=cfg.activation_checkpointing,
-        activation_offloading=cfg.activation_offloading,
+        activation_offloading=cfg.activation_offloading, mesh=mesh,
     )
-    autocast = precision.autocast(env.device, sharded=dims.is_sharded)
+    autocast = precision.autocast(env.device, sharded=dims.uses_fsdp)
     grad_scaler = make_grad_scaler(
-        enabled=precision.needs_grad_scaler, device=env.device, sharded=dims.is_sharded,
-        data_parallel_size=env.world_size,  # fp16: the same steps overflow on any number of processes
+        enabled=precision.needs_grad_scaler, device=env.device, sharded=dims.uses_fsdp or dims.tp > 1,
+        data_parallel_size=dims.dp_size,  # fp16: the same steps overflow on any number of processes
     )
 
-    # --- Data: every rank reads its slice of each global batch, in an order independent of the world size ---------
+    # --- Data: every data-parallel rank reads its slice of each global batch, in an order independent of the layout -
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer)
     # Masks are made on the device (FlexAttention's or SDPA's); packed batches all get the pack's shape.
     collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.max_seq_len)
     sampler = GlobalBatchSampler(
-        len(dataset), global_batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
+        len(dataset), global_batch_size=cfg.batch_size, rank=dims.dp_rank, world_size=dims.dp_size, seed=cfg.seed,
         shuffle=cfg.get("shuffle", True),  # false: the dataset's own order (curricula, comparing with another tool)
     )
     loader = DataLoader(
@@ -212,7 +220,7 @@ def train(cfg: DictConfig) -> None:
         val_loader = DataLoader(
             val_dataset,
             batch_size=plan.micro_batch_size,
-            sampler=ValidationSampler(len(val_dataset), rank=env.rank, world_size=env.world_size),
+            sampler=ValidationSampler(len(val_dataset), rank=dims.dp_rank, world_size=dims.dp_size),
             collate_fn=collate,
         )
     eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None  # held-out accuracy, if set
@@ -233,7 +241,7 @@ def train(cfg: DictConfig) -> None:
     state = TrainingState(model, optimizer, lr_scheduler, sampler, grad_scaler)
     checkpoints = StepCheckpointer(
         output_dir, every_n_steps=cfg.save_every_n_steps, keep_last_n=cfg.keep_last_n, async_save=cfg.async_save,
-        trainable_only=True, base_checkpoint=checkpointer.checkpoint_dir,
+        trainable_only=True, base_checkpoint=checkpointer.checkpoint_dir, data_parallel_size=dims.dp_size,
     )
     step = checkpoints.load(resume, state, config=cfg) if resume is not None else 0
 
@@ -259,8 +267,8 @@ def train(cfg: DictConfig) -> None:
     n_params = sum(p.numel() for p in unwrap(model).parameters())
     n_trainable = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
     log.print(
-        f"{n_params / 1e6:.2f}M parameters, {n_trainable / 1e6:.3f}M trainable; {env.world_size} process(es) on {env.device.type}, {dims.strategy}, "
-        f"{precision.name}; global batch {cfg.batch_size} = {env.world_size} x {plan.micro_batch_size} x "
+        f"{n_params / 1e6:.2f}M parameters, {n_trainable / 1e6:.3f}M trainable; {env.world_size} process(es) on {env.device.type}, {dims.label}, "
+        f"{precision.name}; global batch {cfg.batch_size} = {dims.dp_size} x {plan.micro_batch_size} x "
         f"{accum_steps} accumulation step(s); {total_steps} steps"
     )
     for reason in plan.reasons:
@@ -283,7 +291,7 @@ def train(cfg: DictConfig) -> None:
         start = time.perf_counter()
         data_wait_s = start - data_requested  # reading and collating this step's micro-batches
         result = forward_backward(
-            model, micro_batches, device=env.device, data_parallel_size=env.world_size,
+            model, micro_batches, device=env.device, data_parallel_size=dims.dp_size, data_parallel_group=dp_group,
             autocast=autocast, grad_scaler=grad_scaler, num_output_chunks=kernels.loss_chunks,
             fused_loss=kernels.fused_loss, flex_attention=kernels.flex_attention,
         )
@@ -305,7 +313,7 @@ def train(cfg: DictConfig) -> None:
         if val_loader is not None and cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
             log.log({"step": step, **validation_loss(
                 model, val_loader, device=env.device, autocast=autocast, flex_attention=kernels.flex_attention,
-                loss_chunks=kernels.loss_chunks,
+                loss_chunks=kernels.loss_chunks, data_parallel_group=dp_group,
             )})
         if checkpoints.due(step, total_steps):
             checkpoints.save(step, state, config=cfg, strategy=dims.strategy)

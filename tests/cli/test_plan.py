@@ -96,6 +96,8 @@ def test_device_memory_from_the_config(plan) -> None:
         (("--device-memory-gb", "24", "data_parallel=zero4"), "data_parallel: expects one of ddp, zero1, zero2, zero3, hsdp, auto, got 'zero4'"),
         (("--device-memory-gb", "-1"), "--device-memory-gb: must be a positive number of GiB"),
         (("--device-memory-gb", "24", "--bogus"), "unrecognized arguments: --bogus; see `tune plan --help`"),
+        (("--device-memory-gb", "24", "--nproc_per_node", "2", "tensor_parallel=2", "~eval_tasks"),
+         "tensor_parallel: the memory plan does not count tensor parallelism's split of the layers yet"),
     ],
 )
 def test_bad_input_is_one_line(plan, args: tuple[str, ...], message: str) -> None:

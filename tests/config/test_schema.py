@@ -101,19 +101,19 @@ def test_a_value_from_an_interpolation_is_checked_as_resolved():
 
 @rule("epochs", "max_steps")
 def _steps_within_epochs(ctx):
-    if ctx.get("max_steps") is not None and ctx.data_parallel_size is not None:
-        if ctx.get("max_steps") > 10 * ctx.get("epochs") * ctx.data_parallel_size:
+    if ctx.get("max_steps") is not None and ctx.world_size is not None:
+        if ctx.get("max_steps") > 10 * ctx.get("epochs") * ctx.world_size:
             yield "max_steps", "more steps than the epochs have"
 
 
 def test_a_rule_sees_the_launch_and_is_skipped_when_its_keys_are_wrong():
     schema = SCHEMA.extend(rules=[_steps_within_epochs])
-    assert schema.problems(_cfg({**GOOD, "max_steps": 100}), data_parallel_size=2) == [
+    assert schema.problems(_cfg({**GOOD, "max_steps": 100}), world_size=2) == [
         ("max_steps", "more steps than the epochs have")
     ]
     assert schema.problems(_cfg({**GOOD, "max_steps": 100})) == []  # the launch is unknown: nothing to say
     # epochs is already wrong: the rule would only repeat it.
-    assert [k for k, _ in schema.problems(_cfg({**GOOD, "epochs": 0, "max_steps": 100}), data_parallel_size=2)] == [
+    assert [k for k, _ in schema.problems(_cfg({**GOOD, "epochs": 0, "max_steps": 100}), world_size=2)] == [
         "epochs"
     ]
 

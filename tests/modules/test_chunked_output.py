@@ -79,7 +79,7 @@ def _check_wrapped(strategy: str) -> None:
     """One rank's share: half the global batch, through ``strategy``, with a chunked loss."""
     import torch.distributed as dist
 
-    from toolkit.training import apply_data_parallel, parallel_dims
+    from toolkit.parallel import apply_data_parallel, parallel_dims
     from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from toolkit.models.llama3 import llama3
-from toolkit.training import HFCheckpointer, apply_data_parallel, parallel_dims
+from toolkit.parallel import apply_data_parallel, parallel_dims
+from toolkit.training import HFCheckpointer
 
 DIMS = dict(vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64, max_seq_len=64)
 

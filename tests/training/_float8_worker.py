@@ -21,15 +21,8 @@ from toolkit.models._lora import lora_builder
 from toolkit.models.llama3 import llama3
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.tokenizers import byte_tokenizer
-from toolkit.training import (
-    apply_float8,
-    forward_backward,
-    init_weights,
-    optimizer_step,
-    parallel_dims,
-    parallelize,
-    set_seed,
-)
+from toolkit.parallel import parallel_dims
+from toolkit.training import apply_float8, forward_backward, init_weights, optimizer_step, parallelize, set_seed
 
 CPU = torch.device("cpu")
 BATCH_SIZE = 8

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from toolkit.models.llama3 import llama3_demo
+from toolkit.parallel import parallel_dims
 from toolkit.training import (
     forward_backward,
     init_distributed,
     init_weights,
     optimizer_step,
-    parallel_dims,
     parallelize,
     precision_policy,
     set_seed,

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from _export_worker import DIMS, tiny_model
 from toolkit.data import padded_collate, shifted_labels
-from toolkit.training import apply_data_parallel, parallel_dims
+from toolkit.parallel import apply_data_parallel, parallel_dims
 from toolkit.training.validation import ValidationSampler, validation_loss
 
 # 9 samples: on 2 ranks of micro-batches of 2, rank 0 gets 4 samples (2 batches) and rank 1 gets 5 (3 batches),

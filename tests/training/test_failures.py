@@ -11,14 +11,8 @@ import torch
 
 from tests.launch import RecipeRun, run_recipes, run_tune, run_tune_here
 from toolkit.errors import UserError
-from toolkit.training import (
-    StepCheckpointer,
-    claim_output_dir,
-    find_resume_checkpoint,
-    parallel_dims,
-    precision_policy,
-    start_run,
-)
+from toolkit.parallel import parallel_dims
+from toolkit.training import StepCheckpointer, claim_output_dir, find_resume_checkpoint, precision_policy, start_run
 
 FAST = ["max_steps=2", "dataset.num_samples=64", "progress_bar=false", "~eval_tasks", "batch_size=4", "micro_batch_size=2"]
 
@@ -37,6 +31,9 @@ def tune_run(tmp_path: Path, *args: str, nproc: int = 2) -> subprocess.Completed
         ({"strategy": "hsdp", "shard_size": 3}, "cannot be split into shard groups of 3"),
         ({"strategy": "ddp", "cpu_offload": True}, "needs a sharded strategy"),
         ({"strategy": "zero3", "cpu_offload": True, "device_type": "cpu"}, "already runs on the CPU"),
+        ({"strategy": "ddp", "tensor_parallel": 3}, "tensor_parallel: 3 does not divide the 4 processes"),
+        ({"strategy": "zero1", "tensor_parallel": 2}, "data_parallel: zero1 cannot combine with tensor_parallel=2"),
+        ({"strategy": "zero3", "cpu_offload": True, "tensor_parallel": 2}, "cpu_offload: cannot combine with"),
     ],
 )
 def test_bad_layouts(kwargs, message):
@@ -47,7 +44,21 @@ def test_bad_layouts(kwargs, message):
 
 def test_hsdp_layout():
     dims = parallel_dims(strategy="hsdp", world_size=8, local_world_size=4)
-    assert (dims.replicate, dims.shard) == (2, 4)
+    assert (dims.dp_replicate, dims.dp_shard) == (2, 4)
+
+
+@pytest.mark.parametrize(
+    "strategy,shard_size,layout",
+    [("ddp", None, (4, 1, 2)), ("zero3", None, (1, 4, 2)), ("hsdp", 2, (2, 2, 2)), ("hsdp", None, (2, 2, 2))],
+)
+def test_tensor_parallel_layouts(strategy, shard_size, layout):
+    # 8 processes, 4 a node, tensor_parallel=2: the strategies span the 4 data-parallel ranks (HSDP shards within a
+    # node's 2 data-parallel ranks by default); rank 5 is data-parallel rank 2 (TP innermost).
+    dims = parallel_dims(strategy=strategy, world_size=8, local_world_size=4, shard_size=shard_size,
+                         tensor_parallel=2, rank=5)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == layout
+    assert (dims.world_size, dims.dp_size, dims.dp_rank) == (8, 4, 2)
+    assert dims.uses_fsdp
 
 
 def test_dtypes(monkeypatch):

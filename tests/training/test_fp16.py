@@ -88,7 +88,8 @@ def test_a_resume_on_another_world_size_keeps_the_effective_scale(tmp_path):
     saved.grad_scaler.load_state_dict({**saved.grad_scaler.state_dict(), "scale": 2.0**10})  # backed off a while
     step = StepCheckpointer(tmp_path, every_n_steps=1).save(1, saved, config=cfg)
     resumed = state(world_size=2)
-    checkpoints = StepCheckpointer(tmp_path, every_n_steps=1)
-    checkpoints.world_size = 2  # loading as the rank of a 2-process run would (the file layout is the same)
+    # Loading as a rank of a 2-process run would (the file layout is the same): 2 data-parallel ranks.
+    checkpoints = StepCheckpointer(tmp_path, every_n_steps=1, data_parallel_size=2)
+    checkpoints.world_size = 2
     checkpoints.load(step, resumed, config=cfg)
     assert resumed.grad_scaler.get_scale() == 2.0**9  # scale x world size unchanged: 2**10 x 1 = 2**9 x 2

@@ -11,6 +11,7 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3_demo
+from toolkit.parallel import parallel_dims
 from toolkit.training import (
     OptimizerInBackward,
     check_optimizer_in_backward,
@@ -18,7 +19,6 @@ from toolkit.training import (
     init_weights,
     materialize,
     optimizer_step,
-    parallel_dims,
     set_seed,
 )
 

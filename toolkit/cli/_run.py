@@ -232,7 +232,7 @@ def _check_launch_flags(launch: argparse.Namespace) -> None:
         raise UserError(f"--nproc_per_node must be a positive number or one of {words}, got '{nproc}'")
 
 
-def _data_parallel_size(launch: argparse.Namespace) -> int | None:
+def _world_size(launch: argparse.Namespace) -> int | None:
     """The processes the launch will start, all nodes together (None where an elastic range leaves it open).
 
     Fills in ``--nproc_per_node`` when it was not given: one process per GPU, or up to 4 CPU processes.
@@ -557,9 +557,9 @@ def run_command(argv: Sequence[str]) -> int:
     # so that a mistake costs no process launch.
     cfg = load_config(config_path)
     apply_overrides(cfg, overrides, recipe=recipe_keys(path))
-    world = _data_parallel_size(launch) if distributed else 1
+    world = _world_size(launch) if distributed else 1
     schema = recipe_schema(path)
-    validate(cfg, schema=schema, data_parallel_size=world)
+    validate(cfg, schema=schema, world_size=world)
     if not distributed or launch.node_rank == 0:  # where rank 0, which writes the run, will be
         _check_output_dir(cfg, schema)
 

@@ -85,7 +85,7 @@ def _load(recipe: str, config: str, overrides: list[str], *, world_size: int) ->
     cfg = load_config(path)
     apply_overrides(cfg, overrides, recipe=recipe_keys(recipe_file))
     # What `tune run` checks, on the planned number of processes: a plan for a run that would be refused is none.
-    validate(cfg, schema=recipe_schema(recipe_file), data_parallel_size=world_size)
+    validate(cfg, schema=recipe_schema(recipe_file), world_size=world_size)
     return cfg, path
 
 
@@ -155,6 +155,11 @@ def plan_command(argv: Sequence[str]) -> int:
     nproc, nnodes, world_note = _world(args)
     world_size = nproc * nnodes
     cfg, path = _load(args.recipe, args.config, args.overrides, world_size=world_size)
+    if cfg.get("tensor_parallel", 1) != 1:  # a table that counted whole layers per device would mislead
+        raise UserError(
+            "tensor_parallel: the memory plan does not count tensor parallelism's split of the layers yet; plan "
+            "with tensor_parallel=1, an upper bound of what each device holds"
+        )
     if "model" not in cfg:
         raise UserError(f"{path}: model: the config has no model to plan for")
     auto_micro_batch = cfg.get("micro_batch_size") == "auto"

@@ -309,7 +309,7 @@ def parse_recipe_args(
     *,
     recipe_file: str | Path | None = None,
     schema: Schema | None = None,
-    data_parallel_size: int | None = None,
+    world_size: int | None = None,
 ) -> DictConfig:
     """Build a recipe's config from its command line.
 
@@ -319,7 +319,7 @@ def parse_recipe_args(
             reads (see :func:`apply_overrides`).
         schema: the recipe's declared schema; if given, the config is checked against it (every problem, one line
             each) before interpolation is resolved, so keys that only feed a ``${...}`` are known as such.
-        data_parallel_size: the data-parallel processes, for the schema's rules (batch divisibility).
+        world_size: the processes of the launch, for the schema's rules (batch divisibility).
 
     Returns:
         The loaded config with overrides applied and interpolation resolved. :func:`config_source` gives
@@ -337,5 +337,5 @@ def parse_recipe_args(
     recipe = recipe_keys(recipe_file) if recipe_file is not None else None
     apply_overrides(cfg, overrides, source=config, recipe=recipe)
     if schema is not None:
-        validate(cfg, source=config, schema=schema, data_parallel_size=data_parallel_size)
+        validate(cfg, source=config, schema=schema, world_size=world_size)
     return resolve(cfg, source=config)

@@ -67,8 +67,8 @@ def report_user_error(error: UserError) -> None:
 _STORAGE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
-def _data_parallel_size() -> int:
-    # The processes torchrun started; every one of them is a data-parallel rank.
+def _world_size() -> int:
+    # The processes torchrun started (the schema's rules divide them among the mesh dimensions).
     try:
         return max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:
@@ -96,7 +96,7 @@ def recipe_main(fn: Callable[[DictConfig], T] | None = None, *, schema: Schema |
     def wrapper(cfg: DictConfig | None = None) -> Any:
         if cfg is not None:
             if schema is not None:
-                schema.check(cfg, data_parallel_size=_data_parallel_size(), unknown_keys=False)
+                schema.check(cfg, world_size=_world_size(), unknown_keys=False)
             return fn(cfg)
         try:
             # torchrun's `record` writes any other exception's traceback to the rank's error file, so the
@@ -106,7 +106,7 @@ def recipe_main(fn: Callable[[DictConfig], T] | None = None, *, schema: Schema |
 
             cfg = parse_recipe_args(
                 sys.argv[1:], recipe_file=inspect.getsourcefile(fn), schema=schema,
-                data_parallel_size=_data_parallel_size(),
+                world_size=_world_size(),
             )
             result = record(fn)(cfg)
             if "TORCHELASTIC_RUN_ID" in os.environ:

@@ -252,12 +252,12 @@ class Context:
 
     Attributes:
         values: the value of every declared key that is present and passed its own check (dotted keys too).
-        data_parallel_size: the number of data-parallel processes, or None when not known (``tune validate``
-            without ``--nproc_per_node``).
+        world_size: the number of processes the launch starts (all nodes), or None when not known
+            (``tune validate`` without ``--nproc_per_node``).
     """
 
     values: Mapping[str, Any]
-    data_parallel_size: int | None
+    world_size: int | None
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.values.get(key, default)
@@ -292,7 +292,7 @@ class Schema:
         self,
         cfg: DictConfig,
         *,
-        data_parallel_size: int | None = None,
+        world_size: int | None = None,
         unknown_keys: bool = True,
         known_problems: Iterable[str] = (),
     ) -> list[tuple[str, str]]:
@@ -300,14 +300,14 @@ class Schema:
 
         Args:
             cfg: The config, overrides applied (interpolation resolved or not).
-            data_parallel_size: Data-parallel processes, when known, for the rules that need it.
+            world_size: Processes of the launch, when known, for the rules that need it.
             unknown_keys: Also report top-level keys that are not declared and that no ``${...}`` refers to.
             known_problems: Key paths already found wrong elsewhere (a component's arguments): the keys are not
                 reported again, and the rules that read them do not run.
         """
         problems, values = self.key_problems(cfg, unknown_keys=unknown_keys, known_problems=known_problems)
         bad = [*known_problems, *(path for path, _ in problems)]
-        return problems + self.rule_problems(values, data_parallel_size=data_parallel_size, known_problems=bad)
+        return problems + self.rule_problems(values, world_size=world_size, known_problems=bad)
 
     def key_problems(
         self, cfg: DictConfig, *, unknown_keys: bool = True, known_problems: Iterable[str] = ()
@@ -348,11 +348,11 @@ class Schema:
         return problems, values
 
     def rule_problems(
-        self, values: Mapping[str, Any], *, data_parallel_size: int | None = None, known_problems: Iterable[str] = ()
+        self, values: Mapping[str, Any], *, world_size: int | None = None, known_problems: Iterable[str] = ()
     ) -> list[tuple[str, str]]:
         """The problems the rules find, skipping each rule that reads a key in ``known_problems`` (or under it)."""
         bad = set(known_problems)
-        context = Context(values=values, data_parallel_size=data_parallel_size)
+        context = Context(values=values, world_size=world_size)
         problems: list[tuple[str, str]] = []
         for check in self.rules:
             reads = getattr(check, "reads", ())
@@ -366,11 +366,11 @@ class Schema:
         cfg: DictConfig,
         *,
         source: str | None = None,
-        data_parallel_size: int | None = None,
+        world_size: int | None = None,
         unknown_keys: bool = True,
     ) -> None:
         """Raise one :class:`ConfigError` listing every problem, a line each: ``<file>: <key>: <problem>``."""
-        problems = self.problems(cfg, data_parallel_size=data_parallel_size, unknown_keys=unknown_keys)
+        problems = self.problems(cfg, world_size=world_size, unknown_keys=unknown_keys)
         if problems:
             source = source or config_source(cfg)
             prefix = "" if source == UNKNOWN_SOURCE else f"{source}: "

@@ -98,7 +98,7 @@ def validate(
     source: str | None = None,
     runtime_args: Collection[str] = RUNTIME_ARGS,
     schema: Schema | None = None,
-    data_parallel_size: int | None = None,
+    world_size: int | None = None,
 ) -> None:
     """Check a config before running anything.
 
@@ -114,7 +114,7 @@ def validate(
         schema: The recipe's declared schema: every key it reads has the type, range and choices it declares, the
             rules between keys hold, and the config has no top-level key the recipe does not read (unless a
             ``${...}`` uses it).
-        data_parallel_size: The data-parallel processes, when known, for the schema's rules.
+        world_size: The processes of the launch, when known, for the schema's rules.
 
     Raises:
         ConfigError: Listing every problem, one line each: ``<source>: <key path>: <problem>``.
@@ -131,7 +131,7 @@ def validate(
     problems += _visit(cfg, "", runtime_args, wrong)
     if schema is not None:
         problems += schema.rule_problems(
-            values, data_parallel_size=data_parallel_size, known_problems=[path for path, _ in problems]
+            values, world_size=world_size, known_problems=[path for path, _ in problems]
         )
     if problems:
         raise ConfigError("\n".join(f"{source}: {path or '<root>'}: {problem}" for path, problem in problems))

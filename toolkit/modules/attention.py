@@ -88,9 +88,12 @@ class GroupedQueryAttention(nn.Module):
             input_pos: positions of ``x``'s tokens (``[s]`` or ``[b, s]``); required with a KV cache.
         """
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [b, n_h, s, h_d]
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [b, n_kv, s, h_d]
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # The head counts are the projections' output widths over head_dim, not num_heads: under tensor
+        # parallelism each rank's projections give only its share of the heads (toolkit.parallel.apply_tp).
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, n_h, s, h_d]
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, n_kv, s, h_d]
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        grouped = k.shape[1] != q.shape[1]
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.k_norm is not None:
@@ -103,10 +106,9 @@ class GroupedQueryAttention(nn.Module):
             if self.kv_cache is not None:
                 raise ValueError("a FlexAttention block mask is for training and scoring, not for a KV cache")
             out = _flex_attention(q.device)(
-                q, k, v, score_mod=self._flex_score_mod, block_mask=mask, scale=self.softmax_scale,
-                enable_gqa=self.num_kv_heads != self.num_heads,
+                q, k, v, score_mod=self._flex_score_mod, block_mask=mask, scale=self.softmax_scale, enable_gqa=grouped,
             )  # [b, n_h, s, h_d]
-            return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
         is_causal = mask is None
         if self.kv_cache is not None:
@@ -126,12 +128,11 @@ class GroupedQueryAttention(nn.Module):
 
         if self.logit_softcap is None:
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.softmax_scale,
-                enable_gqa=self.num_kv_heads != self.num_heads,
+                q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.softmax_scale, enable_gqa=grouped,
             )  # [b, n_h, s, h_d]
         else:
             out = self._softcapped_attention(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def _restrict_mask(
         self, mask: torch.Tensor | None, input_pos: torch.Tensor | None, seq_len: int, device: torch.device
@@ -150,7 +151,7 @@ class GroupedQueryAttention(nn.Module):
     def _softcapped_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        groups = self.num_heads // self.num_kv_heads
+        groups = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(groups, dim=1)  # [b, n_h, s_kv, h_d]
         v = v.repeat_interleave(groups, dim=1)
         scale = self.softmax_scale if self.softmax_scale is not None else self.head_dim**-0.5

@@ -20,8 +20,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 
@@ -136,6 +139,69 @@ def logit_loss_and_grad(
     return loss, grad.to(dtype)
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    """Where this rank's columns of the logits sit in a vocabulary split over ``group``: tokens ``start`` to
+    ``start + size`` (the local rows of the output weight)."""
+
+    group: dist.ProcessGroup
+    start: int
+    size: int
+
+
+def vocab_parallel_loss_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, softcap: float | None, need_grad: bool, shard: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`logit_loss_and_grad` of logits of which this rank holds the columns ``shard`` (``[m, shard.size]``):
+    the same loss, the sum over the whole vocabulary, on every rank of ``shard.group``, and this rank's columns of
+    its gradient.
+
+    The softmax needs the row maxima and sums over the whole vocabulary, and the loss the label's logit, held by
+    one rank: each rank reduces its own, then two all-reduces (the maxima, then the sums with the label logits
+    together) give every rank the whole row's. Communication is ``3 m`` floats per chunk, whatever the vocabulary.
+    """
+    dtype, tanh = logits.dtype, None
+    if softcap is not None:
+        tanh = torch.tanh(logits / softcap)
+        logits = tanh * softcap
+    row_max = logits.amax(dim=1).float()  # [m]
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=shard.group)
+    shifted = logits.float() - row_max.unsqueeze(1)  # [m, v]: float32, at most 0
+    del logits
+    local = labels - shard.start
+    owned = (local >= 0) & (local < shard.size)
+    local = torch.where(owned, local, 0).unsqueeze(1)  # [m, 1]
+    label_logit = torch.where(owned, shifted.gather(1, local).squeeze(1), 0.0)  # minus the max; 0 elsewhere
+    sum_exp = shifted.exp_().sum(dim=1)  # shifted now holds exp(logit - max)
+    sums = torch.stack([sum_exp, label_logit])
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=shard.group)  # the whole rows': [sum of exp, label logit]
+    loss = (sums[0].log() - sums[1]).sum()
+    if not need_grad:
+        return loss, None
+    grad = shifted.div_(sums[0].unsqueeze(1))  # the softmax's columns of this rank
+    grad.scatter_add_(1, local, -owned.to(grad.dtype).unsqueeze(1))  # minus one-hot, where the label is here
+    if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+        grad.mul_(tanh.square_().neg_().add_(1))
+    return loss, grad.to(dtype)
+
+
+def _local_vocab_shard(tensor: torch.Tensor | None) -> tuple[torch.Tensor | None, VocabShard | None]:
+    """A DTensor split over the vocabulary (its rows, on a 1-D mesh) as its local rows and where they sit; a plain
+    tensor as itself."""
+    if not isinstance(tensor, DTensor):
+        return tensor, None
+    mesh = tensor.device_mesh
+    if mesh.ndim != 1 or tensor.placements != (Shard(0),):
+        raise ValueError(f"a split output weight must be split over its rows on a 1-D mesh, not {tensor.placements}")
+    local = tensor.to_local()
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
+    return local, VocabShard(group=mesh.get_group(), start=offset[0], size=local.shape[0])
+
+
+def _replicated_local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 LogitKernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
@@ -173,13 +239,19 @@ def _chunked_projection_loss(
     softcap: float | None,
     kernel: LogitKernel,
     needs: Sequence[bool],
+    shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Loss sum of ``h @ weight.T`` (plus, with ``lora_a``, ``scale * (x @ lora_a.T) @ lora_b.T``, ``x`` None
     meaning ``h``) against ``labels`` (``h``, ``x`` ``[t, d]``, ``weight`` ``[vocab, d]``, ``lora_a`` ``[r, d]``,
     ``lora_b`` ``[vocab, r]``, all in one dtype; ``labels`` ``[t]``, every one a target), chunk by chunk over the
     rows, with the gradients ``needs`` asks for, in the order ``h, weight, x, lora_a, lora_b``, for a loss of 1, in
     that dtype (the weights' accumulated over chunks, as autograd accumulates a weight used once per chunk). With
-    ``x`` None the adapter's input gradient is added into ``h``'s."""
+    ``x`` None the adapter's input gradient is added into ``h``'s.
+
+    With ``shard``, ``weight`` and ``lora_b`` hold this rank's rows of a vocabulary split over ``shard.group``
+    (``lora_a``, ``h`` and ``x`` are the same on every rank of it): the loss is the whole vocabulary's, the weights'
+    gradients this rank's rows, and the gradients of what every rank shares (``h``, ``x``, ``lora_a``), each rank's
+    share of them, summed over the group once at the end."""
     need_h, need_weight, need_x, need_a, need_b = needs
     # The rows' gradients are written chunk by chunk; the weights' are summed over the chunks.
     grad_h, grad_x = (torch.empty_like(t) if need else None for t, need in ((h, need_h), (x, need_x)))
@@ -201,10 +273,12 @@ def _chunked_projection_loss(
         adapter_rows = rows if adapter_rows is None else adapter_rows
         u = adapter_rows @ lora_a.T if lora_a is not None else None  # [m, r]
         # The logits are made inside the call, so that the kernel holds their only reference and can free them.
-        chunk_loss, grad = kernel(
-            rows @ weight.T if u is None else (rows @ weight.T).addmm_(u, lora_b.T, alpha=scale),
-            chunk_labels, softcap, need_grad,
-        )
+        logits = rows @ weight.T if u is None else (rows @ weight.T).addmm_(u, lora_b.T, alpha=scale)
+        if shard is None:
+            chunk_loss, grad = kernel(logits, chunk_labels, softcap, need_grad)
+        else:
+            chunk_loss, grad = vocab_parallel_loss_and_grad(logits, chunk_labels, softcap, need_grad, shard)
+        del logits
         loss += chunk_loss
         if need_h:
             torch.mm(grad, weight, out=chunk_grad_h)
@@ -226,6 +300,10 @@ def _chunked_projection_loss(
         for grad in (grad_weight, grad_a, grad_b):
             if grad is not None:
                 grad.zero_()
+    if shard is not None:
+        for grad in (grad_h, grad_x, grad_a):  # (every rank of the group needs the same ones, in the same order)
+            if grad is not None:
+                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=shard.group)
     return loss, [grad_h, grad_weight, grad_x, grad_a, grad_b]
 
 
@@ -234,10 +312,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     and, in backward, scaled by the incoming gradient of the loss."""
 
     @staticmethod
-    def forward(ctx, h, weight, x, lora_a, lora_b, labels, scale, num_chunks, softcap, kernel):
+    def forward(ctx, h, weight, x, lora_a, lora_b, labels, scale, num_chunks, softcap, kernel, shard):
         loss, grads = _chunked_projection_loss(
             h, weight, x, lora_a, lora_b, labels, scale, num_chunks=num_chunks, softcap=softcap, kernel=kernel,
-            needs=ctx.needs_input_grad[:5],
+            needs=ctx.needs_input_grad[:5], shard=shard,
         )
         ctx.save_for_backward(*grads)
         return loss
@@ -247,7 +325,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     def backward(ctx, grad_loss):
         # Scaled in place: this function's gradients are used once (a second backward through it is an error).
         grads = [grad.mul_(grad_loss) if grad is not None else None for grad in ctx.saved_tensors]
-        return *grads, None, None, None, None, None
+        return *grads, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -274,14 +352,21 @@ def linear_cross_entropy_sum(
 
     Finding the non-ignored positions reads the labels on the host (one device synchronization).
 
+    Under tensor parallelism ``weight`` is a DTensor split over the vocabulary (its rows, on a 1-D mesh), and so is
+    an adapter's ``lora_b`` (``lora_a`` replicated): each rank projects only its rows, and the loss is reduced over
+    the mesh's group (:func:`vocab_parallel_loss_and_grad`), the same on every rank. Every rank of the group must
+    call it with the same ``h`` and ``labels``.
+
     Args:
         h: final hidden states ``[..., d]``.
-        weight: the output projection ``[vocab, d]`` (a plain tensor: no bias, no quantization).
+        weight: the output projection ``[vocab, d]`` (plain data: no bias, no quantization), or its vocabulary
+            shard as a DTensor.
         labels: ``h.shape[:-1]``, already shifted.
-        adapter: a LoRA adapter on the projection (its tensors plain too).
+        adapter: a LoRA adapter on the projection (its tensors plain too, or DTensors split like ``weight``).
         num_chunks: groups the positions are processed in (more: less memory, smaller matmuls).
         softcap: Gemma 2's ``final_logit_softcap``.
-        kernel: :func:`logit_loss_and_grad` or a compiled version of it.
+        kernel: :func:`logit_loss_and_grad` or a compiled version of it (a split vocabulary takes
+            :func:`vocab_parallel_loss_and_grad` instead).
     """
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be at least 1, got {num_chunks}")
@@ -293,14 +378,18 @@ def linear_cross_entropy_sum(
         h, labels = h.index_select(0, kept), labels.index_select(0, kept)
         x = x.index_select(0, kept) if x is not None else None
     device_type = h.device.type
+    weight, shard = _local_vocab_shard(weight)  # differentiable: the gradients reach the DTensors
+    lora = (None, None)
+    if adapter is not None:
+        lora = (_replicated_local(adapter.lora_a), _local_vocab_shard(adapter.lora_b)[0])
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-    lora = (adapter.lora_a, adapter.lora_b) if adapter is not None else (None, None)
     scale = adapter.scale if adapter is not None else 0.0
     with torch.autocast(device_type, enabled=False):
         inputs = [t.to(dtype) if t is not None else None for t in (h, weight, x, *lora)]
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-            return _LinearCrossEntropySum.apply(*inputs, labels, scale, num_chunks, softcap, kernel)
+            return _LinearCrossEntropySum.apply(*inputs, labels, scale, num_chunks, softcap, kernel, shard)
         loss, _ = _chunked_projection_loss(
-            *inputs, labels, scale, num_chunks=num_chunks, softcap=softcap, kernel=kernel, needs=[False] * 5
+            *inputs, labels, scale, num_chunks=num_chunks, softcap=softcap, kernel=kernel, needs=[False] * 5,
+            shard=shard,
         )
         return loss

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
 from toolkit.modules.kv_cache import KVCache
@@ -13,6 +14,10 @@ from toolkit.modules.loss import (
     logit_loss_and_grad,
 )
 from toolkit.modules.peft.lora import LoRALinear
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class TransformerDecoderLayer(nn.Module):
@@ -40,8 +45,9 @@ class TransformerDecoderLayer(nn.Module):
 class TransformerDecoder(nn.Module):
     """Token embedding, a stack of layers, a final norm and the output projection.
 
-    The model knows nothing of parallelism: data-parallel wrappers, activation checkpointing and compilation
-    are applied from outside (``toolkit.training``), layer by layer through ``self.layers``.
+    The model knows nothing of parallelism: data-parallel wrappers, tensor parallelism, activation checkpointing
+    and compilation are applied from outside (``toolkit.parallel``, ``toolkit.training``), layer by layer through
+    ``self.layers``.
 
     Args:
         embed_tokens: the token embedding.
@@ -157,8 +163,9 @@ class TransformerDecoder(nn.Module):
                 tensors += [output.lora_a.weight, output.lora_b.weight]
         else:
             return None
-        # Plain tensors only: not float8 or NF4 (QLoRA). Under FSDP2 they are the plain unsharded ones in forward.
-        return tensors[0] if all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors) else None
+        # Plain data only: not float8 or NF4 (QLoRA). Under FSDP2 they are the plain unsharded ones in forward; under
+        # tensor parallelism, DTensors holding this rank's vocabulary rows (the loss is then vocabulary-parallel).
+        return tensors[0] if all(type(_local(t)) in (torch.Tensor, nn.Parameter) for t in tensors) else None
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output projection: final hidden states ``[..., d]`` to logits ``[..., vocab]``.

@@ -1,5 +1,5 @@
-"""Training mechanics shared by every recipe: distributed setup, data parallelism, loss normalization,
-precision, schedules, checkpoints and metrics."""
+"""Training mechanics shared by every recipe: distributed setup, loss normalization, precision, schedules,
+checkpoints and metrics (and, re-exported, the parallel transforms of :mod:`toolkit.parallel`)."""
 
 from toolkit.training.accumulation import gradient_accumulation_steps
 from toolkit.training.activations import (
@@ -39,7 +39,8 @@ from toolkit.training.memory import (
 from toolkit.training.meta_checkpoint import MetaCheckpointer
 from toolkit.training.metrics import MetricsLogger, peak_memory_gib, rank_stats, step_metrics
 from toolkit.training.optim import OptimizerInBackward, check_optimizer_in_backward, fused_by_default
-from toolkit.training.parallel import (
+# The parallel transforms live in toolkit.parallel; re-exported here, where recipes copied earlier import them.
+from toolkit.parallel import (
     STRATEGIES,
     ParallelDims,
     apply_data_parallel,
@@ -48,10 +49,10 @@ from toolkit.training.parallel import (
     clip_grad_norm,
     gradient_sync,
     parallel_dims,
-    parallelize,
     shard_optimizer_state,
     unwrap,
 )
+from toolkit.training.parallelize import parallelize
 from toolkit.training.precision import PrecisionPolicy, precision_policy
 from toolkit.training.profiling import StepProfiler, flops_per_token, measure_peak_flops, profiler_settings
 from toolkit.training.step_checkpoint import (

@@ -37,7 +37,7 @@ import toolkit.models
 from toolkit.errors import UserError, read_json
 from toolkit.modules._dtensor import local_part
 from toolkit.training.distributed import shared_filesystem
-from toolkit.training.parallel import unwrap
+from toolkit.parallel import unwrap
 from toolkit.training.step_checkpoint import (
     _OWNER_FILE,
     _STEP_DIR,

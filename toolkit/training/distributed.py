@@ -135,10 +135,11 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    """Sum ``value`` over all ranks in place and return it (identity without a process group)."""
+def all_reduce_sum(value: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``value`` over the ranks of ``group`` (default: all) in place and return it (identity without a process
+    group)."""
     if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value
 
 

@@ -26,25 +26,37 @@ __all__ = [
 ]
 
 
-def global_token_count(label_batches: list[torch.Tensor], *, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> int:
-    """Non-ignored tokens in this rank's micro-batches, summed over all ranks (one small all-reduce)."""
-    return start_global_token_count(label_batches, ignore_index=ignore_index)()
+def global_token_count(
+    label_batches: list[torch.Tensor],
+    *,
+    ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
+    group: dist.ProcessGroup | None = None,
+) -> int:
+    """Non-ignored tokens in this rank's micro-batches, summed over the data-parallel ranks ``group`` (default: all
+    ranks; one small all-reduce)."""
+    return start_global_token_count(label_batches, ignore_index=ignore_index, group=group)()
 
 
 def start_global_token_count(
-    label_batches: list[torch.Tensor], *, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX
+    label_batches: list[torch.Tensor],
+    *,
+    ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
+    group: dist.ProcessGroup | None = None,
 ) -> Callable[[], int]:
     """Start :func:`global_token_count`'s all-reduce and return a function that waits for it and gives the count.
 
     The count is needed only before the first backward, so the first forward runs while it travels: a rank that
     arrives first does not sit idle waiting for the slower one (on CPU, two cores shared by two ranks, this wait
     is most of what data parallelism costs when the gradients are small, as LoRA's are).
+
+    Under tensor parallelism the ``tp`` ranks of a group read the same micro-batches: ``group`` must then be the
+    data-parallel ranks (``ParallelDims.dp_group``), or each token would be counted ``tp`` times.
     """
     local = sum(int((labels != ignore_index).sum()) for labels in label_batches)
     if not dist.is_initialized():
         return lambda: local
     total = torch.tensor([local], dtype=torch.float64)  # a CPU tensor: gloo's half of the process group carries it
-    work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
+    work = dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def wait() -> int:
         work.wait()

@@ -1,7 +1,7 @@
 """How much device memory a training step needs under each data-parallel strategy, and the cheapest strategy that
 fits (``data_parallel: auto`` and ``tune plan``).
 
-The estimate is an analytic count, per device, of what :mod:`toolkit.training.parallel` and
+The estimate is an analytic count, per device, of what :mod:`toolkit.parallel` and
 :mod:`toolkit.training.precision` allocate for a :class:`~toolkit.modules.TransformerDecoder` built on the meta
 device (so a 70B model costs nothing to plan):
 

@@ -32,7 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from toolkit.errors import UserError
-from toolkit.training.parallel import SHARDED_STRATEGIES, ParallelDims
+from toolkit.parallel import SHARDED_STRATEGIES, ParallelDims
 
 # torch's optimizers with a fused implementation on CUDA and CPU (and every dtype the recipes train in).
 _FUSABLE = {f"torch.optim.{name}" for name in ("Adam", "AdamW", "adam.Adam", "adamw.AdamW")}
@@ -156,7 +156,7 @@ def check_optimizer_in_backward(
             f"{what}, but fp16 loss scaling must skip the whole step when any gradient overflows, which is only "
             "known after backward; use dtype=bf16-mixed (or bf16), or optimizer_in_backward=false"
         )
-    if dims.world_size > 1 and dims.strategy not in SHARDED_STRATEGIES:
+    if dims.dp_size > 1 and not dims.uses_fsdp:
         why = (
             "the hook would fire before DDP averages the gradient across processes, and DDP's buckets keep every "
             "gradient anyway"
@@ -164,7 +164,7 @@ def check_optimizer_in_backward(
             else "ZeroRedundancyOptimizer updates whole parameters on their owner process after backward"
         )
         raise UserError(
-            f"{what}, which data_parallel={dims.strategy} cannot do on {dims.world_size} processes: {why}; use "
+            f"{what}, which data_parallel={dims.strategy} cannot do on {dims.dp_size} processes: {why}; use "
             f"data_parallel={', '.join(SHARDED_STRATEGIES[:-1])} or {SHARDED_STRATEGIES[-1]}, or "
             "optimizer_in_backward=false"
         )

@@ -31,7 +31,9 @@ from toolkit.errors import UserError
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.attention import SDPA_BACKENDS
 from toolkit.training.metric_loggers import parse_metric_logger_spec
-from toolkit.training.parallel import STRATEGIES
+from toolkit.parallel import STRATEGIES
+from toolkit.parallel.mesh import tensor_parallel_problems
+from toolkit.parallel.tensor_parallel import check_tensor_parallel
 from toolkit.training.precision import PRECISIONS
 from toolkit.training.profiling import profiler_settings
 
@@ -94,6 +96,8 @@ TRAINING_KEYS = {
     "activation_checkpointing": one_of(Bool(), Int(ge=1)),
     "activation_offloading": Bool(),
     "fused_loss": Bool(required=False),
+    # Training only (not in PARALLEL_KEYS: the eval recipe does not split a model over TP ranks yet).
+    "tensor_parallel": Int(ge=1, required=False),
     "compile": Bool(required=False),
     "optimizer_in_backward": Bool(required=False),
     "float8": Bool(required=False),
@@ -107,10 +111,29 @@ TRAINING_KEYS = {
 }
 
 
-@rule("batch_size", "micro_batch_size")
+def data_parallel_size(ctx: Context) -> int | None:
+    """The data-parallel processes of the launch: all of them over ``tensor_parallel`` (None when not known, or
+    when ``tensor_parallel`` does not divide them, which :func:`tensor_parallel_fits` reports)."""
+    world, tp = ctx.world_size, ctx.get("tensor_parallel", 1)
+    if world is None or world % tp:
+        return None
+    return world // tp
+
+
+def _named_as_data_parallel(problem: str, ctx: Context) -> str:
+    # The accumulation's message speaks of the world size; under TP the batch divides over the data-parallel ranks.
+    tp, dp = ctx.get("tensor_parallel", 1), data_parallel_size(ctx)
+    if tp == 1:
+        return problem
+    return problem.replace(
+        f"world size ({dp})", f"data-parallel size ({dp}: {ctx.world_size} processes / tensor_parallel {tp})"
+    )
+
+
+@rule("batch_size", "micro_batch_size", "tensor_parallel")
 def batch_divides(ctx: Context) -> Iterator[tuple[str, str]]:
     """The global batch splits into whole micro-batches on every data-parallel process."""
-    batch, micro, world = ctx.get("batch_size"), ctx.get("micro_batch_size"), ctx.data_parallel_size
+    batch, micro, world = ctx.get("batch_size"), ctx.get("micro_batch_size"), data_parallel_size(ctx)
     if batch is None or micro is None:
         return
     if micro == "auto":
@@ -126,15 +149,72 @@ def batch_divides(ctx: Context) -> Iterator[tuple[str, str]]:
         micro = micro_batch_within_share(batch_size=batch, micro_batch_size=micro, world_size=world)
         gradient_accumulation_steps(batch_size=batch, micro_batch_size=micro, world_size=world)
     except UserError as e:
-        yield "batch_size", str(e).removeprefix("batch_size: ")
+        yield "batch_size", _named_as_data_parallel(str(e).removeprefix("batch_size: "), ctx)
 
 
-@rule("hsdp_shard_size", "data_parallel")
+@rule("hsdp_shard_size", "data_parallel", "tensor_parallel")
 def shard_groups_divide(ctx: Context) -> Iterator[tuple[str, str]]:
     """HSDP's shard groups tile the data-parallel processes."""
-    shard, world = ctx.get("hsdp_shard_size"), ctx.data_parallel_size
+    shard, world = ctx.get("hsdp_shard_size"), data_parallel_size(ctx)
     if shard is not None and world is not None and world % shard:
-        yield "hsdp_shard_size", f"{world} processes cannot be split into shard groups of {shard}"
+        yield "hsdp_shard_size", f"{world} data-parallel processes cannot be split into shard groups of {shard}"
+
+
+@rule("tensor_parallel", "data_parallel", "cpu_offload")
+def tensor_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
+    """``tensor_parallel`` divides the processes, and the data-parallel strategy can shard a TP model."""
+    yield from tensor_parallel_problems(
+        tensor_parallel=ctx.get("tensor_parallel", 1), world_size=ctx.world_size,
+        strategy=ctx.get("data_parallel"), cpu_offload=ctx.get("cpu_offload", False),
+    )
+
+
+@rule("tensor_parallel", "float8", "compile", "fused_loss", "eval_tasks", "micro_batch_size", "data_parallel")
+def tensor_parallel_combines(ctx: Context) -> Iterator[tuple[str, str]]:
+    """What tensor parallelism does not combine with (yet), refused by name."""
+    tp = ctx.get("tensor_parallel", 1)
+    if tp == 1:
+        return
+    with_tp = f"tensor_parallel={tp}"
+    if ctx.get("float8"):
+        yield "float8", f"cannot combine with {with_tp} yet (float8 matmuls on split layers); remove one of them"
+    if ctx.get("compile"):
+        yield "compile", f"cannot combine with {with_tp} yet (tracing the split layers fails); remove one of them"
+    if ctx.get("fused_loss") is False:
+        yield "fused_loss", (
+            f"{with_tp} needs the fused projection and loss, which computes the loss vocabulary-parallel (no rank "
+            "holds whole logits); remove fused_loss=false"
+        )
+    if ctx.get("eval_tasks") is not None:
+        yield "eval_tasks", (
+            f"held-out accuracy generates text, which {with_tp} does not do yet; remove eval_tasks (validation_dataset "
+            "scores a held-out set under TP), or use tensor_parallel=1"
+        )
+    for key in ("data_parallel", "micro_batch_size"):
+        if ctx.get(key) == "auto":
+            yield key, (
+                f"auto plans memory without {with_tp}'s split of the layers; give it (data_parallel ddp, zero2, "
+                "zero3 or hsdp; micro_batch_size a number)"
+            )
+
+
+@rule("tensor_parallel", "model")
+def tensor_parallel_splits_the_model(ctx: Context) -> Iterator[tuple[str, str]]:
+    """``tensor_parallel`` divides the model's heads, key/value heads, MLP width and vocabulary: checked on the model
+    built on the meta device (free, whatever its size)."""
+    tp, node = ctx.get("tensor_parallel", 1), ctx.get("model")
+    if tp == 1 or node is None:
+        return
+    try:
+        with torch.device("meta"):
+            model = instantiate(node)
+    except Exception:  # noqa: BLE001 (a model that does not build is reported by the component's own checks)
+        return
+    try:
+        check_tensor_parallel(model, tp=tp)
+    except UserError as e:
+        key, _, problem = str(e).partition(": ")
+        yield key, problem
 
 
 @rule("optimizer")
@@ -178,6 +258,9 @@ def metric_logger_options(ctx: Context) -> Iterator[tuple[str, str]]:
 
 TRAINING_SCHEMA = Schema(
     TRAINING_KEYS,
-    rules=(batch_divides, shard_groups_divide, optimizer_accepts, profiler_options, metric_logger_options),
+    rules=(
+        batch_divides, shard_groups_divide, tensor_parallel_fits, tensor_parallel_combines,
+        tensor_parallel_splits_the_model, optimizer_accepts, profiler_options, metric_logger_options,
+    ),
 )
 

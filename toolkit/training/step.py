@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import Optimizer
 
@@ -15,7 +16,7 @@ from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import gradient_scale, start_global_token_count
 from toolkit.training.optim import OptimizerInBackward
-from toolkit.training.parallel import clip_grad_norm, gradient_sync
+from toolkit.parallel import clip_grad_norm, gradient_sync
 
 T = TypeVar("T")
 
@@ -41,6 +42,7 @@ def forward_backward(
     *,
     device: torch.device,
     data_parallel_size: int,
+    data_parallel_group: dist.ProcessGroup | None = None,
     autocast: contextlib.AbstractContextManager | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -61,6 +63,9 @@ def forward_backward(
             ``input_pos``).
         device: where to run.
         data_parallel_size: ranks the gradient reduction averages over.
+        data_parallel_group: those ranks' process group, over which the tokens and the logged loss are summed
+            (default: all ranks; under tensor parallelism ``ParallelDims.dp_group``, since the ranks of a TP group
+            compute the same micro-batches).
         autocast: forward-pass context (mixed precision without FSDP2).
         grad_scaler: fp16 loss scaling.
         loss_fn: None: the model computes the token cross-entropy sum itself, given the labels (the decoder's
@@ -77,7 +82,7 @@ def forward_backward(
     if loss_fn is None:
         output_kwargs["fused_loss"] = fused_loss
     # The global token count travels during the first forward; it is waited for before the first backward.
-    wait_for_token_count = start_global_token_count([mb["labels"] for mb in micro_batches])
+    wait_for_token_count = start_global_token_count([mb["labels"] for mb in micro_batches], group=data_parallel_group)
     num_tokens = scale = None
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
     num_positions = 0
@@ -103,7 +108,7 @@ def forward_backward(
             scaled = micro_loss * scale
             (grad_scaler.scale(scaled) if grad_scaler is not None else scaled).backward()
         loss_sum += micro_loss.detach().float()
-    loss = all_reduce_sum(loss_sum).item() / max(num_tokens, 1)
+    loss = all_reduce_sum(loss_sum, group=data_parallel_group).item() / max(num_tokens, 1)
     return StepResult(loss=loss, num_tokens=num_tokens, num_positions=num_positions)
 
 

@@ -56,7 +56,7 @@ from toolkit.errors import UserError
 from toolkit.training.debug import inject_fault
 from toolkit.training.distributed import shared_filesystem
 from toolkit.training.optim import OptimizerInBackward
-from toolkit.training.parallel import is_zero_redundancy
+from toolkit.parallel import is_zero_redundancy
 from toolkit.training.safe_load import (
     RefusedPickle,
     SafeFileSystemReader,
@@ -375,6 +375,8 @@ class StepCheckpointer:
             keeps its ``config.json`` and tokenizer files in ``base_files/`` (written by rank zero, before the
             marker), so that ``tune export`` still knows the token ids and the tokenizer once the base is gone. They
             are copied from the base once, at the process's first save, and hard-linked into each checkpoint.
+        data_parallel_size: the run's data-parallel ranks (default: every process), which the fp16 loss scale
+            carries (a resume on another layout rescales it).
     """
 
     def __init__(
@@ -386,6 +388,7 @@ class StepCheckpointer:
         async_save: bool = False,
         trainable_only: bool = False,
         base_checkpoint: str | Path | None = None,
+        data_parallel_size: int | None = None,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise UserError(f"save_every_n_steps must be a positive number of steps or null, got {every_n_steps}")
@@ -408,6 +411,7 @@ class StepCheckpointer:
             )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.data_parallel_size = data_parallel_size or self.world_size
         self._pending: Future | None = None
         self._pending_path: Path | None = None
         self._finished: threading.Event | None = None  # rank 0: set once the marker of the pending save is written
@@ -451,6 +455,7 @@ class StepCheckpointer:
             "lr_scheduler": _to_json(state.lr_scheduler.state_dict()),
             "grad_scaler": state.grad_scaler.state_dict() if state.grad_scaler is not None else None,
             "world_size": self.world_size,
+            "data_parallel_size": self.data_parallel_size,
             "data_parallel": strategy,
             "model_state": "trainable" if self.trainable_only else "full",
         }
@@ -631,9 +636,10 @@ class StepCheckpointer:
         state.sampler.load_state_dict(trainer["sampler"])
         if state.grad_scaler is not None and trainer["grad_scaler"]:
             scaler = dict(trainer["grad_scaler"])
-            # The scale is per rank's loss, which carries the world size (see make_grad_scaler): on another number
-            # of processes the same effective scale is this one times old / new.
-            scaler["scale"] = scaler["scale"] * trainer["world_size"] / self.world_size
+            # The scale is per rank's loss, which carries the data-parallel size (see make_grad_scaler): on another
+            # number of processes the same effective scale is this one times old / new.
+            saved = trainer.get("data_parallel_size", trainer["world_size"])  # (checkpoints before TP: the same)
+            scaler["scale"] = scaler["scale"] * saved / self.data_parallel_size
             state.grad_scaler.load_state_dict(scaler)
         rng_file = path / "rng" / f"rank_{self.rank % trainer['world_size']}.pt"
         try:

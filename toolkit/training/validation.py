@@ -22,7 +22,7 @@ from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.errors import UserError
 from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
-from toolkit.training.parallel import unwrap
+from toolkit.parallel import unwrap
 from toolkit.training.step import iterate_loader
 
 
@@ -80,6 +80,7 @@ def validation_loss(
     autocast: contextlib.AbstractContextManager | None = None,
     flex_attention: bool = False,
     loss_chunks: int | None = None,
+    data_parallel_group: dist.ProcessGroup | None = None,
 ) -> dict[str, float | int]:
     """Mean token cross-entropy of ``model`` over every batch of every rank's ``loader``.
 
@@ -99,6 +100,8 @@ def validation_loss(
         flex_attention: attend with FlexAttention block masks, as in training.
         loss_chunks: project and score the positions in this many chunks, as in training, never holding a batch's
             logits (the decoder's ``labels=``).
+        data_parallel_group: the ranks whose slices make up the set, over which the sums are taken (default: all;
+            under tensor parallelism ``ParallelDims.dp_group``: the ranks of a TP group score the same slice).
 
     Returns:
         ``{"val_loss": sum / count, "val_perplexity": exp(val_loss), "val_tokens": count}`` over all ranks.
@@ -134,7 +137,7 @@ def validation_loss(
             if isinstance(module, FSDPModule):
                 module.reshard()
         plain.train(was_training)
-    loss_sum, count = all_reduce_sum(sums).tolist()
+    loss_sum, count = all_reduce_sum(sums, group=data_parallel_group).tolist()
     if count == 0:
         raise UserError("validation: the dataset has no target tokens (every label is ignored); nothing to score")
     loss = loss_sum / count

@@ -1,0 +1,204 @@
+"""Worker for test_tensor_parallel.py, run under torchrun on 4 processes (gloo, CPU): every case (a tiny model
+and a fine-tuning mode) trained on every tensor-parallel layout of the 4 ranks, one after the other, in one launch.
+
+The layouts, all from one 4-rank mesh:
+
+- ``tp2``: two independent tensor-parallel pairs, each training on the whole batch (no data parallelism);
+- ``tp4``: the 4 ranks split each layer;
+- ``ddp_tp2``, ``zero3_tp2``, ``hsdp_tp2``: 2 data-parallel ranks (DDP semantics, ZeRO-3, HSDP on a 2-D FSDP mesh)
+  of tensor-parallel pairs.
+
+Then the full fine-tune recipe runs on the demo, zero3 x tensor_parallel 2, into ``sys.argv[2]``, saving step
+checkpoints, and again into ``sys.argv[2]_resumed``, resumed from its step 2.
+
+Every run trains 5 steps of a global batch of 4 rows of different lengths (prompt positions and padding ignored),
+with AdamW and the gradient norm clipped; the layouts differ in how a rank's share is cut into micro-batches too. Rank zero saves, per case and layout, the losses, the
+gradient norms and the final weights (gathered whole) to ``sys.argv[1]`` (``torch.save``); the test computes the
+one-process references itself (:func:`train`, and the recipe) and compares.
+"""
+
+import runpy
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from toolkit.cli._catalog import recipe_schema
+from toolkit.config import apply_overrides, load_config, validate
+from toolkit.models._decoder import plain_linear
+from toolkit.models._lora import lora_linear
+from toolkit.models.gemma2 import gemma2
+from toolkit.models.llama3 import llama3
+from toolkit.models.qwen2_5 import qwen2_5
+from toolkit.modules import Llama3RopeScaling
+from toolkit.modules.peft import get_adapter_params, init_adapters, set_trainable_params
+from toolkit.parallel import ParallelDims, parallel_dims
+from toolkit.paths import configs_dir, recipes_dir
+from toolkit.training import forward_backward, init_weights, optimizer_step, parallelize
+
+STEPS, BATCH, VOCAB = 5, 4, 96
+# 8 query and 4 key/value heads: grouped-query attention that tensor_parallel=4 still splits.
+SIZES = dict(vocab_size=VOCAB, num_heads=8, num_kv_heads=4, intermediate_dim=128, max_seq_len=32)
+MODELS = {
+    # Llama 3.1's rope scaling, with an original context short enough that the test's positions see it.
+    "llama": lambda linear: llama3(
+        **SIZES, num_layers=1, embed_dim=64, linear=linear,
+        rope_scaling=Llama3RopeScaling(factor=8.0, original_max_position_embeddings=8),
+    ),
+    # Qwen 2.5: q/k/v biases, tied embeddings.
+    "qwen": lambda linear: qwen2_5(**SIZES, num_layers=1, embed_dim=64, tie_word_embeddings=True, linear=linear),
+    # Gemma 2: attention and final soft-caps, a sliding window (layer 0; layer 1 is global), scaled and tied
+    # embeddings, sandwich norms.
+    "gemma": lambda linear: gemma2(
+        **SIZES, num_layers=2, embed_dim=48, head_dim=8, query_pre_attn_scalar=8, sliding_window=4, attn_logit_softcap=5.0,
+        final_logit_softcap=3.0, linear=linear,
+    ),
+}
+ADAPTERS = {
+    "full": None,
+    # LoRA on every projection, and on Llama's (untied) output projection: a vocabulary-split B in the fused loss.
+    "lora": dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "o_proj"], apply_lora_to_mlp=True, lora_rank=4),
+    # DoRA on a column-wise (q) and a row-wise (o) projection: its magnitude split with the rows, or its row norm
+    # reduced over the split columns.
+    "dora": dict(lora_attn_modules=["q_proj", "o_proj"], lora_rank=4, use_dora=True),
+}
+# name: (data_parallel, tensor_parallel, hsdp_shard_size, micro-batches per rank and step)
+LAYOUTS = {
+    "tp2": ("ddp", 2, None, 2), "tp4": ("ddp", 4, None, 1), "ddp_tp2": ("ddp", 2, None, 1),
+    "zero3_tp2": ("zero3", 2, None, 2), "hsdp_tp2": ("hsdp", 2, 2, 1),
+}
+# Each case on one split of the heads alone (tp2 or tp4) or with data parallelism, so that every model, mode and
+# layout is covered in one launch of about a minute: each run costs seconds here, where 4 processes on 2 cores wait
+# on each other at every collective. (Llama's full fine-tune on zero3 x tp2 runs through the recipe, in
+# test_parallel_parity.py.)
+RUNS = [
+    ("llama", "full", "tp2"), ("llama", "full", "tp4"), ("llama", "full", "ddp_tp2"), ("llama", "full", "hsdp_tp2"),
+    ("qwen", "full", "zero3_tp2"), ("gemma", "full", "ddp_tp2"), ("qwen", "lora", "tp4"),
+    ("llama", "lora", "zero3_tp2"), ("gemma", "dora", "tp2"),
+]
+
+
+def build(name: str, mode: str) -> torch.nn.Module:
+    adapters = ADAPTERS[mode]
+    linear = plain_linear
+    if adapters is not None:
+        linear = lora_linear(**adapters, apply_lora_to_output=name == "llama" and mode == "lora")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = MODELS[name](linear)
+    if adapters is not None:
+        set_trainable_params(model, get_adapter_params(model))
+    return model
+
+
+def fill(model: torch.nn.Module) -> None:
+    init_weights(model)  # every layout draws the whole tensors and keeps its part: the same values
+    init_adapters(model)
+
+
+def global_batch(step: int) -> list[dict[str, torch.Tensor]]:
+    """The step's 4 rows: lengths 5 to 20, the first 2 or 3 positions a prompt (ignored)."""
+    generator = torch.Generator().manual_seed(step)
+    rows = []
+    for i in range(BATCH):
+        length = int(torch.randint(5, 21, (1,), generator=generator))
+        tokens = torch.randint(0, VOCAB, (length + 1,), generator=generator)
+        labels = tokens[1:].clone()
+        labels[: 2 + i % 2] = -100
+        rows.append({"tokens": tokens[:-1], "labels": labels})
+    return rows
+
+
+def micro_batches(rows: list[dict[str, torch.Tensor]], count: int) -> list[dict[str, torch.Tensor]]:
+    """``rows`` in ``count`` micro-batches, each padded to its longest row (padding ignored)."""
+    size = len(rows) // count
+    batches = []
+    for group in (rows[i : i + size] for i in range(0, len(rows), size)):
+        length = max(len(row["tokens"]) for row in group)
+        tokens = torch.zeros(len(group), length, dtype=torch.long)
+        labels = torch.full((len(group), length), -100)
+        for j, row in enumerate(group):
+            tokens[j, : len(row["tokens"])] = row["tokens"]
+            labels[j, : len(row["labels"])] = row["labels"]
+        batches.append({"tokens": tokens, "labels": labels})
+    return batches
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def train(name: str, mode: str, dims: ParallelDims, mesh=None, *, micro_steps: int = BATCH) -> dict:
+    """Train the case on the layout ``dims`` (this rank's part of it), this rank's share of each global batch in
+    ``micro_steps`` micro-batches; the losses, gradient norms and whole weights."""
+    model = parallelize(build(name, mode), dims=dims, device=torch.device("cpu"), dtype=torch.float32, fill=fill,
+                        mesh=mesh)
+    # AdamW's eps at 1e-6 (not 1e-8): its update divides by sqrt(v), which turns rounding-level gradient differences
+    # on entries with near-zero gradients into larger update differences; the layouts agree on the gradients.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
+    initial = {k: full(v) for k, v in model.state_dict().items()}
+    group = dims.dp_group(mesh)
+    losses, norms = [], []
+    for step in range(STEPS):
+        share = BATCH // dims.dp_size
+        mine = global_batch(step)[dims.dp_rank * share : (dims.dp_rank + 1) * share]
+        result = forward_backward(
+            model, micro_batches(mine, micro_steps), device=torch.device("cpu"), data_parallel_size=dims.dp_size,
+            data_parallel_group=group,
+        )
+        norms.append(optimizer_step(model, optimizer, max_grad_norm=1.0))
+        losses.append(result.loss)
+    weights = {k: full(v) for k, v in model.state_dict().items()}
+    moved = max(float((weights[k] - initial[k]).abs().max()) for k in weights)
+    return {"losses": losses, "norms": norms, "weights": weights, "moved": moved}
+
+
+# The demo recipe as test_parallel_parity.py runs it (variable-length words, 5 steps of 8 sequences in micro-batches
+# of 2), here on zero3 x tensor_parallel 2: each TP pair reads its 4 sequences of a step in 2 micro-steps.
+RECIPE = [
+    "dataset.word_len=[2,8]", "max_steps=5", "dataset.num_samples=256", "progress_bar=false", "~eval_tasks",
+    "batch_size=8", "micro_batch_size=2",
+]
+RECIPE_TP = ["tensor_parallel=2", "data_parallel=zero3"]
+RESUMED_AT = 2
+
+
+def run_recipe(*overrides: str) -> None:
+    """The full fine-tune recipe on the demo, checked as `tune run` checks it, in this process group (the recipe's
+    ``main`` would leave the group when done; its ``train`` does not)."""
+    cfg = load_config(configs_dir() / "full_finetune" / "demo.yaml")
+    apply_overrides(cfg, [*RECIPE, *overrides])
+    validate(cfg, schema=recipe_schema(recipes_dir() / "full_finetune.py"), world_size=dist.get_world_size())
+    recipe = runpy.run_path(str(recipes_dir() / "full_finetune.py"))
+    with recipe["sdpa_preference"](cfg.get("sdpa_backend")):
+        recipe["train"](cfg)
+
+
+def main(out: str, recipe_out: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for name, mode, layout in RUNS:
+        strategy, tp, shard, micro_steps = LAYOUTS[layout]
+        dims = parallel_dims(strategy=strategy, world_size=world, local_world_size=world, shard_size=shard,
+                             device_type="cpu", tensor_parallel=tp, rank=rank)
+        mesh = dims.build_mesh("cpu")
+        if layout == "tp2":
+            # Each pair is a job of its own: tensor parallelism over the pair, the other mesh dimension unused (its
+            # dp_shard groups are single ranks, so nothing is summed across the pairs).
+            dims = ParallelDims("ddp", dp_replicate=1, dp_shard=1, tp=2, rank=rank % 2)
+        result = train(name, mode, dims, mesh, micro_steps=micro_steps)
+        if rank == 0:
+            results[f"{name}/{mode}/{layout}"] = result
+    if rank == 0:
+        torch.save(results, out)
+    # Last, the recipe itself, with no second launch: its sampler, loss normalization, step checkpoints and export
+    # under TP. A run saving every 2 steps, then a run resuming from its step 2 checkpoint on the same layout.
+    run_recipe(*RECIPE_TP, "save_every_n_steps=2", "keep_last_n=null", f"output_dir={recipe_out}")
+    run_recipe(*RECIPE_TP, f"resume_from={recipe_out}/checkpoints/step_{RESUMED_AT}", f"output_dir={recipe_out}_resumed")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

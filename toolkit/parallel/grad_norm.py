@@ -1,0 +1,48 @@
+"""The global gradient norm, over every rank's shards (data-parallel and tensor-parallel alike)."""
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
+    """Clip the global gradient norm (over all ranks' shards) to ``max_norm``; return the norm before clipping.
+
+    ``None`` only measures the norm. The gradients are scaled by ``min(1, max_norm / (norm + 1e-6))``, as
+    ``torch.nn.utils.clip_grad_norm_`` does.
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = global_norm(grads)
+    if max_norm is not None:
+        coefficient = min(1.0, max_norm / (norm + 1e-6))
+        if coefficient < 1.0:
+            torch._foreach_mul_(grads, coefficient)
+    return norm
+
+
+def global_norm(tensors: list[torch.Tensor]) -> float:
+    """The 2-norm of ``tensors`` taken together, each counted once however it is split over the ranks.
+
+    Sharded gradients (FSDP2's, tensor parallelism's) are DTensors. Each rank sums the squares of its local parts;
+    the sums of the DTensors laid out alike (mesh and placements) are then added up over the ranks that hold
+    different shards, in one collective per layout (a handful), rather than in one per parameter as the norms of
+    DTensors are. A replicated part is the same on every rank holding it, so it is not summed over those.
+    """
+    squares: dict[tuple | None, torch.Tensor] = {}
+    for t in tensors:
+        layout = None
+        if isinstance(t, DTensor):
+            if any(p.is_partial() for p in t.placements):  # an unreduced gradient: reduce it first
+                t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+            layout = (t.device_mesh, t.placements)
+            t = t.to_local()
+        square = torch.linalg.vector_norm(t, dtype=torch.float32).square()
+        squares[layout] = squares[layout] + square if layout in squares else square
+    total = torch.zeros((), dtype=torch.float32)
+    for layout, square in squares.items():
+        if layout is not None:
+            mesh, placements = layout
+            summed = [Replicate() if p.is_replicate() else Partial() for p in placements]  # (strided shards too)
+            square = DTensor.from_local(square, mesh, summed, run_check=False).full_tensor()
+        total = total + square.cpu()
+    return float(total.sqrt())

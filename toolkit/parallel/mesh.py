@@ -1,0 +1,188 @@
+"""The parallel layout of a job: one device mesh whose named dimensions multiply to the world size.
+
+``dp_replicate x dp_shard x tp`` ranks, tensor parallelism innermost (the ranks of one TP group are consecutive,
+so with ``tp`` up to the GPUs of a node its all-reduces stay on the node's fast links). Later dimensions slot in
+where they belong: context parallelism (``cp``) between ``dp_shard`` and ``tp``, expert parallelism carved out
+of the data-parallel ranks. Everything that counts samples or tokens (the sampler, the global batch, the loss
+normalization, the metrics) asks for ``dp_size`` and ``dp_rank``; nothing else needs the world size.
+
+| strategy | parameters            | gradients | optimizer state | built on                                  |
+|----------|-----------------------|-----------|-----------------|-------------------------------------------|
+| ddp      | replicated            | replicated| replicated      | DistributedDataParallel (FSDP2 under TP)  |
+| zero1    | replicated            | replicated| sharded         | DDP + ZeroRedundancyOptimizer             |
+| zero2    | sharded, kept gathered from forward to backward | sharded | sharded | FSDP2, reshard_after_forward=False |
+| zero3    | sharded               | sharded   | sharded         | FSDP2, reshard_after_forward=True         |
+| hsdp     | sharded within a group of ``dp_shard`` ranks, replicated across groups | | | FSDP2 on a 2-D mesh |
+
+Every strategy spans the data-parallel ranks (world size / ``tp``); tensor parallelism splits each layer over
+the ``tp`` ranks of a group (:mod:`toolkit.parallel.tensor_parallel`). Under TP, ``ddp`` runs as FSDP2 with a
+shard group of one (replicating over ``dp_replicate``): DistributedDataParallel takes no DTensor parameters.
+"""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from toolkit.errors import UserError
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+SHARDED_STRATEGIES = ("zero2", "zero3", "hsdp")
+# The mesh's dimensions, outermost first.
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The layout: ``world_size = dp_replicate x dp_shard x tp``.
+
+    Attributes:
+        strategy: one of :data:`STRATEGIES`, over the data-parallel ranks.
+        dp_replicate: data-parallel groups holding a full replica of the (tensor-parallel) model.
+        dp_shard: data-parallel ranks a parameter is sharded over (1 for ddp/zero1; every data-parallel rank for
+            zero2/zero3; the shard group for hsdp).
+        tp: ranks each layer is split over (tensor parallelism).
+        cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
+        rank: this process's global rank.
+    """
+
+    strategy: str
+    dp_replicate: int
+    dp_shard: int
+    tp: int = 1
+    cpu_offload: bool = False
+    rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each reads its own share of every global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel rank; the ``tp`` ranks of a group share it (and read the same data)."""
+        return self.rank // self.tp
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether FSDP2 shards the model (never for one data-parallel rank: it is then left unsharded)."""
+        return self.strategy in SHARDED_STRATEGIES and self.dp_size > 1
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """Whether FSDP2 reduces the gradients: the sharded strategies, and ``ddp`` over tensor-parallel groups
+        (DistributedDataParallel takes no DTensor parameters; FSDP2 with a shard group of one replicates)."""
+        return self.is_sharded or (self.tp > 1 and self.dp_size > 1)
+
+    @property
+    def label(self) -> str:
+        """The layout in a few words, for the run's summary line: ``zero3``, ``zero3 x tensor_parallel 2``."""
+        return self.strategy if self.tp == 1 else f"{self.strategy} x tensor_parallel {self.tp}"
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The job's one device mesh, dimensions :data:`MESH_DIMS` (None for one process). A collective."""
+        if self.world_size == 1:
+            return None
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The data-parallel submesh FSDP2 shards over: 1-D ``dp_shard`` for ZeRO-2/3, 2-D
+        ``(dp_replicate, dp_shard)`` for HSDP and for ``ddp`` under tensor parallelism (a shard group of one)."""
+        if self.strategy in ("zero2", "zero3"):
+            return mesh["dp_shard"]
+        return mesh["dp_replicate", "dp_shard"]
+
+    def dp_group(self, mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+        """The process group of this rank's data-parallel peers (the ranks at its TP position), over which the
+        token count and the logged loss are summed; None where that is every rank (no TP, or no mesh)."""
+        if mesh is None or self.tp == 1:
+            return None
+        if self.dp_replicate == 1:
+            return mesh["dp_shard"].get_group()
+        if self.dp_shard == 1:
+            return mesh["dp_replicate"].get_group()
+        # DeviceMesh has no public flatten; _flatten is how torchtitan makes the same group.
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+
+
+def parallel_dims(
+    *,
+    strategy: str,
+    world_size: int,
+    local_world_size: int,
+    shard_size: int | None = None,
+    cpu_offload: bool = False,
+    device_type: str = "cuda",
+    tensor_parallel: int = 1,
+    rank: int = 0,
+) -> ParallelDims:
+    """Check a layout against the job's shape and return it.
+
+    Args:
+        strategy: ``ddp``, ``zero1``, ``zero2``, ``zero3`` or ``hsdp`` (``auto`` is resolved before this), over
+            the data-parallel ranks.
+        world_size: all ranks.
+        local_world_size: ranks per node; HSDP shards within a node by default.
+        shard_size: HSDP's shard group size, in data-parallel ranks (default: the data-parallel ranks of a node).
+        cpu_offload: offload sharded state to host memory (sharded strategies only).
+        device_type: ``cuda`` or ``cpu``; offloading needs an accelerator to offload from.
+        tensor_parallel: ranks each layer is split over (config ``tensor_parallel``).
+        rank: this process's global rank.
+
+    Raises:
+        UserError: an unknown strategy, ``cpu_offload`` without sharding or without a GPU, a shape that does not
+            divide, or a strategy tensor parallelism cannot combine with.
+    """
+    if strategy not in STRATEGIES:
+        raise UserError(f"data_parallel: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or auto")
+    if cpu_offload and strategy not in SHARDED_STRATEGIES:
+        raise UserError(
+            f"cpu_offload: needs a sharded strategy ({', '.join(SHARDED_STRATEGIES)}), not data_parallel={strategy}"
+        )
+    if cpu_offload and device_type == "cpu":
+        raise UserError("cpu_offload: training already runs on the CPU (no GPU found); remove cpu_offload")
+    for problem in tensor_parallel_problems(
+        tensor_parallel=tensor_parallel, world_size=world_size, strategy=strategy, cpu_offload=cpu_offload
+    ):
+        raise UserError(": ".join(problem))
+    dp_size = world_size // tensor_parallel
+    if strategy == "hsdp":
+        shard = shard_size or max(1, local_world_size // tensor_parallel)
+        if shard < 1 or dp_size % shard:
+            raise UserError(
+                f"hsdp_shard_size: {dp_size} data-parallel ranks cannot be split into shard groups of {shard}; "
+                f"choose a divisor of {dp_size}"
+            )
+        return ParallelDims(strategy, dp_size // shard, shard, tensor_parallel, cpu_offload, rank)
+    shard = dp_size if strategy in ("zero2", "zero3") else 1
+    return ParallelDims(strategy, dp_size // shard, shard, tensor_parallel, cpu_offload, rank)
+
+
+def tensor_parallel_problems(
+    *, tensor_parallel: int, world_size: int | None, strategy: str | None, cpu_offload: bool = False
+) -> list[tuple[str, str]]:
+    """``(key, problem)`` for a tensor-parallel degree that does not fit the job or the data-parallel strategy
+    (the schema's rule and :func:`parallel_dims` say the same)."""
+    if tensor_parallel == 1:
+        return []
+    problems = []
+    if world_size is not None and world_size % tensor_parallel:
+        problems.append((
+            "tensor_parallel", f"{tensor_parallel} does not divide the {world_size} processes; choose a divisor of "
+            f"{world_size}, or launch a multiple of {tensor_parallel} processes",
+        ))
+    if strategy == "zero1":
+        problems.append((
+            "data_parallel", f"zero1 cannot combine with tensor_parallel={tensor_parallel} (ZeroRedundancyOptimizer "
+            "takes whole tensors, not tensor-parallel shards); use zero2, which shards the optimizer state too",
+        ))
+    if cpu_offload:
+        problems.append((
+            "cpu_offload", f"cannot combine with tensor_parallel={tensor_parallel} (not supported yet); "
+            "use tensor_parallel=1 with cpu_offload, or a larger tensor_parallel without it",
+        ))
+    return problems

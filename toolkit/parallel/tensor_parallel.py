@@ -1,0 +1,210 @@
+"""Tensor parallelism (Shoeybi et al., 2019, https://arxiv.org/abs/1909.08053) applied to a plain decoder from
+outside, on PyTorch's DTensor: every decoder layer is split over the ``tp`` ranks of a TP group.
+
+The plan, the same for every family in :mod:`toolkit.models` (they share these module names):
+
+- attention: ``q_proj``, ``k_proj``, ``v_proj`` column-wise (each rank computes ``num_heads / tp`` query heads and
+  ``num_kv_heads / tp`` key/value heads, so attention itself runs on local heads with no communication; the
+  attention reads its head counts from the tensors), ``o_proj`` row-wise (one all-reduce);
+- MLP: ``gate_proj``, ``up_proj`` column-wise, ``down_proj`` row-wise (one all-reduce);
+- token embedding and output projection (tied or not) sharded over the vocabulary: the embedding looks up the
+  rows it holds (one all-reduce), and the fused projection-and-loss (:func:`toolkit.modules.loss.
+  linear_cross_entropy_sum`) computes each rank's vocabulary shard of the logits chunk by chunk, with the softmax's
+  max and sum and the label's logit reduced over the group: no rank ever holds whole logits;
+- everything else (norms, Qwen 3's per-head q/k norms) replicated.
+
+LoRA and DoRA adapters are split with their base: for a column-wise base, ``lora_b`` (and DoRA's magnitude) is
+split like the base's rows and ``lora_a`` replicated; for a row-wise base, ``lora_a`` is split like its columns and
+``lora_b`` replicated, and DoRA's row norm, taken over the split columns, is reduced over the group (DTensor does
+it). Biases (Qwen's q/k/v) follow their projection's rows.
+
+Grouped-query attention with fewer key/value heads than TP ranks is refused rather than replicating the key/value
+heads: :func:`check_tensor_parallel` says which degrees fit. Sequence parallelism is not implemented yet.
+"""
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+
+from toolkit.errors import UserError
+from toolkit.modules.peft.nf4 import is_nf4
+
+_COLUMN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PROJECTIONS = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class _Split:
+    """How one module is laid over the TP group: its parameters' placements (by name; any other parameter is
+    replicated), and how its input arrives and its output leaves (as plain tensors holding this rank's part)."""
+
+    params: dict[str, Placement] = field(default_factory=dict)
+    input: Placement = Replicate()
+    output: Placement = Replicate()
+    # A module whose output is left alone (the output projection: the fused loss reads its weights directly).
+    hooks: bool = True
+
+
+# A column-wise projection's rows (its output features) are split; a LoRA adapter's B rows and DoRA's magnitude
+# follow them, A is replicated. A row-wise projection's columns (its input features) are split, and A's with them.
+_COLUMN = _Split(
+    params={"weight": Shard(0), "bias": Shard(0), "lora_b.weight": Shard(0), "magnitude": Shard(0)},
+    input=Replicate(), output=Shard(-1),
+)
+_ROW = _Split(params={"weight": Shard(1), "lora_a.weight": Shard(1)}, input=Shard(-1), output=Replicate())
+_VOCAB_EMBEDDING = _Split(params={"weight": Shard(0)}, input=Replicate(), output=Replicate())
+_VOCAB_OUTPUT = _Split(params={"weight": Shard(0), "lora_b.weight": Shard(0)}, hooks=False)
+
+
+def check_tensor_parallel(model: nn.Module, *, tp: int) -> None:
+    """Refuse, in one line naming the numbers, a model that ``tp`` ranks cannot split: attention heads, key/value
+    heads, MLP width or vocabulary that ``tp`` does not divide, NF4 (QLoRA) base weights, or an output layer the
+    vocabulary-parallel loss cannot take. Works on the meta device (only shapes are read)."""
+    if tp == 1:
+        return
+    what = f"tensor_parallel: {tp} ranks cannot split"
+    for layer in model.layers:
+        attn = layer.self_attn
+        if attn.num_heads % tp:
+            heads = attn.num_heads
+            raise UserError(f"{what} the model's {heads} attention heads; choose a divisor of {heads}")
+        if attn.num_kv_heads % tp:
+            raise UserError(
+                f"{what} the model's {attn.num_kv_heads} key/value heads (they are not replicated); choose a divisor "
+                f"of {attn.num_kv_heads}"
+            )
+        width = layer.mlp.gate_proj.weight.shape[0]
+        if width % tp:
+            raise UserError(f"{what} the model's MLP width of {width}; choose a divisor of {width}")
+    vocab = model.embed_tokens.weight.shape[0]
+    if vocab % tp:
+        raise UserError(f"{what} the model's vocabulary of {vocab} tokens; choose a divisor of {vocab}")
+    if any(is_nf4(p) for p in model.parameters()):
+        raise UserError(
+            f"tensor_parallel: NF4 (QLoRA) base weights cannot be split over {tp} ranks; use tensor_parallel=1 "
+            "(QLoRA shards under data_parallel=zero3), or LoRA on a bf16 base (quantize_base=false)"
+        )
+    if model.fused_loss_weight() is None:
+        raise UserError(
+            f"tensor_parallel: the output layer ({type(model.output).__name__}) cannot take the vocabulary-parallel "
+            "loss, which needs a plain (or LoRA) bias-free projection or tied embeddings; do not adapt the output "
+            "with DoRA, or use tensor_parallel=1"
+        )
+
+
+def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh) -> nn.Module:
+    """Split ``model`` over ``tp_mesh`` (the mesh's ``tp`` dimension) in place, with the plan of the module
+    docstring; call it on the meta device, before data parallelism (FSDP2 then shards each TP shard further).
+
+    Every parameter becomes a DTensor on ``tp_mesh``, so the gradient norm and the optimizer see one kind of
+    tensor. Between modules activations stay plain tensors (this rank's part), so the model's own code runs
+    unchanged.
+
+    Raises:
+        UserError: a model ``tp_mesh.size()`` ranks cannot split (:func:`check_tensor_parallel`).
+    """
+    check_tensor_parallel(model, tp=tp_mesh.size())
+    _distribute(model.embed_tokens, tp_mesh, _VOCAB_EMBEDDING)
+    if model.output is not None:
+        _distribute(model.output, tp_mesh, _VOCAB_OUTPUT)
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            # One DTensor input for all of a block's column-wise projections: in backward their partial input
+            # gradients are summed first and all-reduced once (not once per projection: 2 collectives a layer, not 5).
+            parent.register_forward_pre_hook(partial(_replicated_input, tp_mesh))
+            for name, child in parent.named_children():
+                if name in _COLUMN_PROJECTIONS:
+                    _distribute(child, tp_mesh, _COLUMN)
+                elif name in _ROW_PROJECTIONS:
+                    _distribute(child, tp_mesh, _ROW)
+                elif name in ("q_norm", "k_norm"):
+                    # Qwen 3's per-head norms see only this rank's heads: their weights' gradients are partial sums.
+                    _replicate(child, tp_mesh, grad=Partial())
+    for module in model.modules():  # the norms, and anything else that holds parameters of its own
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            _replicate(module, tp_mesh, grad=Replicate())
+    return model
+
+
+def _distribute(module: nn.Module, mesh: DeviceMesh, split: _Split) -> None:
+    def partition(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
+        if submodule is not module:  # parameters are placed by their name relative to the module
+            return
+        for param_name, param in list(module.named_parameters()):
+            if isinstance(param, DTensor):
+                continue
+            placement = split.params.get(param_name, Replicate())
+            sharded = nn.Parameter(distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad)
+            if placement == Replicate() and sharded.requires_grad:
+                sharded.register_hook(_replicated_grad)
+            owner, _, attr = param_name.rpartition(".")
+            module.get_submodule(owner).register_parameter(attr, sharded)
+
+    inputs = partial(_wrap_input, split.input) if split.hooks else None
+    outputs = partial(_unwrap_output, split.output) if split.hooks else None
+    distribute_module(module, mesh, partition, inputs, outputs)
+
+
+def _replicate(module: nn.Module, mesh: DeviceMesh, *, grad: Placement) -> None:
+    """Replicate ``module``'s own parameters over ``mesh``, and run it on plain tensors: its input is whole on every
+    rank (or, ``grad=Partial()``, this rank's heads), so it computes without communication, and DTensor's dispatch
+    would only slow each of its small ops down. Its gradients are whole (or, with ``Partial``, this rank's share)."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        replicated = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]), requires_grad=param.requires_grad)
+        if replicated.requires_grad:
+            replicated.register_hook(_replicated_grad)
+        module.register_parameter(name, replicated)
+    module.register_forward_pre_hook(partial(_shadow_with_local_parameters, grad))
+    module.register_forward_hook(_unshadow_parameters)
+
+
+def _shadow_with_local_parameters(grad: Placement, module: nn.Module, inputs: tuple) -> None:
+    # An instance attribute is found before nn.Module.__getattr__ looks in _parameters: for the forward,
+    # ``module.weight`` is the local tensor (a differentiable view: its gradient reaches the DTensor parameter).
+    # The parameters themselves stay registered (FSDP2 swaps them in and out of _parameters around the forward).
+    for name, param in module._parameters.items():
+        if param is not None:
+            module.__dict__[name] = param.to_local(grad_placements=[grad])
+
+
+def _unshadow_parameters(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+    for name in module._parameters:
+        module.__dict__.pop(name, None)
+
+
+def _replicated_grad(grad: DTensor) -> DTensor:
+    # A replicated parameter used on sharded activations gets a partial gradient (a per-head norm sees only this
+    # rank's heads; an adapter's replicated A sees a split B's): sum it, so that every rank holds the whole one.
+    # Under FSDP2 this tensor is not the one in use, and FSDP2 does the same itself.
+    return grad.redistribute(placements=[Replicate()]) if grad.placements != (Replicate(),) else grad
+
+
+def _replicated_input(mesh: DeviceMesh, module: nn.Module, inputs: tuple) -> tuple:
+    first, *rest = inputs
+    return (DTensor.from_local(first, mesh, [Replicate()], run_check=False), *rest)
+
+
+def _wrap_input(placement: Placement, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    first, *rest = inputs
+    if not isinstance(first, DTensor):
+        first = DTensor.from_local(first, mesh, [placement], run_check=False)
+    return (first, *rest)
+
+
+def _unwrap_output(placement: Placement, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    if output.placements != (placement,):
+        output = output.redistribute(placements=[placement])
+    return output.to_local()
+

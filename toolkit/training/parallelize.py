@@ -1,0 +1,72 @@
+"""Preparing the trainable model: activation checkpointing and offloading, tensor and data parallelism
+(:mod:`toolkit.parallel`), then the weights, in the order that needs least memory.
+
+It lives here rather than in :mod:`toolkit.parallel` because it composes that package's transforms with the
+training step's own (activation checkpointing, materializing a meta-device model), and ``toolkit.parallel`` does
+not import ``toolkit.training``.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from toolkit.modules.peft.nf4 import is_nf4
+from toolkit.parallel import ParallelDims, apply_data_parallel, apply_tp
+from toolkit.training.activations import (
+    apply_activation_checkpointing,
+    apply_activation_offloading,
+    checkpoint_interval,
+)
+from toolkit.training.init import materialize
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    dims: ParallelDims,
+    device: torch.device,
+    dtype: torch.dtype,
+    fill: Callable[[nn.Module], None],
+    mp_policy: MixedPrecisionPolicy | None = None,
+    activation_checkpointing: bool | int = False,
+    activation_offloading: bool = False,
+    mesh: DeviceMesh | None = None,
+) -> nn.Module:
+    """Turn a meta-device ``model`` into the trainable, parallel model, in the order that needs least memory.
+
+    ``fill(model)`` puts the weights in (loads a checkpoint or initializes); it receives the model materialized on
+    ``device`` in ``dtype``. Tensor parallelism (``dims.tp`` > 1) and the sharded strategies (ZeRO-2/3, HSDP) split
+    the model while it is still on the meta device, so each rank only ever allocates its part, and ``fill`` writes
+    each rank's part (checkpoint loaders read only those rows; initializers draw the whole tensor and keep the part,
+    giving every layout the same values). DDP and ZeRO-1 without TP keep whole copies, so they wrap the model once
+    it is filled; so do CPU offload and NF4 (QLoRA) bases, whose weights FSDP2 takes whole.
+
+    ``mesh`` is the job's device mesh (:meth:`ParallelDims.build_mesh`), built here when needed and not given;
+    pass the one the run built, so that every dimension comes from one mesh.
+
+    ``activation_checkpointing`` (true, or k for every k-th layer) and ``activation_offloading`` wrap the layers
+    first, checkpointing inside offloading, so that only checkpointed layers' inputs are offloaded (see
+    :mod:`toolkit.training.activations`); offloading does nothing on a CPU.
+    """
+    every_k_layers = checkpoint_interval(activation_checkpointing)
+    if every_k_layers:
+        apply_activation_checkpointing(model, every_k_layers=every_k_layers)
+    if activation_offloading:
+        apply_activation_offloading(model, device=device)
+    if mesh is None and (dims.tp > 1 or dims.uses_fsdp):
+        mesh = dims.build_mesh(device.type)
+    if dims.tp > 1:
+        apply_tp(model, tp_mesh=mesh["tp"])
+    shard_first = dims.tp > 1 or (
+        dims.is_sharded and not dims.cpu_offload and not any(is_nf4(p) for p in model.parameters())
+    )
+    if shard_first:
+        model = apply_data_parallel(model.to(dtype), dims=dims, device=device, mp_policy=mp_policy, mesh=mesh)
+    materialize(model, device=device, dtype=None if shard_first else dtype)
+    fill(model)
+    if not shard_first:
+        model = apply_data_parallel(model, dims=dims, device=device, mp_policy=mp_policy, mesh=mesh)
+    return model
