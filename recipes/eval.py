@@ -51,7 +51,7 @@ from toolkit.training import (
     sdpa_preference,
     set_seed,
 )
-from toolkit.training.checkpointing import check_writable_folder
+from toolkit.training.output_dir import check_writable_folder
 from toolkit.training.peft import adapter_linear, fill_adapter_model
 from toolkit.training.schema import MODEL_KEYS, PARALLEL_KEYS
 from toolkit.training.validation import ValidationSampler, validation_loss

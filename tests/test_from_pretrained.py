@@ -1,4 +1,4 @@
-"""toolkit.models.from_pretrained: family discovery, dtype, sharded checkpoints, and its error messages."""
+"""toolkit.pretrained.from_pretrained: family discovery, dtype, sharded checkpoints, and its error messages."""
 
 import importlib
 import json
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from toolkit.errors import UserError
-from toolkit.models import build_from_hf, from_pretrained, hf_model_types
+from toolkit.models import build_from_hf, hf_model_types
+from toolkit.pretrained import from_pretrained
 
 
 def test_every_family_declares_its_model_types():

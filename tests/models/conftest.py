@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from toolkit.generation import generate
-from toolkit.models import from_pretrained
+from toolkit.pretrained import from_pretrained
 from toolkit.training import HFCheckpointer
 
 
@@ -53,6 +53,6 @@ def _check(hf_model: torch.nn.Module, family: str, tmp_path: Path) -> None:
 @pytest.fixture
 def hf_interop(tmp_path: Path) -> Callable[[torch.nn.Module, str], None]:
     """``hf_interop(hf_model, family)``: save a random `transformers` model, load it with
-    ``toolkit.models.from_pretrained``, and check logits, 20 greedy tokens, and the round trip back through
+    ``toolkit.pretrained.from_pretrained``, and check logits, 20 greedy tokens, and the round trip back through
     ``HFCheckpointer.save`` into `transformers`."""
     return lambda hf_model, family: _check(hf_model, family, tmp_path)

@@ -197,7 +197,7 @@ def test_tune_export_reads_no_value_it_does_not_need(step, marker, tmp_path):
     [
         ("model", "os.system"),
         ("model", "toolkit.models.llama3._convert_weights.torch.save"),  # reached through toolkit, defined elsewhere
-        ("checkpointer", "toolkit.training.checkpointing.prepare_output_dir"),  # ours, but not a checkpointer
+        ("checkpointer", "toolkit.training.output_dir.prepare_output_dir"),  # ours, but not a checkpointer
     ],
 )
 def test_tune_export_builds_only_tunekits_components(step, tmp_path, capsys, key, component):

@@ -12,7 +12,7 @@ import pytest
 
 from toolkit.errors import UserError
 from toolkit.training import claim_output_dir, start_run
-from toolkit.training.checkpointing import check_writable_folder
+from toolkit.training.output_dir import check_writable_folder
 
 REPO = Path(__file__).resolve().parents[2]
 

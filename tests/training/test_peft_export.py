@@ -11,7 +11,7 @@ from torch import nn
 
 from toolkit.cli.main import main as tune
 from toolkit.errors import UserError
-from toolkit.models import from_pretrained
+from toolkit.pretrained import from_pretrained
 from toolkit.models.llama3 import llama3, lora_llama3
 from toolkit.modules.peft import get_adapter_params, init_adapters, is_adapter_key
 from toolkit.training import HFCheckpointer, materialize

@@ -2,8 +2,9 @@
 
 A family package exposes ``hf_key_to_tune``, ``tune_key_to_hf`` and ``hf_config`` (checkpoint conversion) and,
 when it builds Hugging Face checkpoints, ``HF_MODEL_TYPES`` (the ``model_type`` values of ``config.json`` it
-handles) with ``from_hf_config(config, *, max_seq_len)``. :func:`from_pretrained` finds families by scanning
-this package, so a new family needs no registration.
+handles) with ``from_hf_config(config, *, max_seq_len)``. :func:`read_hf_config` finds families by scanning
+this package, so a new family needs no registration. Nothing here imports the training or checkpoint code: loading
+a model's weights is :func:`toolkit.pretrained.from_pretrained`, which sits above both.
 """
 
 import importlib
@@ -11,7 +12,6 @@ import pkgutil
 from pathlib import Path
 from types import ModuleType
 
-import torch
 from torch import nn
 
 from toolkit.errors import UserError, read_json
@@ -83,40 +83,6 @@ lora_build_from_hf.__module__ = __name__
 qlora_build_from_hf = qlora(lora_build_from_hf)
 
 
-def from_pretrained(
-    path: str | Path,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    max_seq_len: int | None = None,
-) -> nn.Module:
-    """Build the model a Hugging Face checkpoint folder describes and load its weights.
-
-    The family comes from ``config.json``'s ``model_type``, the dimensions from its other fields. The model is
-    built on the meta device, materialized on ``device`` in ``dtype``, then filled from the safetensors files
-    (single or sharded with an index), so memory holds one copy of the weights.
-
-    Args:
-        path: folder with ``config.json`` and ``*.safetensors``.
-        dtype: parameter dtype.
-        device: where the weights go.
-        max_seq_len: rotary cache length; defaults to the file's ``max_position_embeddings``.
-
-    Raises:
-        UserError: no or unreadable ``config.json``, a ``model_type`` no family handles, a missing field, or a
-            weight that does not fit the model; the message names the file.
-    """
-    # Imported here: toolkit.training imports this package to find the families.
-    from toolkit.training.checkpointing import HFCheckpointer
-    from toolkit.training.init import materialize
-
-    with torch.device("meta"):
-        model = build_from_hf(path=path, max_seq_len=max_seq_len)
-    materialize(model, device=torch.device(device), dtype=dtype)
-    HFCheckpointer(str(Path(path).expanduser()), model_family=read_hf_config(path)[1]).load(model)
-    return model
-
-
 __all__ = [
-    "build_from_hf", "from_pretrained", "hf_model_types", "lora_build_from_hf", "qlora_build_from_hf", "read_hf_config",
+    "build_from_hf", "hf_model_types", "lora_build_from_hf", "qlora_build_from_hf", "read_hf_config",
 ]

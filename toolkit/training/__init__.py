@@ -12,7 +12,6 @@ from toolkit.training.checkpointing import (
     HFCheckpointer,
     gather_full_state_dict,
     load_model_family,
-    prepare_output_dir,
 )
 from toolkit.training.debug import breakpoint_on_rank, inject_fault
 from toolkit.training.distributed import (
@@ -52,16 +51,15 @@ from toolkit.parallel import (
     shard_optimizer_state,
     unwrap,
 )
+from toolkit.training.output_dir import claim_output_dir, prepare_output_dir, start_run
 from toolkit.training.parallelize import parallelize
 from toolkit.training.precision import PrecisionPolicy, precision_policy
 from toolkit.training.profiling import StepProfiler, flops_per_token, measure_peak_flops, profiler_settings
 from toolkit.training.step_checkpoint import (
     StepCheckpointer,
     TrainingState,
-    claim_output_dir,
     find_resume_checkpoint,
     latest_checkpoint,
-    start_run,
 )
 from toolkit.training.step import StepResult, forward_backward, global_batches, make_grad_scaler, optimizer_step
 from toolkit.training.validation import ValidationSampler, validation_loss

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out, and the run's output folder.
+"""Hugging Face checkpoints in and out.
 
 Loading streams tensor by tensor from memory-mapped safetensors into the model's own storage, so the host never
 holds a second copy of the model. Saving streams tensor by tensor too, and in a distributed run every rank writes
@@ -6,16 +6,12 @@ its share of the files, a sharded model never gathered on one rank. Both write i
 place when complete, so a crash mid-save never leaves a half-written ``final/``.
 """
 
-import contextlib
 import importlib
 import json
 import math
-import os
 import pkgutil
-import re
 import shutil
 import struct
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,10 +35,8 @@ from toolkit.modules._dtensor import local_part
 from toolkit.training.distributed import shared_filesystem
 from toolkit.parallel import unwrap
 from toolkit.training.step_checkpoint import (
-    _OWNER_FILE,
-    _STEP_DIR,
-    CHECKPOINTS_DIR,
     COMPLETE_MARKER,
+    TOKENIZER_FILES,
     _check_tensors,
     base_files_dir,
     is_complete,
@@ -52,12 +46,6 @@ from toolkit.training.step_checkpoint import (
     write_failure,
 )
 
-# Copied from the source checkpoint into an export when there: the tokenizer (fast or slow, and the chat template,
-# which transformers keeps in its own file) and the generation settings.
-_TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
-)
 # Keys of the source's config.json an export drops before laying the model's own over it: the rotary settings in
 # both spellings (transformers 5 reads its ``rope_parameters`` over the ``rope_theta``/``rope_scaling`` we write),
 # the dtype in both spellings (``dtype`` wins over our ``torch_dtype``), custom code and quantization (the export
@@ -387,7 +375,7 @@ class HFCheckpointer:
         if dtype is not None:
             config["torch_dtype"] = str(dtype).removeprefix("torch.")
         (tmp_dir / "config.json").write_text(json.dumps(config, indent=2))
-        for name in _TOKENIZER_FILES:
+        for name in TOKENIZER_FILES:
             if (source := self._source_file(name)) is not None:
                 shutil.copy2(source, tmp_dir / name)
         # The earlier folder is moved aside, not deleted, until the new one is in its place.
@@ -551,162 +539,3 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     :meth:`HFCheckpointer.export`, which never gathers it.
     """
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-# What a run writes into its output_dir: a folder holding anything else is not (only) a run of ours, and
-# overwrite=true never clears it. The first four mark a folder as holding a run; interrupted writes leave their
-# temporary names (".final.partial", ".final.old", "metrics.jsonl.tmp", ".eval.json.tmp-<pid>", and the
-# ".shared-<hex>" token of toolkit.training.distributed.shared_filesystem).
-RUN_MARKERS = ("metrics.jsonl", "config.yaml", CHECKPOINTS_DIR, "final")
-RUN_FILES = (*RUN_MARKERS, _OWNER_FILE, "tensorboard", "wandb", "profile", "eval.json")
-_TEMPORARY_NAME = re.compile(r"^\.?(?P<name>.+?)(\.partial|\.old|\.tmp(-\d+)?)$")
-# toolkit/training/checkpointing.py -> the folder holding the toolkit package (the project's checkout)
-_TOOLKIT_HOME = Path(__file__).resolve().parents[2]
-
-
-def _written_by_a_run(entry: Path) -> bool:
-    name = entry.name
-    temporary = _TEMPORARY_NAME.match(name)
-    return (
-        name in RUN_FILES
-        or name.startswith(".shared-")
-        or (temporary is not None and temporary["name"] in RUN_FILES)
-    )
-
-
-def _foreign_entries(output_dir: Path) -> list[Path]:
-    """What ``output_dir`` holds that no run writes (its ``checkpoints/`` holds only ``step_<N>`` folders and our
-    hidden ones)."""
-    foreign = [entry for entry in sorted(output_dir.iterdir()) if not _written_by_a_run(entry)]
-    checkpoints = output_dir / CHECKPOINTS_DIR
-    if checkpoints.is_dir() and not checkpoints.is_symlink():
-        foreign += [e for e in sorted(checkpoints.iterdir()) if not (_STEP_DIR.match(e.name) or e.name.startswith("."))]
-    return foreign
-
-
-def check_overwrite(overwrite: object) -> None:
-    """``overwrite`` must be a boolean: a string such as ``"flase"`` would be truthy and replace a run.
-
-    Raises:
-        UserError: it is not a bool.
-    """
-    if not isinstance(overwrite, bool):
-        raise UserError(f"overwrite: must be true or false, got {overwrite!r} ({type(overwrite).__name__})")
-
-
-def check_writable_folder(folder: str | Path, *, key: str = "output_dir") -> None:
-    """Check that ``folder`` is (or can be created as) a folder this process can write into, creating nothing:
-    a probe file is made and removed in it, or in the nearest folder above it that exists.
-
-    Raises:
-        UserError: it is a file, a folder above it is a file, or writing there fails (read-only, permissions...);
-            the message names the config key, the path and the OS error.
-    """
-    folder = Path(folder).expanduser().absolute()
-    existing = folder
-    while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        where = "is" if existing == folder else f"cannot be created: {existing} is"
-        what = "a file" if existing.is_file() else "not a folder"
-        raise UserError(f"{key}: {folder} {where} {what} (ENOTDIR: Not a directory); choose a folder")
-    try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".write-check-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise UserError(f"{key}: cannot write into {existing} ({os_error_text(e)})") from None
-
-
-def check_run_folder(output_dir: str | Path) -> None:
-    """Check that ``output_dir`` is a folder of a run's own: not the filesystem root, the home or current folder,
-    the folder holding the toolkit (the project's checkout), nor a folder above one of them; and writable.
-
-    Raises:
-        UserError: the one line says which.
-    """
-    output_dir = Path(output_dir).expanduser()
-    resolved = output_dir.resolve()
-    special = [
-        ("the current folder", Path.cwd()),
-        ("the project's folder (it holds the toolkit package)", _TOOLKIT_HOME),
-    ]
-    with contextlib.suppress(RuntimeError, KeyError):  # no home folder known
-        special.append(("your home folder", Path.home()))
-    if resolved == Path(resolved.anchor):
-        special.insert(0, ("the filesystem root", resolved))
-    for name, folder in special:
-        if folder.resolve().is_relative_to(resolved):
-            above = "" if folder.resolve() == resolved else "a folder above "
-            raise UserError(
-                f"output_dir: {output_dir} is {above}{name}; a run writes into (and overwrite=true clears) a folder "
-                "of its own: choose one such as outputs/my_run"
-            )
-    check_writable_folder(output_dir)
-
-
-def prepare_output_dir(
-    output_dir: str | Path,
-    *,
-    overwrite: bool,
-    check_only: bool = False,
-    base_checkpoint: str | Path | None = None,
-    own_run: bool = False,
-) -> Path:
-    """Check that a fresh run may write into ``output_dir``, and (unless ``check_only``) clear an old run from it.
-
-    A folder holding any of :data:`RUN_MARKERS` holds a run. It is refused unless ``overwrite``, which replaces
-    it only when the folder is a run of ours: it holds nothing but what a run writes (:data:`RUN_FILES`; its
-    ``checkpoints/`` only ``step_<N>`` folders) and not the base checkpoint the new run starts from. Clearing
-    removes exactly those entries. ``own_run`` (a worker restarted by torchrun before its first checkpoint, over its
-    own job's files) clears them without ``overwrite``, and keeps what else the folder held when the job started.
-    ``check_only`` makes every check and touches nothing (a recipe checks first and clears once its inputs are
-    built).
-
-    Raises:
-        UserError: ``overwrite`` is not a bool; the folder is not one of a run's own or not writable (see
-            :func:`check_run_folder`); it holds a run and ``overwrite`` is off; or ``overwrite`` would delete what
-            is not a run's, or the base checkpoint.
-    """
-    check_overwrite(overwrite)
-    output_dir = Path(output_dir).expanduser()
-    check_run_folder(output_dir)
-    entries = sorted(output_dir.iterdir()) if output_dir.is_dir() else []
-    markers = [entry.name for entry in entries if entry.name in RUN_MARKERS]
-    if markers and not (overwrite or own_run):
-        raise UserError(
-            f"output_dir: {output_dir} already holds a run ({markers[0]}); "
-            "pass overwrite=true to replace it, or choose another output_dir"
-        )
-    if markers and not own_run:
-        base = Path(base_checkpoint).expanduser().resolve() if base_checkpoint is not None else None
-        if base is not None and base.is_relative_to(output_dir.resolve()):
-            raise UserError(
-                f"checkpointer.checkpoint_dir: {base_checkpoint} is inside output_dir {output_dir}, which "
-                "overwrite=true would clear; copy the base checkpoint elsewhere or choose another output_dir"
-            )
-        foreign = _foreign_entries(output_dir)
-        if foreign:
-            raise UserError(
-                f"output_dir: {output_dir} holds {foreign[0].relative_to(output_dir)}, which is not a run's; "
-                f"overwrite=true replaces only a folder holding nothing but a run ({', '.join(RUN_FILES)}): "
-                "move it, or choose another output_dir"
-            )
-    if check_only:
-        return output_dir
-    try:
-        if markers:
-            for entry in entries:
-                if not _written_by_a_run(entry):
-                    continue  # only when own_run: what the folder held before this job started
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()  # a file, or a link (never what it points to)
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        where = e.filename or output_dir
-        raise UserError(
-            f"output_dir: cannot clear the old run in {output_dir} ({os_error_text(e)} at {where})"
-        ) from None
-    return output_dir

@@ -24,7 +24,8 @@ from toolkit.models._decoder import LinearFactory
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES, lora_linear
 from toolkit.modules._dtensor import copy_full_
 from toolkit.modules.peft import DoRALinear, adapter_modules, init_adapters, is_adapter_key
-from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _TOKENIZER_FILES, _weight_files, load_model_family
+from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _weight_files, load_model_family
+from toolkit.training.step_checkpoint import TOKENIZER_FILES
 from toolkit.training.init import init_weights
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -399,7 +400,7 @@ def merge_adapter_into_checkpoint(
                         tensor = _merge(tensor, params, scale)
                     out[key] = tensor
             save_file(out, str(tmp_dir / file.name), metadata=metadata)
-        for name in (_SAFETENSORS_INDEX, "config.json", *_TOKENIZER_FILES):
+        for name in (_SAFETENSORS_INDEX, "config.json", *TOKENIZER_FILES):
             if (base_dir / name).is_file():
                 shutil.copy2(base_dir / name, tmp_dir / name)
 

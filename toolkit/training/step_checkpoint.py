@@ -78,6 +78,12 @@ _BASE_FILES_SNAPSHOT = ".base_files"
 # A tokenizer is a few MB (Llama 3's tokenizer.json 9 MB, Gemma's 33 MB); what is larger is not metadata to copy.
 MAX_BASE_FILE_BYTES = 50 * 2**20
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Copied from the source checkpoint into an export when there: the tokenizer (fast or slow, and the chat template,
+# which transformers keeps in its own file) and the generation settings.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
 # Config sections a checkpoint's tensors depend on: resuming with any of them changed is refused. A checkpoint of
 # the trainable part only also depends on the frozen base it was trained on.
 _MUST_MATCH = ("model",)
@@ -131,6 +137,13 @@ def restart_count() -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     except ValueError:
         return 0
+
+
+def _job_key() -> str:
+    # The same across torchrun's restarts of one job, different for another job: its rendezvous id, or the
+    # launcher's process (torchrun's default id "none" is shared by every job).
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return run_id if run_id != "none" else f"agent-{os.getppid()}"
 
 
 def find_resume_checkpoint(resume_from: str | None, output_dir: str | Path) -> Path | None:
@@ -250,13 +263,11 @@ def _snapshot_base_files(base: Path, snapshot: Path) -> list[Path]:
     """Copy into ``snapshot`` the files of the base checkpoint ``base`` an export takes from it (``config.json``, the
     tokenizer and generation files), each at most :data:`MAX_BASE_FILE_BYTES`; a step checkpoint's are its own
     ``base_files``. Returns the copies (none: no snapshot folder either)."""
-    from toolkit.training.checkpointing import _TOKENIZER_FILES  # it imports this module
-
     source = base_files_dir(base) or base
     shutil.rmtree(snapshot, ignore_errors=True)  # a former launch's: its links in older checkpoints stay as they are
     snapshot.mkdir(parents=True)
     copies = []
-    for name in ("config.json", *_TOKENIZER_FILES):
+    for name in ("config.json", *TOKENIZER_FILES):
         file = source / name
         if not file.is_file():
             continue
@@ -770,71 +781,3 @@ def _check_tensors(path: Path, tensors: dict[str, Any]) -> Metadata:
                     "is it a checkpoint of this model?"
                 )
     return metadata
-
-
-_OWNER_FILE = ".job"
-
-
-def _job_key() -> str:
-    # The same across torchrun's restarts of one job, different for another job: its rendezvous id, or the
-    # launcher's process (torchrun's default id "none" is shared by every job).
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return run_id if run_id != "none" else f"agent-{os.getppid()}"
-
-
-def start_run(
-    output_dir: str | Path, *, overwrite: bool, resume_from: str | None, base_checkpoint: str | Path | None = None
-) -> Path | None:
-    """The checkpoint to resume from (None: a fresh start), having checked that the run may use ``output_dir``.
-
-    Run it on rank zero (``on_rank_zero``), first thing. It changes nothing (only a probe file is made and removed,
-    to know the folder is writable): a fresh start then calls :func:`claim_output_dir` once everything that can fail
-    on the user's input (model, weights, tokenizer, data, eval tasks, metric loggers) is built, so a run that stops
-    on a bad input leaves an old run in the folder as it was, even with ``overwrite``. ``base_checkpoint`` (the
-    run's ``checkpointer.checkpoint_dir``) must not be inside a folder that ``overwrite`` would clear. Resuming
-    leaves the folder as it is (the metrics log is cut back to the checkpoint's step once it has loaded).
-
-    Raises:
-        UserError: ``overwrite`` is not a bool; ``resume_from`` is not a complete checkpoint; ``output_dir`` is not
-            a writable folder of its own; or it holds a run that may not be replaced (see
-            :func:`~toolkit.training.checkpointing.prepare_output_dir`).
-    """
-    from toolkit.training.checkpointing import check_overwrite, check_run_folder, prepare_output_dir
-
-    check_overwrite(overwrite)
-    resume = find_resume_checkpoint(resume_from, output_dir)
-    if resume is None:
-        prepare_output_dir(
-            output_dir, overwrite=overwrite, own_run=_own_folder(output_dir), base_checkpoint=base_checkpoint,
-            check_only=True,
-        )
-    else:
-        check_run_folder(output_dir)  # a resumed run writes there too
-    return resume
-
-
-def claim_output_dir(output_dir: str | Path, *, overwrite: bool, base_checkpoint: str | Path | None = None) -> None:
-    """For a fresh start (:func:`start_run` returned None), before the run's first write: clear what an old run
-    wrote into ``output_dir`` (``overwrite``), with the same checks as :func:`start_run`, and mark the folder as
-    this job's. A worker restarted by torchrun before its first checkpoint starts afresh over its own job's files.
-    Run it on rank zero (``on_rank_zero``).
-
-    Raises:
-        UserError: as :func:`start_run`, or the folder could not be cleared or written (the OS error named).
-    """
-    from toolkit.training.checkpointing import prepare_output_dir
-
-    prepare_output_dir(
-        output_dir, overwrite=overwrite, own_run=_own_folder(output_dir), base_checkpoint=base_checkpoint
-    )
-    owner = Path(output_dir).expanduser() / _OWNER_FILE
-    try:
-        owner.write_text(_job_key())
-    except OSError as e:
-        raise UserError(f"output_dir: cannot write {owner} ({os_error_text(e)})") from None
-
-
-def _own_folder(output_dir: str | Path) -> bool:
-    # A restarted worker's folder holds its own job's files (marked by claim_output_dir), not another run's.
-    owner = Path(output_dir).expanduser() / _OWNER_FILE
-    return restart_count() > 0 and owner.is_file() and owner.read_text() == _job_key()

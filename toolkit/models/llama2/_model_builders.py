@@ -1,6 +1,6 @@
 """Public Llama 2 sizes (numbers from Meta's params.json and the Hugging Face config.json of each release).
 
-Llama 2 checkpoints on the Hugging Face hub say ``model_type: llama``; :func:`toolkit.models.from_pretrained`
+Llama 2 checkpoints on the Hugging Face hub say ``model_type: llama``; :func:`toolkit.pretrained.from_pretrained`
 builds them with the ``llama3`` family, whose builder covers this architecture.
 """
 

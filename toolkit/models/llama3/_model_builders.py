@@ -9,7 +9,7 @@ from toolkit.models._decoder import LinearFactory, plain_linear
 from toolkit.models.llama3._component_builders import llama3
 from toolkit.modules import Llama3RopeScaling, TransformerDecoder
 
-# config.json model types this family builds (toolkit.models.from_pretrained looks here). Llama 2 checkpoints
+# config.json model types this family builds (toolkit.pretrained.from_pretrained looks here). Llama 2 checkpoints
 # say "llama" too: they are this architecture without rotary scaling.
 HF_MODEL_TYPES: tuple[str, ...] = ("llama",)
 

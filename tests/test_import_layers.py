@@ -1,0 +1,112 @@
+"""The package's layers: no module of ``toolkit`` imports, even inside a function, one that imports it back, and
+models and modules never import the training, parallel or checkpoint code above them.
+
+Read from the source (every ``import`` statement, at the top or in a function body), so an import deferred to
+dodge a cycle at start-up counts as the cycle it is.
+"""
+
+import ast
+from pathlib import Path
+
+TOOLKIT = Path(__file__).resolve().parents[1] / "toolkit"
+# What toolkit.models and toolkit.modules may never reach for: the code that trains, spreads, loads and runs them.
+ABOVE_MODELS = (
+    "toolkit.training", "toolkit.parallel", "toolkit.pretrained", "toolkit.evaluation", "toolkit.generation",
+    "toolkit.cli",
+)
+
+
+def module_files() -> dict[str, Path]:
+    """``{"toolkit.training.step": .../step.py, "toolkit.models": .../models/__init__.py, ...}``"""
+    modules = {}
+    for file in TOOLKIT.rglob("*.py"):
+        parts = list(file.relative_to(TOOLKIT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = file
+    return modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each toolkit module and the toolkit modules it imports (``from pkg import name`` names the submodule
+    ``pkg.name`` where there is one, else ``pkg``)."""
+    modules = module_files()
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, file in modules.items():
+        package = name if file.name == "__init__.py" else name.rpartition(".")[0]
+        imported = set()
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.Import):
+                imported |= {owner(alias.name) for alias in node.names if alias.name.startswith("toolkit")}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from .x import y
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                if base.startswith("toolkit"):
+                    imported |= {owner(f"{base}.{alias.name}") or owner(base) for alias in node.names}
+        graph[name] = imported - {None, name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for nxt in successors:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert cycles(import_graph()) == []
+
+
+def test_models_and_modules_import_nothing_above_them():
+    offending = {
+        name: sorted(dep for dep in deps if dep.startswith(ABOVE_MODELS))
+        for name, deps in import_graph().items()
+        if name.startswith(("toolkit.models", "toolkit.modules"))
+    }
+    assert {name: deps for name, deps in offending.items() if deps} == {}
