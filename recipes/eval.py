@@ -4,6 +4,7 @@ tasks of lm-evaluation-harness.
     tune run eval --config demo                                              # outputs/full_finetune_demo/final
     tune run eval --config demo checkpointer.checkpoint_dir=null             # a random model (from `seed`)
     tune run eval_distributed --nproc_per_node 2 --config demo data_parallel=zero3
+    tune run eval_distributed --nproc_per_node 2 --config demo tensor_parallel=2         # one model over 2 processes
     tune run eval --config demo checkpointer.checkpoint_dir=null adapter_dir=outputs/lora_finetune_demo/final/adapter
     tune run eval --config demo 'lm_eval.tasks=[arc_easy]' lm_eval.limit=100   # pip install "tunekit[eval]"
     tune run eval --config any_model 'lm_eval.tasks=[gsm8k]' lm_eval.apply_chat_template=true  # a chat fine-tune
@@ -22,6 +23,9 @@ the same as on one. With ``lm_eval.apply_chat_template``, its prompts are render
 chat fine-tune was trained (``lm_eval.fewshot_as_multiturn``: few-shot examples as earlier turns;
 ``lm_eval.system_instruction``: a system message). A table is printed and the numbers are written to
 ``<output_dir>/eval.json``.
+
+``tensor_parallel: N`` splits every layer over N processes (a model too large for one device); the
+``data_parallel`` strategy then spans the world size / N groups, each scoring its share of the set.
 """
 
 import json
@@ -53,7 +57,7 @@ from toolkit.training import (
 )
 from toolkit.training.output_dir import check_writable_folder
 from toolkit.training.peft import adapter_linear, fill_adapter_model
-from toolkit.training.schema import MODEL_KEYS, PARALLEL_KEYS
+from toolkit.training.schema import MODEL_KEYS, PARALLEL_KEYS, tensor_parallel_fits, tensor_parallel_splits_the_model
 from toolkit.training.validation import ValidationSampler, validation_loss
 
 # Every config key this recipe reads, checked before anything is loaded (toolkit/training/schema.py has the shared
@@ -73,7 +77,7 @@ SCHEMA = Schema({
     "lm_eval.batch_size": Int(ge=1),
     "lm_eval.limit": Float(gt=0, null=True),
     "lm_eval.num_fewshot": Int(ge=0, null=True),
-})
+}, rules=(tensor_parallel_fits, tensor_parallel_splits_the_model))
 
 
 def write_report(results: dict, output_dir: Path) -> Path:
@@ -117,7 +121,8 @@ def evaluate(cfg: DictConfig) -> None:
     on_rank_zero(check_writable_folder, output_dir)
     dims = parallel_dims(
         strategy=cfg.data_parallel, world_size=env.world_size, local_world_size=env.local_world_size,
-        shard_size=cfg.hsdp_shard_size, device_type=env.device.type,
+        shard_size=cfg.hsdp_shard_size, device_type=env.device.type, tensor_parallel=cfg.get("tensor_parallel", 1),
+        rank=env.rank,
     )
     # lm-evaluation-harness is looked up before the model loads: a missing package or task name, or a chat template
     # the tokenizer does not have, fails at once.
@@ -146,17 +151,21 @@ def evaluate(cfg: DictConfig) -> None:
 
     # The base from the checkpoint (or random from `seed`); on a LoRA model, the adapters of adapter_dir, or B = 0.
     fill = partial(fill_adapter_model, checkpointer=checkpointer, adapter_dir=cfg.adapter_dir)
-    if dims.is_sharded:
-        # Sharded before allocating: each rank only ever holds (and loads) its shard of the model and adapter.
+    mesh = dims.build_mesh(env.device.type) if dims.is_sharded or dims.tp > 1 else None
+    if mesh is not None:
+        # Split and sharded before allocating: each rank only ever holds (and loads) its part of the model and
+        # adapter. (A tensor-parallel model's data-parallel copies are FSDP2 with a shard group of one under ddp.)
         model = parallelize(
             model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
-            mp_policy=precision.fsdp_policy(),
+            mp_policy=precision.fsdp_policy(), mesh=mesh,
         )
     else:
         # Nothing trains, so whole copies need no wrapper (DDP would allocate gradient buckets for nothing).
         materialize(model, device=env.device, dtype=precision.param_dtype)
         fill(model)
-    autocast = precision.autocast(env.device, sharded=dims.is_sharded)
+    autocast = precision.autocast(env.device, sharded=dims.uses_fsdp)
+    # The ranks of a tensor-parallel group score the same samples: the work is split over the data-parallel ranks.
+    dp_group = dims.dp_group(mesh)
     tokenizer = instantiate(cfg.tokenizer)
     results = {
         "checkpoint_dir": str(checkpointer.checkpoint_dir) if checkpointer.checkpoint_dir is not None else None,
@@ -170,7 +179,7 @@ def evaluate(cfg: DictConfig) -> None:
         loader = DataLoader(
             dataset,
             batch_size=cfg.micro_batch_size,
-            sampler=ValidationSampler(len(dataset), rank=env.rank, world_size=env.world_size),
+            sampler=ValidationSampler(len(dataset), rank=dims.dp_rank, world_size=dims.dp_size),
             collate_fn=partial(  # masks made on the device; packed batches all get the pack's shape
                 padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.get("max_seq_len")
             ),
@@ -178,7 +187,8 @@ def evaluate(cfg: DictConfig) -> None:
         # As in training: FlexAttention block masks for packed documents and soft-capped scores on CUDA.
         flex_attention = resolve_flex_attention(cfg.get("flex_attention", "auto"), env.device)
         results.update(validation_loss(model, loader, device=env.device, autocast=autocast,
-                                       flex_attention=flex_attention, loss_chunks=cfg.get("loss_chunks", 8)))
+                                       flex_attention=flex_attention, loss_chunks=cfg.get("loss_chunks", 8),
+                                       data_parallel_group=dp_group))
 
     # --- Generation tasks: greedy decoding, exact match ----------------------------------------------------------
     if cfg.get("eval_tasks"):
@@ -186,7 +196,7 @@ def evaluate(cfg: DictConfig) -> None:
         if not tasks:
             raise UserError("eval_tasks: no samples to evaluate")
         correct, total = exact_match_accuracy(
-            model, tokenizer, tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank, world_size=env.world_size
+            model, tokenizer, tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=dims.dp_rank, world_size=dims.dp_size
         )
         results.update(accuracy=correct / total, correct=correct, total=total)
 
@@ -195,8 +205,8 @@ def evaluate(cfg: DictConfig) -> None:
         results["lm_eval"] = run_lm_eval(
             model, untruncated, lm_eval_tasks, limit=harness.get("limit"), num_fewshot=harness.get("num_fewshot"),
             system_instruction=harness.get("system_instruction"), **chat_settings,
-            batch_size=harness.get("batch_size", cfg.micro_batch_size), autocast=autocast, rank=env.rank,
-            world_size=env.world_size, seed=cfg.seed,
+            batch_size=harness.get("batch_size", cfg.micro_batch_size), autocast=autocast, rank=dims.dp_rank,
+            world_size=dims.dp_size, group=dp_group, seed=cfg.seed,
         )
 
     if env.is_rank_zero:

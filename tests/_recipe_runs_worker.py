@@ -26,11 +26,13 @@ from toolkit.config import apply_overrides, load_config, recipe_keys, validate
 from toolkit.training.debug import FAULT_ENV
 
 
-def run(recipe: str, config: str, overrides: list[str], stdout: str) -> None:
+def run(recipe: str, config: str, output_dir: str, overrides: list[str], stdout: str) -> None:
     path = recipe_path(f"{recipe}_distributed")
     cfg = load_config(config_for_recipe(config, recipe))
-    apply_overrides(cfg, overrides, recipe=recipe_keys(path))
-    validate(cfg, schema=recipe_schema(path), data_parallel_size=int(os.environ["WORLD_SIZE"]))
+    keys = recipe_keys(path)
+    writes = keys is None or "output_dir" in keys.reads
+    apply_overrides(cfg, [f"output_dir={output_dir}"] * writes + overrides, recipe=keys)
+    validate(cfg, schema=recipe_schema(path), world_size=int(os.environ["WORLD_SIZE"]))
     main = runpy.run_path(str(path))["main"]
     rank_zero = os.environ["RANK"] == "0"
     with open(stdout if rank_zero else os.devnull, "w") as out, contextlib.redirect_stdout(out):
@@ -49,7 +51,8 @@ if __name__ == "__main__":
             if dist.is_initialized():
                 dist.barrier()
             if os.environ["RANK"] == "0":
-                print(f"{spec['recipe']} {' '.join(spec['overrides'])}: {time.perf_counter() - start:.1f} s",
+                print(f"{spec['recipe']} {spec['output_dir']} {' '.join(spec['overrides'])}: "
+                      f"{time.perf_counter() - start:.1f} s",
                       file=sys.stderr)
     except BaseException:
         # Leave at once, as a crashed recipe worker does: the other ranks would wait for this one at the next

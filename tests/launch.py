@@ -149,7 +149,8 @@ def run_tune_here(*args: str, env: dict[str, str] | None = None) -> subprocess.C
 
 class RecipeRun:
     """One run for :func:`run_recipes`: ``tune run <recipe>_distributed --config <config> output_dir=<output_dir>
-    <overrides>``; its rank zero's stdout is kept next to ``output_dir`` (:meth:`stdout`)."""
+    <overrides>`` (``output_dir`` only for a recipe that reads it: the generate recipe writes nothing); its rank
+    zero's stdout is kept next to ``output_dir`` (:meth:`stdout`)."""
 
     def __init__(self, recipe: str, output_dir: str | Path, *overrides: str, config: str = "demo") -> None:
         self.recipe, self.output_dir, self.overrides, self.config = recipe, Path(output_dir), list(overrides), config
@@ -177,7 +178,7 @@ def run_recipes(
     for run in runs:
         run.output_dir.parent.mkdir(parents=True, exist_ok=True)
     spec = [
-        {"recipe": r.recipe, "config": r.config, "overrides": [f"output_dir={r.output_dir}", *r.overrides],
+        {"recipe": r.recipe, "config": r.config, "output_dir": str(r.output_dir), "overrides": r.overrides,
          "stdout": str(r.stdout_file)}
         for r in runs
     ]

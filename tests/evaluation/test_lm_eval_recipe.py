@@ -136,26 +136,27 @@ def test_a_group_reports_the_samples_of_its_tasks(tmp_path, capsys, write_lm_eva
 
 @pytest.fixture(scope="module")
 def two_process_reports(setup, tmp_path_factory) -> dict[str, dict]:
-    """The eval recipe on 2 processes under ddp and under zero3, one after the other in one launch: by layout,
-    the ``lm_eval`` part of each run's eval.json."""
+    """The eval recipe on 2 processes under ddp, under zero3 and with the model split over both (tensor_parallel=2),
+    one after the other in one launch: by layout, the ``lm_eval`` part of each run's eval.json."""
     root = tmp_path_factory.mktemp("two_processes")
     runs = {
-        data_parallel: RecipeRun(
-            "eval", root / data_parallel, f"data_parallel={data_parallel}", *HARNESS_ONLY, *setup["overrides"]
-        )
-        for data_parallel in ("ddp", "zero3")
+        layout: RecipeRun("eval", root / layout, *overrides, *HARNESS_ONLY, *setup["overrides"])
+        for layout, overrides in LAYOUTS.items()
     }
     result = run_recipes(list(runs.values()), nproc=2, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     return {name: json.loads((r.output_dir / "eval.json").read_text())["lm_eval"] for name, r in runs.items()}
 
 
-@pytest.mark.parametrize("data_parallel", ["ddp", "zero3"])
-def test_two_processes_report_what_one_does(setup, two_process_reports, data_parallel):
-    # ddp: whole copies, each process scores and generates for its share of the requests. zero3: FSDP2, every
-    # forward a collective: shares of the scoring padded to the same number of batches, every answer generated on
-    # both processes.
-    two = two_process_reports[data_parallel]
+# ddp: whole copies, each process scores and generates for its share of the requests. zero3: FSDP2, every forward a
+# collective: shares of the scoring padded to the same number of batches, every answer generated on both processes.
+# tp2: one model over both processes, which score and generate every request together (gathered logits).
+LAYOUTS = {"ddp": ["data_parallel=ddp"], "zero3": ["data_parallel=zero3"], "tp2": ["tensor_parallel=2"]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_processes_report_what_one_does(setup, two_process_reports, layout):
+    two = two_process_reports[layout]
     one = setup["report"]["lm_eval"]
     assert two.keys() == one.keys()
     for task in one:

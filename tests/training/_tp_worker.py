@@ -11,9 +11,13 @@ The layouts, all from one 4-rank mesh:
 Then the full fine-tune recipe runs on the demo, zero3 x tensor_parallel 2, into ``sys.argv[2]``, saving step
 checkpoints, and again into ``sys.argv[2]_resumed``, resumed from its step 2.
 
+After training, each run generates from a fixed prompt with the trained model (greedy, and sampled with top-k and
+top-p from a seeded generator: the logits are gathered whole, so every rank draws the same token), and scores the
+prompt's logits.
+
 Every run trains 5 steps of a global batch of 4 rows of different lengths (prompt positions and padding ignored),
 with AdamW and the gradient norm clipped; the layouts differ in how a rank's share is cut into micro-batches too. Rank zero saves, per case and layout, the losses, the
-gradient norms and the final weights (gathered whole) to ``sys.argv[1]`` (``torch.save``); the test computes the
+gradient norms, the final weights (gathered whole) and the generations to ``sys.argv[1]`` (``torch.save``); the test computes the
 one-process references itself (:func:`train`, and the recipe) and compares.
 """
 
@@ -26,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from toolkit.cli._catalog import recipe_schema
 from toolkit.config import apply_overrides, load_config, validate
+from toolkit.generation import generate
 from toolkit.models._decoder import plain_linear
 from toolkit.models._lora import lora_linear
 from toolkit.models.gemma2 import gemma2
@@ -129,9 +134,26 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+PROMPT = [5, 17, 42, 3, 88, 9]
+
+
+@torch.no_grad()
+def generations(model: torch.nn.Module) -> dict:
+    """What the model generates from :data:`PROMPT` (12 tokens, greedy and sampled), and the prompt's logits."""
+    model.eval()
+    sampled = generate(
+        model, PROMPT, max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9,
+        generator=torch.Generator().manual_seed(0),
+    )
+    return {
+        "greedy": generate(model, PROMPT, max_new_tokens=12), "sampled": sampled,
+        "logits": model(torch.tensor([PROMPT])).detach(),
+    }
+
+
 def train(name: str, mode: str, dims: ParallelDims, mesh=None, *, micro_steps: int = BATCH) -> dict:
     """Train the case on the layout ``dims`` (this rank's part of it), this rank's share of each global batch in
-    ``micro_steps`` micro-batches; the losses, gradient norms and whole weights."""
+    ``micro_steps`` micro-batches; the losses, gradient norms, whole weights and :func:`generations`."""
     model = parallelize(build(name, mode), dims=dims, device=torch.device("cpu"), dtype=torch.float32, fill=fill,
                         mesh=mesh)
     # AdamW's eps at 1e-6 (not 1e-8): its update divides by sqrt(v), which turns rounding-level gradient differences
@@ -151,7 +173,7 @@ def train(name: str, mode: str, dims: ParallelDims, mesh=None, *, micro_steps: i
         losses.append(result.loss)
     weights = {k: full(v) for k, v in model.state_dict().items()}
     moved = max(float((weights[k] - initial[k]).abs().max()) for k in weights)
-    return {"losses": losses, "norms": norms, "weights": weights, "moved": moved}
+    return {"losses": losses, "norms": norms, "weights": weights, "moved": moved, **generations(model)}
 
 
 # The demo recipe as test_parallel_parity.py runs it (variable-length words, 5 steps of 8 sequences in micro-batches

@@ -1,6 +1,7 @@
 """Promise 1 across tensor-parallel layouts: one process, tp=2, tp=4, ddp x tp=2, zero3 x tp=2 and hsdp x tp=2
-train the same model from the same global batches; so does the recipe, and its step checkpoints resume on the
-same layout (bitwise) and on one process.
+train the same model from the same global batches and then generate the same tokens; so does the recipe, and its
+step checkpoints resume on the same layout (bitwise) and on one process; the generate and eval recipes on one model
+split over 2 processes give what they give on one.
 
 One torchrun launch of 4 processes (tests/training/_tp_worker.py) runs every layout of a tiny Llama 3 (rope
 scaling), Qwen 2.5 (q/k/v biases, tied embeddings) and Gemma 2 (soft-caps, sliding window, tied), full fine-tune,
@@ -17,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.launch import run_recipe_here, run_workers
+from tests.launch import RecipeRun, run_recipe_here, run_recipes, run_tune_here, run_workers
 from tests.training import _tp_worker as worker
 from toolkit.parallel import ParallelDims
 
@@ -59,6 +60,19 @@ def test_every_layout_trains_like_one_process(run, layouts, references):
         torch.testing.assert_close(ours["weights"][key], weight, rtol=1e-5, atol=1e-5, msg=key)
     # The run trained: weights that did not move would agree with anything.
     assert reference["moved"] > 1e-3
+
+
+@pytest.mark.parametrize("run", worker.RUNS, ids=lambda run: "/".join(run))
+def test_every_layout_generates_what_one_process_does(run, layouts, references):
+    # The trained model of each layout, its KV cache holding each rank's heads: the same tokens, greedy and sampled
+    # (the gathered logits are the same on every rank, so every rank draws the same token), and the prompt's logits
+    # to float rounding.
+    name, mode, layout = run
+    ours, reference = layouts[f"{name}/{mode}/{layout}"], references[(name, mode)]
+    assert ours["greedy"] == reference["greedy"]
+    assert ours["sampled"] == reference["sampled"]
+    assert len(set(reference["greedy"])) > 1  # a model that repeats one token would agree with anything
+    torch.testing.assert_close(ours["logits"], reference["logits"], rtol=1e-5, atol=1e-5)
 
 
 def _records(out: Path) -> list[dict]:
@@ -104,3 +118,41 @@ def test_a_tensor_parallel_checkpoint_resumes_on_one_process(launch, tmp_path):
     run_recipe_here("full_finetune", "demo", *worker.RECIPE, f"output_dir={tmp_path}", f"resume_from={checkpoint}")
     expected = [r["loss"] for r in _records(launch / "recipe")][worker.RESUMED_AT :]
     torch.testing.assert_close([r["loss"] for r in _records(tmp_path)], expected, rtol=1e-5, atol=0)
+
+
+# Few enough samples to keep the evaluation short; generation stops at the byte tokenizer's end of sequence.
+EVAL = ["dataset.num_samples=32", "eval_tasks.num_samples=12", "micro_batch_size=8"]
+PROMPT = "prompt=reverse: tensor"
+
+
+@pytest.fixture(scope="module")
+def split_over_two(launch) -> dict[str, RecipeRun]:
+    """The generate and eval recipes on the recipe's trained model, tensor_parallel=2 on 2 processes, in one launch."""
+    checkpoint = launch / "recipe" / "final"
+    runs = {
+        "generate": RecipeRun("generate", launch / "generate_tp2", "tensor_parallel=2", f"checkpoint_dir={checkpoint}",
+                              PROMPT),
+        "eval": RecipeRun("eval", launch / "eval_tp2", "tensor_parallel=2", f"checkpointer.checkpoint_dir={checkpoint}",
+                          *EVAL),
+    }
+    result = run_recipes(list(runs.values()), nproc=2, timeout_s=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return runs
+
+
+def test_the_generate_recipe_split_over_two_processes_replies_as_one_does(launch, split_over_two):
+    one = run_tune_here("run", "generate", "--config", "demo", f"checkpoint_dir={launch / 'recipe' / 'final'}", PROMPT)
+    assert one.returncode == 0, one.stderr
+    assert split_over_two["generate"].stdout() == one.stdout
+    assert one.stdout.strip()  # a reply, not nothing twice
+
+
+def test_the_eval_recipe_split_over_two_processes_scores_as_one_does(launch, split_over_two, tmp_path):
+    run_recipe_here("eval", "demo", f"checkpointer.checkpoint_dir={launch / 'recipe' / 'final'}", *EVAL,
+                    f"output_dir={tmp_path}")
+    one = json.loads((tmp_path / "eval.json").read_text())
+    two = json.loads((split_over_two["eval"].output_dir / "eval.json").read_text())
+    # Each token counted once (not once per rank of the pair); the split matmuls sum in another order.
+    assert two["val_tokens"] == one["val_tokens"]
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
+    assert (two["correct"], two["total"]) == (one["correct"], one["total"])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from toolkit.config import did_you_mean
@@ -106,6 +107,7 @@ def run_lm_eval(
     autocast: contextlib.AbstractContextManager | None = None,
     rank: int = 0,
     world_size: int = 1,
+    group: dist.ProcessGroup | None = None,
     seed: int = 0,
 ) -> dict[str, dict] | None:
     """Run lm-eval's ``simple_evaluate`` on ``tasks`` with ``model``; a collective when ``world_size > 1``.
@@ -127,11 +129,13 @@ def run_lm_eval(
         system_instruction: a system message opening every prompt (without chat templates, text before it).
         batch_size: sequences per forward pass when scoring.
         autocast: forward-pass context (mixed precision without FSDP2).
-        rank, world_size: this process among those that share the work.
+        rank, world_size: this process among those that share the work (under tensor parallelism, its
+            data-parallel rank and size: the ranks of a TP group do the same work together).
+        group: the process group of those ``world_size`` processes (default: all).
         seed: seeds sampled generations.
 
     Returns:
-        On rank 0, ``{task: {"metrics": {name: value}, "num_fewshot": n, "samples": n}}`` for every task and group
+        On ``rank`` 0, ``{task: {"metrics": {name: value}, "num_fewshot": n, "samples": n}}`` for every task and group
         lm-eval reports (a group's samples: those of its tasks). Metric names are lm-eval's (``acc``, ``acc_stderr``, ``exact_match``...); a filter other
         than the default stays after a comma (``exact_match,strict-match``). ``None`` on other ranks.
 
@@ -144,8 +148,8 @@ def run_lm_eval(
 
     check_chat_settings(tokenizer, apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn)
     lm = ToolkitLM(
-        model, tokenizer, batch_size=batch_size, autocast=autocast, rank=rank, world_size=world_size, seed=seed,
-        apply_chat_template=apply_chat_template,
+        model, tokenizer, batch_size=batch_size, autocast=autocast, rank=rank, world_size=world_size, group=group,
+        seed=seed, apply_chat_template=apply_chat_template,
     )
     # The chat settings are always passed: lm-eval's defaults differ between releases (fewshot_as_multiturn).
     results = simple_evaluate(

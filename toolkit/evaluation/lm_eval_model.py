@@ -79,6 +79,8 @@ class ToolkitLM(LM):
         autocast: context for forward passes (mixed precision without FSDP2), e.g. the recipe's precision policy's.
         rank: this process's rank among ``world_size`` processes that share the work.
         world_size: processes that call every method together with the same requests.
+        group: the process group of those processes (default: all); under tensor parallelism the data-parallel
+            group, ``rank`` and ``world_size`` its rank and size (the ranks of a TP group run the same forwards).
         seed: with each request's index, seeds the generator of its sampled generation.
         apply_chat_template: contexts are conversations rendered by :meth:`apply_chat_template` (lm-eval's option of
             the same name).
@@ -96,6 +98,7 @@ class ToolkitLM(LM):
         autocast: contextlib.AbstractContextManager | None = None,
         rank: int = 0,
         world_size: int = 1,
+        group: dist.ProcessGroup | None = None,
         seed: int = 0,
         apply_chat_template: bool = False,
     ) -> None:
@@ -112,6 +115,7 @@ class ToolkitLM(LM):
         self.autocast = autocast or contextlib.nullcontext()
         self.process_rank = rank
         self.num_processes = world_size
+        self.group = group
         self.max_seq_len: int = model.max_seq_len
         self._device = model.embed_tokens.weight.device
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
@@ -303,6 +307,6 @@ class ToolkitLM(LM):
         """Every process's ``{request index: answer}`` merged, as a list over ``range(count)``."""
         if self.num_processes > 1:
             parts: list[dict | None] = [None] * self.num_processes
-            dist.all_gather_object(parts, mine)
+            dist.all_gather_object(parts, mine, group=self.group)
             mine = {i: answer for part in parts for i, answer in part.items()}
         return [mine[i] for i in range(count)]

@@ -9,7 +9,8 @@ class KVCache(nn.Module):
 
     Args:
         batch_size: sequences decoded together.
-        num_kv_heads: key/value heads of the attention layer.
+        num_kv_heads: key/value heads of the attention layer; None: those of the first keys stored (under tensor
+            parallelism a layer computes only its rank's share of the heads, which its projections' shapes say).
         head_dim: features per head.
         max_seq_len: longest prompt plus generation.
         dtype: cache dtype (the model's compute dtype).
@@ -20,23 +21,31 @@ class KVCache(nn.Module):
         self,
         *,
         batch_size: int,
-        num_kv_heads: int,
+        num_kv_heads: int | None,
         head_dim: int,
         max_seq_len: int,
         dtype: torch.dtype,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.max_seq_len = max_seq_len
+        self._shape = (batch_size, max_seq_len, head_dim)
+        self._dtype, self._device = dtype, device
+        self.register_buffer("k_cache", None, persistent=False)  # allocated in _allocate
+        self.register_buffer("v_cache", None, persistent=False)
+        if num_kv_heads is not None:
+            self._allocate(num_kv_heads)
 
-    @property
-    def max_seq_len(self) -> int:
-        return self.k_cache.shape[2]
+    def _allocate(self, num_kv_heads: int) -> None:
+        batch_size, max_seq_len, head_dim = self._shape
+        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=self._dtype, device=self._device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=self._dtype, device=self._device), persistent=False)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v`` (``[b, n_kv, s, h_d]``) at positions ``input_pos`` (``[s]``); return the full caches."""
+        if self.k_cache is None:
+            self._allocate(k.shape[1])
         self.k_cache[:, :, input_pos] = k
         self.v_cache[:, :, input_pos] = v
         return self.k_cache, self.v_cache

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
 from toolkit.modules.kv_cache import KVCache
@@ -176,13 +176,20 @@ class TransformerDecoder(nn.Module):
         :meth:`fused_loss_weight` return None.
         """
         if self.output is None:
-            return F.linear(h, self.embed_tokens.weight)
+            weight = self.embed_tokens.weight
+            if isinstance(weight, DTensor):
+                # Tied to a vocabulary-parallel embedding (tensor parallelism): each rank projects onto its rows of
+                # the vocabulary, and the logits are gathered. (An untied output layer gathers them itself.)
+                h = DTensor.from_local(h, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim, run_check=False)
+                return F.linear(h, weight).full_tensor()
+            return F.linear(h, weight)
         return self.output(h)
 
     def setup_caches(self, *, batch_size: int, max_seq_len: int | None = None, dtype: torch.dtype | None = None) -> None:
         """Give every attention layer a KV cache for incremental decoding.
 
-        The cache's ``dtype`` defaults to that of the keys and values the layers will compute: autocast's when it
+        Each cache holds as many key/value heads as its layer computes: all of them, or under tensor parallelism this
+        rank's share (it takes its shape from the first keys stored). The cache's ``dtype`` defaults to that of the keys and values the layers will compute: autocast's when it
         is on here (mixed precision: float32 weights, bfloat16 keys), else the weights'.
         """
         weight = self.embed_tokens.weight
@@ -192,7 +199,7 @@ class TransformerDecoder(nn.Module):
             attn = layer.self_attn
             attn.kv_cache = KVCache(
                 batch_size=batch_size,
-                num_kv_heads=attn.num_kv_heads,
+                num_kv_heads=None,
                 head_dim=attn.head_dim,
                 max_seq_len=max_seq_len or self.max_seq_len,
                 dtype=dtype or weight.dtype,

@@ -10,13 +10,17 @@ The plan, the same for every family in :mod:`toolkit.models` (they share these m
 - token embedding and output projection (tied or not) sharded over the vocabulary: the embedding looks up the
   rows it holds (one all-reduce), and the fused projection-and-loss (:func:`toolkit.modules.loss.
   linear_cross_entropy_sum`) computes each rank's vocabulary shard of the logits chunk by chunk, with the softmax's
-  max and sum and the label's logit reduced over the group: no rank ever holds whole logits;
+  max and sum and the label's logit reduced over the group: in training no rank ever holds whole logits. Where
+  logits are asked for (generation, evaluation), they are gathered whole on every rank, so that every rank picks
+  the same next token;
 - everything else (norms, Qwen 3's per-head q/k norms) replicated.
 
 LoRA and DoRA adapters are split with their base: for a column-wise base, ``lora_b`` (and DoRA's magnitude) is
 split like the base's rows and ``lora_a`` replicated; for a row-wise base, ``lora_a`` is split like its columns and
 ``lora_b`` replicated, and DoRA's row norm, taken over the split columns, is reduced over the group (DTensor does
 it). Biases (Qwen's q/k/v) follow their projection's rows.
+
+A KV cache (generation) holds this rank's key/value heads only.
 
 Grouped-query attention with fewer key/value heads than TP ranks is refused rather than replicating the key/value
 heads: :func:`check_tensor_parallel` says which degrees fit. Sequence parallelism is not implemented yet.
@@ -53,8 +57,6 @@ class _Split:
     params: dict[str, Placement] = field(default_factory=dict)
     input: Placement = Replicate()
     output: Placement = Replicate()
-    # A module whose output is left alone (the output projection: the fused loss reads its weights directly).
-    hooks: bool = True
 
 
 # A column-wise projection's rows (its output features) are split; a LoRA adapter's B rows and DoRA's magnitude
@@ -65,7 +67,9 @@ _COLUMN = _Split(
 )
 _ROW = _Split(params={"weight": Shard(1), "lora_a.weight": Shard(1)}, input=Shard(-1), output=Replicate())
 _VOCAB_EMBEDDING = _Split(params={"weight": Shard(0)}, input=Replicate(), output=Replicate())
-_VOCAB_OUTPUT = _Split(params={"weight": Shard(0), "lora_b.weight": Shard(0)}, hooks=False)
+# The output projection's logits, where they are asked for (generation, scoring), are gathered whole; the fused
+# loss reads its weights directly and never calls it, so training keeps them split.
+_VOCAB_OUTPUT = _Split(params={"weight": Shard(0), "lora_b.weight": Shard(0)}, input=Replicate(), output=Replicate())
 
 
 def check_tensor_parallel(model: nn.Module, *, tp: int) -> None:
@@ -152,9 +156,7 @@ def _distribute(module: nn.Module, mesh: DeviceMesh, split: _Split) -> None:
             owner, _, attr = param_name.rpartition(".")
             module.get_submodule(owner).register_parameter(attr, sharded)
 
-    inputs = partial(_wrap_input, split.input) if split.hooks else None
-    outputs = partial(_unwrap_output, split.output) if split.hooks else None
-    distribute_module(module, mesh, partition, inputs, outputs)
+    distribute_module(module, mesh, partition, partial(_wrap_input, split.input), partial(_unwrap_output, split.output))
 
 
 def _replicate(module: nn.Module, mesh: DeviceMesh, *, grad: Placement) -> None:

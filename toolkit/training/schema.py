@@ -53,6 +53,7 @@ MODEL_KEYS = {
 # Keys of recipes that spread a model over processes (training and evaluation).
 PARALLEL_KEYS = {
     "data_parallel": Choice(*STRATEGIES, "auto"),
+    "tensor_parallel": Int(ge=1, required=False),
     "hsdp_shard_size": Int(ge=1, null=True),
     "dist_timeout_s": Float(gt=0),
     "flex_attention": one_of(Bool(), Choice("auto"), null=True, required=False),
@@ -96,8 +97,6 @@ TRAINING_KEYS = {
     "activation_checkpointing": one_of(Bool(), Int(ge=1)),
     "activation_offloading": Bool(),
     "fused_loss": Bool(required=False),
-    # Training only (not in PARALLEL_KEYS: the eval recipe does not split a model over TP ranks yet).
-    "tensor_parallel": Int(ge=1, required=False),
     "compile": Bool(required=False),
     "optimizer_in_backward": Bool(required=False),
     "float8": Bool(required=False),
@@ -169,7 +168,7 @@ def tensor_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
     )
 
 
-@rule("tensor_parallel", "float8", "compile", "fused_loss", "eval_tasks", "micro_batch_size", "data_parallel")
+@rule("tensor_parallel", "float8", "compile", "fused_loss", "micro_batch_size", "data_parallel")
 def tensor_parallel_combines(ctx: Context) -> Iterator[tuple[str, str]]:
     """What tensor parallelism does not combine with (yet), refused by name."""
     tp = ctx.get("tensor_parallel", 1)
@@ -184,11 +183,6 @@ def tensor_parallel_combines(ctx: Context) -> Iterator[tuple[str, str]]:
         yield "fused_loss", (
             f"{with_tp} needs the fused projection and loss, which computes the loss vocabulary-parallel (no rank "
             "holds whole logits); remove fused_loss=false"
-        )
-    if ctx.get("eval_tasks") is not None:
-        yield "eval_tasks", (
-            f"held-out accuracy generates text, which {with_tp} does not do yet; remove eval_tasks (validation_dataset "
-            "scores a held-out set under TP), or use tensor_parallel=1"
         )
     for key in ("data_parallel", "micro_batch_size"):
         if ctx.get(key) == "auto":
