@@ -30,7 +30,7 @@ def run(recipe: str, config: str, overrides: list[str], stdout: str) -> None:
     path = recipe_path(f"{recipe}_distributed")
     cfg = load_config(config_for_recipe(config, recipe))
     apply_overrides(cfg, overrides, recipe=recipe_keys(path))
-    validate(cfg, schema=recipe_schema(path), data_parallel_size=int(os.environ["WORLD_SIZE"]))
+    validate(cfg, schema=recipe_schema(path), world_size=int(os.environ["WORLD_SIZE"]))
     main = runpy.run_path(str(path))["main"]
     rank_zero = os.environ["RANK"] == "0"
     with open(stdout if rank_zero else os.devnull, "w") as out, contextlib.redirect_stdout(out):
