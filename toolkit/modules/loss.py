@@ -18,6 +18,7 @@ All return the *sum* over non-ignored positions; the training loop divides by th
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -253,6 +254,7 @@ def _chunked_projection_loss(
     gradients this rank's rows, and the gradients of what every rank shares (``h``, ``x``, ``lora_a``), each rank's
     share of them, summed over the group once at the end."""
     need_h, need_weight, need_x, need_a, need_b = needs
+    loss_and_grad = kernel if shard is None else partial(vocab_parallel_loss_and_grad, shard=shard)
     # The rows' gradients are written chunk by chunk; the weights' are summed over the chunks.
     grad_h, grad_x = (torch.empty_like(t) if need else None for t, need in ((h, need_h), (x, need_x)))
     grad_weight, grad_a, grad_b = (
@@ -273,12 +275,11 @@ def _chunked_projection_loss(
         adapter_rows = rows if adapter_rows is None else adapter_rows
         u = adapter_rows @ lora_a.T if lora_a is not None else None  # [m, r]
         # The logits are made inside the call, so that the kernel holds their only reference and can free them.
-        logits = rows @ weight.T if u is None else (rows @ weight.T).addmm_(u, lora_b.T, alpha=scale)
-        if shard is None:
-            chunk_loss, grad = kernel(logits, chunk_labels, softcap, need_grad)
-        else:
-            chunk_loss, grad = vocab_parallel_loss_and_grad(logits, chunk_labels, softcap, need_grad, shard)
-        del logits
+        # (A logits variable here would hold them through the kernel: a whole chunk's logits more at its peak.)
+        chunk_loss, grad = loss_and_grad(
+            rows @ weight.T if u is None else (rows @ weight.T).addmm_(u, lora_b.T, alpha=scale),
+            chunk_labels, softcap, need_grad,
+        )
         loss += chunk_loss
         if need_h:
             torch.mm(grad, weight, out=chunk_grad_h)
