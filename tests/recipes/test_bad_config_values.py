@@ -186,10 +186,8 @@ def test_a_micro_batch_above_a_process_share_is_no_refusal(nproc, capsys):
     assert main(["validate", "full_finetune/demo", "batch_size=8"]) == 0  # `tune run --help`'s example
 
 
-# tensor_parallel: (recipe, overrides, processes, the key the message must name). The demo's held-out accuracy
-# (eval_tasks) generates text, which TP does not do yet: every case but that one's removes it. The demo Llama has
-# 4 heads, 2 key/value heads, an MLP width and a vocabulary of 384.
-NO_GENERATION = "~eval_tasks"
+# tensor_parallel: (recipe, overrides, processes, the key the message must name). The demo Llama has 4 heads, 2
+# key/value heads, an MLP width and a vocabulary of 384.
 TINY_LLAMA = [
     "model._component_=toolkit.models.llama3.llama3", "model.num_layers=1", "model.num_heads=4",
     "model.num_kv_heads=2", "model.embed_dim=64",
@@ -198,27 +196,35 @@ TP_CASES = [
     ("full_finetune", ["tensor_parallel=0"], 2, "tensor_parallel"),
     ("full_finetune", ["tensor_parallel=two"], 2, "tensor_parallel"),
     ("full_finetune", ["tensor_parallel=1.5"], 2, "tensor_parallel"),
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION], 3, "tensor_parallel"),  # does not divide 3 processes
-    ("full_finetune", ["tensor_parallel=3", NO_GENERATION], 3, "tensor_parallel"),  # nor the 4 heads
-    ("full_finetune", ["tensor_parallel=4", NO_GENERATION], 4, "tensor_parallel"),  # nor the 2 key/value heads
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, *TINY_LLAMA, "model.intermediate_dim=99",
+    ("full_finetune", ["tensor_parallel=2"], 3, "tensor_parallel"),  # does not divide 3 processes
+    ("full_finetune", ["tensor_parallel=3"], 3, "tensor_parallel"),  # nor the 4 heads
+    ("full_finetune", ["tensor_parallel=4"], 4, "tensor_parallel"),  # nor the 2 key/value heads
+    ("full_finetune", ["tensor_parallel=2", *TINY_LLAMA, "model.intermediate_dim=99",
                        "model.vocab_size=384"], 2, "tensor_parallel"),  # nor an MLP of 99
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, *TINY_LLAMA, "model.intermediate_dim=128",
+    ("full_finetune", ["tensor_parallel=2", *TINY_LLAMA, "model.intermediate_dim=128",
                        "model.vocab_size=383"], 2, "tensor_parallel"),  # nor a vocabulary of 383
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "batch_size=33"], 4, "batch_size"),  # over 2 dp ranks
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "data_parallel=hsdp", "hsdp_shard_size=3"], 4,
+    ("full_finetune", ["tensor_parallel=2", "batch_size=33"], 4, "batch_size"),  # over 2 dp ranks
+    ("full_finetune", ["tensor_parallel=2", "data_parallel=hsdp", "hsdp_shard_size=3"], 4,
      "hsdp_shard_size"),
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "data_parallel=zero1"], 4, "data_parallel"),
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "data_parallel=zero3", "cpu_offload=true"], 4,
+    ("full_finetune", ["tensor_parallel=2", "data_parallel=zero1"], 4, "data_parallel"),
+    ("full_finetune", ["tensor_parallel=2", "data_parallel=zero3", "cpu_offload=true"], 4,
      "cpu_offload"),
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "float8=true"], 2, "float8"),
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "compile=true"], 2, "compile"),
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "fused_loss=false"], 2, "fused_loss"),
-    ("full_finetune", ["tensor_parallel=2"], 2, "eval_tasks"),
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "data_parallel=auto"], 2, "data_parallel"),
-    ("full_finetune", ["tensor_parallel=2", NO_GENERATION, "micro_batch_size=auto"], 2, "micro_batch_size"),
-    ("lora_finetune", ["tensor_parallel=2", NO_GENERATION, "model.quantize_base=true"], 2, "tensor_parallel"),
-    ("lora_finetune", ["tensor_parallel=2", NO_GENERATION, "model.use_dora=true"], 2, "tensor_parallel"),
+    ("full_finetune", ["tensor_parallel=2", "float8=true"], 2, "float8"),
+    ("full_finetune", ["tensor_parallel=2", "compile=true"], 2, "compile"),
+    ("full_finetune", ["tensor_parallel=2", "fused_loss=false"], 2, "fused_loss"),
+    ("full_finetune", ["tensor_parallel=2", "data_parallel=auto"], 2, "data_parallel"),
+    ("full_finetune", ["tensor_parallel=2", "micro_batch_size=auto"], 2, "micro_batch_size"),
+    ("lora_finetune", ["tensor_parallel=2", "model.quantize_base=true"], 2, "tensor_parallel"),
+    ("lora_finetune", ["tensor_parallel=2", "model.use_dora=true"], 2, "tensor_parallel"),
+    # Generation splits one model over every process of its launch; evaluation, like training.
+    ("generate", ["tensor_parallel=2"], 1, "tensor_parallel"),
+    ("generate", [], 2, "tensor_parallel"),
+    ("generate", ["tensor_parallel=2"], 4, "tensor_parallel"),
+    ("generate", ["tensor_parallel=4"], 4, "tensor_parallel"),  # the 2 key/value heads
+    ("generate", ["tensor_parallel=0"], 1, "tensor_parallel"),
+    ("eval", ["tensor_parallel=2"], 3, "tensor_parallel"),
+    ("eval", ["tensor_parallel=4"], 4, "tensor_parallel"),
+    ("eval", ["tensor_parallel=2", "data_parallel=zero1"], 4, "data_parallel"),
 ]
 
 
@@ -229,10 +235,10 @@ def test_tensor_parallel_refuses_what_does_not_fit_in_one_line(recipe, overrides
 
 
 def test_tensor_parallel_fits_and_is_refused_before_launching(tmp_path, monkeypatch, capsys):
-    assert main(["validate", "full_finetune/demo", "--nproc_per_node", "4", "tensor_parallel=2", NO_GENERATION]) == 0
+    assert main(["validate", "full_finetune/demo", "--nproc_per_node", "4", "tensor_parallel=2"]) == 0
     monkeypatch.chdir(tmp_path)
     args = ["run", "--nproc_per_node", "4", "lora_finetune_distributed", "--config", "demo", "tensor_parallel=2"]
-    assert main([*args, NO_GENERATION, "data_parallel=zero1"]) == 2
+    assert main([*args, "data_parallel=zero1"]) == 2
     _one_problem(capsys.readouterr().err, "data_parallel", "lora_finetune")
     assert list(tmp_path.iterdir()) == []  # nothing written, no process started
 
