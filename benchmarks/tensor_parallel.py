@@ -3,6 +3,7 @@
     python benchmarks/tensor_parallel.py                        # demo model, 4 processes, ~2 min
     python benchmarks/tensor_parallel.py --layouts ddp tp2 --steps 10 --micro_batch_size 4
     python benchmarks/tensor_parallel.py --model toolkit.models.llama3.llama3_demo --seq_len 128
+    python benchmarks/tensor_parallel.py --device cuda --nproc 8 --model toolkit.models.llama3.llama3_2_1b
 
 One job of ``--nproc`` processes (4 by default; gloo, one thread each) trains the same model on every layout, one
 after the other, through the toolkit's own ``parallelize`` (the recipes' path: tensor parallelism, then FSDP2 or
@@ -21,8 +22,9 @@ The layouts (``--layouts``): ``ddp``, ``zero3`` (4 data-parallel ranks), ``tp2``
 pairs or all 4; under ``tp2`` the two pairs are data-parallel, ddp semantics), ``zero3_tp2`` (2 ZeRO-3 ranks of
 tensor-parallel pairs).
 
-On a CPU machine with fewer cores than processes, every collective waits for a rank that lost its core: the times
-say which layout communicates more often, not what a GPU node does. Not a test; it prints a table
+``--device cuda`` runs one process per GPU on NCCL (benchmarks/gpu/run_checks.py does so where a machine has
+several GPUs). On a CPU machine with fewer cores than processes, every collective waits for a rank that lost its
+core: the times say which layout communicates more often, not what a GPU node does. Not a test; it prints a table
 (benchmarks/README.md keeps one).
 """
 
@@ -89,7 +91,7 @@ def _worker(rank: int, world_size: int, port: int, options: dict, result_file: s
             payload = collective_payload(str(func), args, kwargs)
             if payload is not None:
                 kind, size = payload
-                self.bytes[kind] += size * ring_factor(kind, group_size(args, kwargs, world_size), backend="gloo")
+                self.bytes[kind] += size * ring_factor(kind, group_size(args, kwargs, world_size), backend=env.backend)
                 self.calls[kind] += 1
             return func(*args, **kwargs)
 
@@ -98,22 +100,23 @@ def _worker(rank: int, world_size: int, port: int, options: dict, result_file: s
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
-    env = init_distributed(device="cpu")
+    env = init_distributed(device=options["device"])
     results = {}
     for name in options["layouts"]:
         strategy, tp = LAYOUTS[name]
         dims = parallel_dims(strategy=strategy, world_size=world_size, local_world_size=world_size,
-                             device_type="cpu", tensor_parallel=tp, rank=rank)
+                             device_type=env.device.type, tensor_parallel=tp, rank=rank)
         set_seed(0)
         with torch.device("meta"):
             model = instantiate({"_component_": options["model"], "max_seq_len": options["seq_len"]})
         params = sum(p.numel() for p in model.parameters())
-        mesh = dims.build_mesh("cpu")
-        model = parallelize(model, dims=dims, device=env.device, dtype=torch.float32, fill=init_weights, mesh=mesh)
+        mesh = dims.build_mesh(env.device.type)
+        dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
+        model = parallelize(model, dims=dims, device=env.device, dtype=dtype, fill=init_weights, mesh=mesh)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         generator = torch.Generator().manual_seed(dims.dp_rank)  # a TP group's ranks read the same rows
         tokens = torch.randint(0, 256, (options["micro_batch_size"], options["seq_len"] + 1), generator=generator)
-        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+        batch = {"tokens": tokens[:, :-1].to(env.device), "labels": tokens[:, 1:].to(env.device)}
         group = dims.dp_group(mesh)  # the tokens are counted over the data-parallel ranks only
 
         def step() -> None:
@@ -131,12 +134,13 @@ def _worker(rank: int, world_size: int, port: int, options: dict, result_file: s
             start = time.perf_counter()
             step()
             dist.barrier()
+            if env.device.type == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         results[name] = {
             "label": dims.label, "params": params, "step_s": statistics.median(times),
             "bytes": dict(counter.bytes), "calls": dict(counter.calls),
         }
-        del model, optimizer
     if rank == 0:
         Path(result_file).write_text(json.dumps(results))
     dist.barrier()
@@ -149,7 +153,8 @@ def _worker(rank: int, world_size: int, port: int, options: dict, result_file: s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", nargs="+", default=["ddp", "zero3", "tp2", "tp4", "zero3_tp2"], choices=LAYOUTS)
-    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL, one process per GPU")
+    parser.add_argument("--nproc", type=int, default=4, help="processes (with --device cuda, at most the GPUs)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per layout (after one warmup step)")
     parser.add_argument("--micro_batch_size", type=int, default=4, help="sequences per data-parallel rank per step")
     parser.add_argument("--seq_len", type=int, default=64)
@@ -163,8 +168,10 @@ def main() -> None:
     load_after = os.getloadavg()[0]
     first = next(iter(results.values()))
     print(
-        f"\n{args.nproc} processes on {os.cpu_count()} CPU core(s), gloo, 1 thread each; {first['params'] / 1e6:.2f}M "
-        f"fp32 parameters; {args.micro_batch_size} x {args.seq_len} tokens per data-parallel rank per step; median of "
+        f"\n{args.nproc} processes on "
+        + (f"{args.nproc} GPU(s), NCCL, bf16" if args.device == "cuda" else f"{os.cpu_count()} CPU core(s), gloo, fp32")
+        + f", 1 thread each; {first['params'] / 1e6:.2f}M parameters;"
+        f" {args.micro_batch_size} x {args.seq_len} tokens per data-parallel rank per step; median of "
         f"{args.steps} steps; 1-minute load average {load_before:.1f} before, {load_after:.1f} after\n"
     )
     header = ("layout", "MB sent/step/rank", "by kind (MB)", "collectives/step", "step time (ms)")
