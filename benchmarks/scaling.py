@@ -163,32 +163,34 @@ def collective_payload(name: str, args: tuple, kwargs: dict) -> tuple[str, int] 
     return None
 
 
-def _probe_worker(rank: int, world_size: int, port: int, recipe: str, config: str, overrides: list[str],
-                  strategy: str, micro_batch_size: int, steps: int, result_file: str, profile: bool,
-                  train_all: bool) -> None:
-    """One rank of the byte-counting job: the recipe's model and data-parallel setup, random tokens. For LoRA,
-    only the adapters train, as in the recipe, unless ``train_all`` (the full fine-tuning of the same model)."""
+def group_size(args: tuple, kwargs: dict, default: int) -> int:
+    """The size of the process group a collective op runs on: its ProcessGroup argument (``c10d`` ops) or its group
+    name (functional collectives); ``default`` where neither is found."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, dist.ProcessGroup):
+            return value.size()
+        if isinstance(value, str):
+            try:
+                return _resolve_process_group(value).size()
+            except (RuntimeError, ValueError, KeyError):
+                continue
+    return default
+
+
+def collective_counter(*, world_size: int, backend: str, per_group: bool = False):  # noqa: ANN201 (a dispatch mode)
+    """A ``TorchDispatchMode`` that adds up the bytes each kind of collective sends from this rank (ring costs,
+    :func:`ring_factor`) and counts its calls, in ``.bytes`` and ``.calls``. The costs are for ``world_size`` ranks,
+    or, ``per_group``, for each collective's own process group (a tensor-parallel all-reduce spans its pair).
+
+    A mode sees an op before any tensor subclass does, and is switched off while it handles one, so DTensor ops are
+    handed back (NotImplemented) to DTensor: the collectives DTensor issues on its local tensors (the gradient-norm
+    all-reduce, tensor parallelism's) then reach this mode too."""
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from toolkit.cli._catalog import config_for_recipe
-    from toolkit.config import apply_overrides, instantiate, load_config
-    from toolkit.parallel import apply_data_parallel, parallel_dims, shard_optimizer_state
-    from toolkit.training import (
-        destroy_distributed,
-        forward_backward,
-        init_distributed,
-        init_weights,
-        materialize,
-        optimizer_step,
-        set_seed,
-    )
-    from torch.distributed.tensor import DTensor
-
     class CollectiveCounter(TorchDispatchMode):
-        """Adds up each collective's payload. A mode sees an op before any tensor subclass does, and is switched
-        off while it handles one, so DTensor ops are handed back (NotImplemented) to DTensor: the collectives
-        DTensor issues on its local tensors (the gradient-norm all-reduce) then reach this mode too."""
-
         def __init__(self) -> None:
             super().__init__()
             self.bytes: dict[str, float] = defaultdict(float)
@@ -201,9 +203,31 @@ def _probe_worker(rank: int, world_size: int, port: int, recipe: str, config: st
             payload = collective_payload(str(func), args, kwargs)
             if payload is not None:
                 kind, size = payload
-                self.bytes[kind] += size * ring_factor(kind, world_size, backend=env.backend)
+                ranks = group_size(args, kwargs, world_size) if per_group else world_size
+                self.bytes[kind] += size * ring_factor(kind, ranks, backend=backend)
                 self.calls[kind] += 1
             return func(*args, **kwargs)
+
+    return CollectiveCounter()
+
+
+def _probe_worker(rank: int, world_size: int, port: int, recipe: str, config: str, overrides: list[str],
+                  strategy: str, micro_batch_size: int, steps: int, result_file: str, profile: bool,
+                  train_all: bool) -> None:
+    """One rank of the byte-counting job: the recipe's model and data-parallel setup, random tokens. For LoRA,
+    only the adapters train, as in the recipe, unless ``train_all`` (the full fine-tuning of the same model)."""
+    from toolkit.cli._catalog import config_for_recipe
+    from toolkit.config import apply_overrides, instantiate, load_config
+    from toolkit.parallel import apply_data_parallel, parallel_dims, shard_optimizer_state
+    from toolkit.training import (
+        destroy_distributed,
+        forward_backward,
+        init_distributed,
+        init_weights,
+        materialize,
+        optimizer_step,
+        set_seed,
+    )
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -239,7 +263,7 @@ def _probe_worker(rank: int, world_size: int, port: int, recipe: str, config: st
         optimizer_step(model, optimizer, max_grad_norm=cfg.get("clip_grad_norm"))
 
     train_step()  # warmup, not counted: DDP rebuilds its buckets in the first iteration
-    counter = CollectiveCounter()
+    counter = collective_counter(world_size=world_size, backend=env.backend)
     with counter:
         for _ in range(steps):
             train_step()

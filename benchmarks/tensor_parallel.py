@@ -37,7 +37,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -45,55 +44,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scaling import collective_payload, free_port, ring_factor  # noqa: E402 (the benchmarks folder is no package)
+from scaling import collective_counter, free_port  # noqa: E402 (the benchmarks folder is no package)
 
 # name: (data_parallel, tensor_parallel)
 LAYOUTS = {"ddp": ("ddp", 1), "zero3": ("zero3", 1), "tp2": ("ddp", 2), "tp4": ("ddp", 4), "zero3_tp2": ("zero3", 2)}
 
 
-def group_size(args: tuple, kwargs: dict, default: int) -> int:
-    """The size of the process group a collective op runs on: its ProcessGroup argument (``c10d`` ops) or its group
-    name (functional collectives)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, dist.ProcessGroup):
-            return value.size()
-        if isinstance(value, str):
-            try:
-                return _resolve_process_group(value).size()
-            except (RuntimeError, ValueError, KeyError):
-                continue
-    return default
-
-
 def _worker(rank: int, world_size: int, port: int, options: dict, result_file: str) -> None:
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from toolkit.config import instantiate
     from toolkit.parallel import parallel_dims
     from toolkit.training import forward_backward, init_distributed, init_weights, optimizer_step, parallelize, set_seed
-
-    class CollectiveCounter(TorchDispatchMode):
-        """Bytes each kind of collective sends from this rank (ring costs over its own group), and its calls.
-        DTensor ops are handed back to DTensor, whose collectives on local tensors then reach this mode."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.bytes: dict[str, float] = defaultdict(float)
-            self.calls: dict[str, int] = defaultdict(int)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            kwargs = kwargs or {}
-            if any(isinstance(t, DTensor) for t in torch.utils._pytree.tree_leaves((args, kwargs))):
-                return NotImplemented
-            payload = collective_payload(str(func), args, kwargs)
-            if payload is not None:
-                kind, size = payload
-                self.bytes[kind] += size * ring_factor(kind, group_size(args, kwargs, world_size), backend=env.backend)
-                self.calls[kind] += 1
-            return func(*args, **kwargs)
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -125,7 +85,7 @@ def _worker(rank: int, world_size: int, port: int, options: dict, result_file: s
             optimizer_step(model, optimizer, max_grad_norm=1.0)
 
         step()  # warmup: DDP builds its buckets, FSDP2 its buffers
-        counter = CollectiveCounter()
+        counter = collective_counter(world_size=world_size, backend=env.backend, per_group=True)
         with counter:
             step()
         times = []
