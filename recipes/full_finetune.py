@@ -162,6 +162,7 @@ def train(cfg: DictConfig) -> None:
         model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
         mp_policy=precision.fsdp_policy(), activation_checkpointing=cfg.activation_checkpointing,
         activation_offloading=cfg.activation_offloading, mesh=mesh,
+        sequence_parallel=cfg.get("sequence_parallel", False),
     )
     autocast = precision.autocast(env.device, sharded=dims.uses_fsdp)
     grad_scaler = make_grad_scaler(
@@ -173,7 +174,9 @@ def train(cfg: DictConfig) -> None:
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer)
     # Masks are made on the device (FlexAttention's or SDPA's); packed batches all get the pack's shape.
-    collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.max_seq_len)
+    # Under sequence parallelism every batch's length is a multiple of the TP degree: each rank then holds its part.
+    collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.max_seq_len,
+                      pad_to_multiple_of=dims.tp if cfg.get("sequence_parallel", False) else 1)
     sampler = GlobalBatchSampler(
         len(dataset), global_batch_size=cfg.batch_size, rank=dims.dp_rank, world_size=dims.dp_size, seed=cfg.seed,
         shuffle=cfg.get("shuffle", True),  # false: the dataset's own order (curricula, comparing with another tool)

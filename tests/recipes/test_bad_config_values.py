@@ -216,6 +216,8 @@ TP_CASES = [
     ("full_finetune", ["tensor_parallel=2", "micro_batch_size=auto"], 2, "micro_batch_size"),
     ("lora_finetune", ["tensor_parallel=2", "model.quantize_base=true"], 2, "tensor_parallel"),
     ("lora_finetune", ["tensor_parallel=2", "model.use_dora=true"], 2, "tensor_parallel"),
+    ("full_finetune", ["sequence_parallel=true"], 2, "sequence_parallel"),  # with tensor_parallel 1
+    ("full_finetune", ["tensor_parallel=2", "sequence_parallel=maybe"], 2, "sequence_parallel"),
     # Generation splits one model over every process of its launch; evaluation, like training.
     ("generate", ["tensor_parallel=2"], 1, "tensor_parallel"),
     ("generate", [], 2, "tensor_parallel"),

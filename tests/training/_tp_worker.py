@@ -8,7 +8,7 @@ The layouts, all from one 4-rank mesh:
 - ``ddp_tp2``, ``zero3_tp2``, ``hsdp_tp2``: 2 data-parallel ranks (DDP semantics, ZeRO-3, HSDP on a 2-D FSDP mesh)
   of tensor-parallel pairs.
 
-Then the full fine-tune recipe runs on the demo, zero3 x tensor_parallel 2, into ``sys.argv[2]``, saving step
+Then the full fine-tune recipe runs on the demo, zero3 x tensor_parallel 2 with sequence parallelism, into ``sys.argv[2]``, saving step
 checkpoints, and again into ``sys.argv[2]_resumed``, resumed from its step 2.
 
 After training, each run generates from a fixed prompt with the trained model (greedy, and sampled with top-k and
@@ -77,10 +77,13 @@ LAYOUTS = {
 # layout is covered in one launch of about a minute: each run costs seconds here, where 4 processes on 2 cores wait
 # on each other at every collective. (Llama's full fine-tune on zero3 x tp2 runs through the recipe, in
 # test_parallel_parity.py.)
+# Sequence parallelism on a base layout: the residual stream and norms split along the sequence too.
+SEQUENCE_PARALLEL = {"tp2_sp": "tp2", "tp4_sp": "tp4", "zero3_tp2_sp": "zero3_tp2"}
 RUNS = [
     ("llama", "full", "tp2"), ("llama", "full", "tp4"), ("llama", "full", "ddp_tp2"), ("llama", "full", "hsdp_tp2"),
     ("qwen", "full", "zero3_tp2"), ("gemma", "full", "ddp_tp2"), ("qwen", "lora", "tp4"),
     ("llama", "lora", "zero3_tp2"), ("gemma", "dora", "tp2"),
+    ("llama", "full", "tp2_sp"), ("gemma", "full", "zero3_tp2_sp"), ("qwen", "lora", "tp4_sp"),
 ]
 
 
@@ -120,7 +123,8 @@ def micro_batches(rows: list[dict[str, torch.Tensor]], count: int) -> list[dict[
     size = len(rows) // count
     batches = []
     for group in (rows[i : i + size] for i in range(0, len(rows), size)):
-        length = max(len(row["tokens"]) for row in group)
+        # Padded to a multiple of 4, as the recipes pad under sequence parallelism (4 | the TP degrees here).
+        length = -(-max(len(row["tokens"]) for row in group) // 4) * 4
         tokens = torch.zeros(len(group), length, dtype=torch.long)
         labels = torch.full((len(group), length), -100)
         for j, row in enumerate(group):
@@ -151,29 +155,43 @@ def generations(model: torch.nn.Module) -> dict:
     }
 
 
-def train(name: str, mode: str, dims: ParallelDims, mesh=None, *, micro_steps: int = BATCH) -> dict:
+def train(
+    name: str, mode: str, dims: ParallelDims, mesh=None, *, micro_steps: int = BATCH, sequence_parallel: bool = False
+) -> dict:
     """Train the case on the layout ``dims`` (this rank's part of it), this rank's share of each global batch in
     ``micro_steps`` micro-batches; the losses, gradient norms, whole weights and :func:`generations`."""
     model = parallelize(build(name, mode), dims=dims, device=torch.device("cpu"), dtype=torch.float32, fill=fill,
+                        sequence_parallel=sequence_parallel,
                         mesh=mesh)
     # AdamW's eps at 1e-6 (not 1e-8): its update divides by sqrt(v), which turns rounding-level gradient differences
     # on entries with near-zero gradients into larger update differences; the layouts agree on the gradients.
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
     initial = {k: full(v) for k, v in model.state_dict().items()}
+    # The positions the first norm normalizes in the first step's forwards: a split sequence holds 1/tp of them.
+    norm_positions: list[int] = []
+    watch = model.layers[0].input_layernorm.register_forward_hook(
+        lambda module, inputs, output: norm_positions.append(inputs[0].shape[1])
+    )
     group = dims.dp_group(mesh)
     losses, norms = [], []
     for step in range(STEPS):
         share = BATCH // dims.dp_size
         mine = global_batch(step)[dims.dp_rank * share : (dims.dp_rank + 1) * share]
+        batches = micro_batches(mine, micro_steps)
         result = forward_backward(
-            model, micro_batches(mine, micro_steps), device=torch.device("cpu"), data_parallel_size=dims.dp_size,
-            data_parallel_group=group,
+            model, batches, device=torch.device("cpu"), data_parallel_size=dims.dp_size, data_parallel_group=group,
         )
+        if step == 0:
+            watch.remove()
+            positions = [b["tokens"].shape[1] for b in batches]
         norms.append(optimizer_step(model, optimizer, max_grad_norm=1.0))
         losses.append(result.loss)
     weights = {k: full(v) for k, v in model.state_dict().items()}
     moved = max(float((weights[k] - initial[k]).abs().max()) for k in weights)
-    return {"losses": losses, "norms": norms, "weights": weights, "moved": moved, **generations(model)}
+    return {
+        "losses": losses, "norms": norms, "weights": weights, "moved": moved, "positions": positions,
+        "norm_positions": norm_positions, **generations(model),
+    }
 
 
 # The demo recipe as test_parallel_parity.py runs it (variable-length words, 5 steps of 8 sequences in micro-batches
@@ -182,7 +200,8 @@ RECIPE = [
     "dataset.word_len=[2,8]", "max_steps=5", "dataset.num_samples=256", "progress_bar=false", "~eval_tasks",
     "batch_size=8", "micro_batch_size=2",
 ]
-RECIPE_TP = ["tensor_parallel=2", "data_parallel=zero3"]
+# With sequence parallelism: the recipe pads every batch to a multiple of 2 and splits the norms' positions.
+RECIPE_TP = ["tensor_parallel=2", "data_parallel=zero3", "sequence_parallel=true"]
 RESUMED_AT = 2
 
 
@@ -202,15 +221,15 @@ def main(out: str, recipe_out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for name, mode, layout in RUNS:
-        strategy, tp, shard, micro_steps = LAYOUTS[layout]
+        strategy, tp, shard, micro_steps = LAYOUTS[SEQUENCE_PARALLEL.get(layout, layout)]
         dims = parallel_dims(strategy=strategy, world_size=world, local_world_size=world, shard_size=shard,
                              device_type="cpu", tensor_parallel=tp, rank=rank)
         mesh = dims.build_mesh("cpu")
-        if layout == "tp2":
+        if layout in ("tp2", "tp2_sp"):
             # Each pair is a job of its own: tensor parallelism over the pair, the other mesh dimension unused (its
             # dp_shard groups are single ranks, so nothing is summed across the pairs).
             dims = ParallelDims("ddp", dp_replicate=1, dp_shard=1, tp=2, rank=rank % 2)
-        result = train(name, mode, dims, mesh, micro_steps=micro_steps)
+        result = train(name, mode, dims, mesh, micro_steps=micro_steps, sequence_parallel=layout in SEQUENCE_PARALLEL)
         if rank == 0:
             results[f"{name}/{mode}/{layout}"] = result
     if rank == 0:

@@ -62,6 +62,17 @@ def test_every_layout_trains_like_one_process(run, layouts, references):
     assert reference["moved"] > 1e-3
 
 
+@pytest.mark.parametrize("run", [r for r in worker.RUNS if r[2] in worker.SEQUENCE_PARALLEL], ids="/".join)
+def test_sequence_parallelism_splits_the_norms_positions(run, layouts):
+    # The equality above would hold as well if the sequence were never split: the first norm of every training
+    # forward saw 1/tp of the micro-batch's positions (and a layout without it, all of them).
+    name, mode, layout = run
+    ours, tp = layouts[f"{name}/{mode}/{layout}"], worker.LAYOUTS[worker.SEQUENCE_PARALLEL[layout]][1]
+    assert ours["norm_positions"] == [length // tp for length in ours["positions"]]
+    plain = next(r for n, r in layouts.items() if not n.endswith("_sp"))
+    assert plain["norm_positions"] == plain["positions"]
+
+
 @pytest.mark.parametrize("run", worker.RUNS, ids=lambda run: "/".join(run))
 def test_every_layout_generates_what_one_process_does(run, layouts, references):
     # The trained model of each layout, its KV cache holding each rank's heads: the same tokens, greedy and sampled

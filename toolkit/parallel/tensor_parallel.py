@@ -22,11 +22,22 @@ it). Biases (Qwen's q/k/v) follow their projection's rows.
 
 A KV cache (generation) holds this rank's key/value heads only.
 
+Sequence parallelism (``sequence_parallel=True``; Korthikanti et al., 2022, https://arxiv.org/abs/2205.05198):
+between the blocks, the residual stream and the norms are split along the sequence too, so each rank holds and
+normalizes ``1/tp`` of the positions instead of all of them. Each block all-gathers its input (the attention and
+the MLP see the whole sequence, so masks and rotary positions are unchanged), and its row-wise projection
+reduce-scatters its output back to this rank's positions instead of all-reducing it (the same bytes as the
+all-reduce it replaces, split in two); the embedding reduce-scatters its lookup, and the final norm's output is
+gathered for the vocabulary-parallel loss. The norms' weight gradients are then partial sums over the positions,
+summed over the group. It applies to a forward whose length divides by ``tp`` (the recipes pad every batch to a
+multiple of it) and that has no KV cache; any other (a one-token decoding step) runs as without it.
+
 Grouped-query attention with fewer key/value heads than TP ranks is refused rather than replicating the key/value
-heads: :func:`check_tensor_parallel` says which degrees fit. Sequence parallelism is not implemented yet.
+heads: :func:`check_tensor_parallel` says which degrees fit.
 """
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -49,6 +60,10 @@ _COLUMN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_PROJECTIONS = ("o_proj", "down_proj")
 
 
+# A placement, or what gives the current forward's (the residual stream's, under sequence parallelism).
+PlacementOf = Placement | Callable[[], Placement]
+
+
 @dataclass(frozen=True)
 class _Split:
     """How one module is laid over the TP group: its parameters' placements (by name; any other parameter is
@@ -56,7 +71,24 @@ class _Split:
 
     params: dict[str, Placement] = field(default_factory=dict)
     input: Placement = Replicate()
-    output: Placement = Replicate()
+    output: PlacementOf = Replicate()
+
+
+@dataclass
+class _SequenceSplit:
+    """Whether the forward in progress splits the residual stream along the sequence: decided by the decoder's
+    forward pre-hook for each forward, read by the hooks between the blocks."""
+
+    tp: int
+    active: bool = False
+
+    def residual(self) -> Placement:
+        """Where the residual stream lives between blocks: this rank's positions, or all of them."""
+        return Shard(1) if self.active else Replicate()
+
+    def norm_grad(self) -> Placement:
+        """A replicated norm's weight gradient: a partial sum when it saw only this rank's positions."""
+        return Partial() if self.active else Replicate()
 
 
 # A column-wise projection's rows (its output features) are split; a LoRA adapter's B rows and DoRA's magnitude
@@ -108,9 +140,10 @@ def check_tensor_parallel(model: nn.Module, *, tp: int) -> None:
         )
 
 
-def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh) -> nn.Module:
+def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Split ``model`` over ``tp_mesh`` (the mesh's ``tp`` dimension) in place, with the plan of the module
-    docstring; call it on the meta device, before data parallelism (FSDP2 then shards each TP shard further).
+    docstring (``sequence_parallel``: the residual stream and norms split along the sequence too); call it on the
+    meta device, before data parallelism (FSDP2 then shards each TP shard further).
 
     Every parameter becomes a DTensor on ``tp_mesh``, so the gradient norm and the optimizer see one kind of
     tensor. Between modules activations stay plain tensors (this rank's part), so the model's own code runs
@@ -120,26 +153,49 @@ def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh) -> nn.Module:
         UserError: a model ``tp_mesh.size()`` ranks cannot split (:func:`check_tensor_parallel`).
     """
     check_tensor_parallel(model, tp=tp_mesh.size())
-    _distribute(model.embed_tokens, tp_mesh, _VOCAB_EMBEDDING)
+    split = _SequenceSplit(tp=tp_mesh.size())
+    residual, norm_grad = (split.residual, split.norm_grad) if sequence_parallel else (Replicate(), Replicate())
+    if sequence_parallel:
+        model.register_forward_pre_hook(partial(_decide_sequence_split, split), with_kwargs=True)
+        model.norm.register_forward_hook(partial(_gather_sequence, tp_mesh, split))
+    _distribute(model.embed_tokens, tp_mesh, replace(_VOCAB_EMBEDDING, output=residual))
     if model.output is not None:
         _distribute(model.output, tp_mesh, _VOCAB_OUTPUT)
     for layer in model.layers:
         for parent in (layer.self_attn, layer.mlp):
             # One DTensor input for all of a block's column-wise projections: in backward their partial input
             # gradients are summed first and all-reduced once (not once per projection: 2 collectives a layer, not 5).
-            parent.register_forward_pre_hook(partial(_replicated_input, tp_mesh))
+            parent.register_forward_pre_hook(partial(_replicated_input, tp_mesh, split))
             for name, child in parent.named_children():
                 if name in _COLUMN_PROJECTIONS:
                     _distribute(child, tp_mesh, _COLUMN)
                 elif name in _ROW_PROJECTIONS:
-                    _distribute(child, tp_mesh, _ROW)
+                    _distribute(child, tp_mesh, replace(_ROW, output=residual))
                 elif name in ("q_norm", "k_norm"):
                     # Qwen 3's per-head norms see only this rank's heads: their weights' gradients are partial sums.
                     _replicate(child, tp_mesh, grad=Partial())
     for module in model.modules():  # the norms, and anything else that holds parameters of its own
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-            _replicate(module, tp_mesh, grad=Replicate())
+            _replicate(module, tp_mesh, grad=norm_grad)
     return model
+
+
+def _decide_sequence_split(split: _SequenceSplit, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    # Split when the length divides over the ranks and nothing is cached (a decoding step is one position).
+    tokens = args[0] if args else kwargs["tokens"]
+    split.active = tokens.shape[1] % split.tp == 0 and all(layer.self_attn.kv_cache is None for layer in model.layers)
+
+
+def _gather_sequence(
+    mesh: DeviceMesh, split: _SequenceSplit, module: nn.Module, inputs: tuple, output: torch.Tensor
+) -> torch.Tensor:
+    # The final norm's positions, gathered: the vocabulary-parallel loss (and the logits) take the whole sequence on
+    # every rank. Its gradient comes back whole on every rank (the loss sums its shares over the group), of which
+    # each keeps its positions.
+    if not split.active:
+        return output
+    local = DTensor.from_local(output, mesh, [Shard(1)], run_check=False)
+    return local.redistribute(placements=[Replicate()]).to_local()
 
 
 def _distribute(module: nn.Module, mesh: DeviceMesh, split: _Split) -> None:
@@ -159,7 +215,7 @@ def _distribute(module: nn.Module, mesh: DeviceMesh, split: _Split) -> None:
     distribute_module(module, mesh, partition, partial(_wrap_input, split.input), partial(_unwrap_output, split.output))
 
 
-def _replicate(module: nn.Module, mesh: DeviceMesh, *, grad: Placement) -> None:
+def _replicate(module: nn.Module, mesh: DeviceMesh, *, grad: PlacementOf) -> None:
     """Replicate ``module``'s own parameters over ``mesh``, and run it on plain tensors: its input is whole on every
     rank (or, ``grad=Partial()``, this rank's heads), so it computes without communication, and DTensor's dispatch
     would only slow each of its small ops down. Its gradients are whole (or, with ``Partial``, this rank's share)."""
@@ -172,7 +228,8 @@ def _replicate(module: nn.Module, mesh: DeviceMesh, *, grad: Placement) -> None:
     module.register_forward_hook(_unshadow_parameters)
 
 
-def _shadow_with_local_parameters(grad: Placement, module: nn.Module, inputs: tuple) -> None:
+def _shadow_with_local_parameters(grad: PlacementOf, module: nn.Module, inputs: tuple) -> None:
+    grad = grad() if callable(grad) else grad
     # An instance attribute is found before nn.Module.__getattr__ looks in _parameters: for the forward,
     # ``module.weight`` is the local tensor (a differentiable view: its gradient reaches the DTensor parameter).
     # The parameters themselves stay registered (FSDP2 swaps them in and out of _parameters around the forward).
@@ -193,8 +250,11 @@ def _replicated_grad(grad: DTensor) -> DTensor:
     return grad.redistribute(placements=[Replicate()]) if grad.placements != (Replicate(),) else grad
 
 
-def _replicated_input(mesh: DeviceMesh, module: nn.Module, inputs: tuple) -> tuple:
+def _replicated_input(mesh: DeviceMesh, split: _SequenceSplit, module: nn.Module, inputs: tuple) -> tuple:
     first, *rest = inputs
+    if split.active:  # this rank's positions: all-gathered (and in backward, the gradient reduce-scattered)
+        return (DTensor.from_local(first, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()]),
+                *rest)
     return (DTensor.from_local(first, mesh, [Replicate()], run_check=False), *rest)
 
 
@@ -205,7 +265,8 @@ def _wrap_input(placement: Placement, module: nn.Module, inputs: tuple, mesh: De
     return (first, *rest)
 
 
-def _unwrap_output(placement: Placement, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+def _unwrap_output(placement: PlacementOf, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    placement = placement() if callable(placement) else placement
     if output.placements != (placement,):
         output = output.redistribute(placements=[placement])
     return output.to_local()

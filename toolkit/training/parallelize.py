@@ -34,6 +34,7 @@ def parallelize(
     activation_checkpointing: bool | int = False,
     activation_offloading: bool = False,
     mesh: DeviceMesh | None = None,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """Turn a meta-device ``model`` into the trainable, parallel model, in the order that needs least memory.
 
@@ -45,7 +46,8 @@ def parallelize(
     it is filled; so do CPU offload and NF4 (QLoRA) bases, whose weights FSDP2 takes whole.
 
     ``mesh`` is the job's device mesh (:meth:`ParallelDims.build_mesh`), built here when needed and not given;
-    pass the one the run built, so that every dimension comes from one mesh.
+    pass the one the run built, so that every dimension comes from one mesh. ``sequence_parallel`` splits the
+    residual stream and norms along the sequence too (:func:`~toolkit.parallel.apply_tp`; with ``dims.tp`` > 1).
 
     ``activation_checkpointing`` (true, or k for every k-th layer) and ``activation_offloading`` wrap the layers
     first, checkpointing inside offloading, so that only checkpointed layers' inputs are offloaded (see
@@ -59,7 +61,7 @@ def parallelize(
     if mesh is None and (dims.tp > 1 or dims.uses_fsdp):
         mesh = dims.build_mesh(device.type)
     if dims.tp > 1:
-        apply_tp(model, tp_mesh=mesh["tp"])
+        apply_tp(model, tp_mesh=mesh["tp"], sequence_parallel=sequence_parallel)
     shard_first = dims.tp > 1 or (
         dims.is_sharded and not dims.cpu_offload and not any(is_nf4(p) for p in model.parameters())
     )

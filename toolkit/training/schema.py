@@ -97,6 +97,7 @@ TRAINING_KEYS = {
     "activation_checkpointing": one_of(Bool(), Int(ge=1)),
     "activation_offloading": Bool(),
     "fused_loss": Bool(required=False),
+    "sequence_parallel": Bool(required=False),
     "compile": Bool(required=False),
     "optimizer_in_backward": Bool(required=False),
     "float8": Bool(required=False),
@@ -166,6 +167,16 @@ def tensor_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
         tensor_parallel=ctx.get("tensor_parallel", 1), world_size=ctx.world_size,
         strategy=ctx.get("data_parallel"), cpu_offload=ctx.get("cpu_offload", False),
     )
+
+
+@rule("sequence_parallel", "tensor_parallel")
+def sequence_parallel_needs_tensor_parallel(ctx: Context) -> Iterator[tuple[str, str]]:
+    """Sequence parallelism splits the sequence over the ranks of a tensor-parallel group: it needs one."""
+    if ctx.get("sequence_parallel") and ctx.get("tensor_parallel", 1) == 1:
+        yield "sequence_parallel", (
+            "splits the sequence over the tensor-parallel ranks, and tensor_parallel is 1: set tensor_parallel to 2 "
+            "or more, or remove sequence_parallel"
+        )
 
 
 @rule("tensor_parallel", "float8", "compile", "fused_loss", "micro_batch_size", "data_parallel")
@@ -254,6 +265,7 @@ TRAINING_SCHEMA = Schema(
     TRAINING_KEYS,
     rules=(
         batch_divides, shard_groups_divide, tensor_parallel_fits, tensor_parallel_combines,
+        sequence_parallel_needs_tensor_parallel,
         tensor_parallel_splits_the_model, optimizer_accepts, profiler_options, metric_logger_options,
     ),
 )
