@@ -134,6 +134,10 @@ def micro_batches(rows: list[dict[str, torch.Tensor]], count: int) -> list[dict[
     return batches
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
@@ -184,12 +188,16 @@ def train(
         if step == 0:
             watch.remove()
             positions = [b["tokens"].shape[1] for b in batches]
+            # This rank's part of the embedding's gradient (frozen under LoRA): as many rows as its part of the table.
+            weight = model.embed_tokens.weight
+            embedding_rows = (local(weight).shape[0], None if weight.grad is None else local(weight.grad).shape[0])
         norms.append(optimizer_step(model, optimizer, max_grad_norm=1.0))
         losses.append(result.loss)
     weights = {k: full(v) for k, v in model.state_dict().items()}
     moved = max(float((weights[k] - initial[k]).abs().max()) for k in weights)
     return {
         "losses": losses, "norms": norms, "weights": weights, "moved": moved, "positions": positions,
+        "embedding_rows": embedding_rows,
         "norm_positions": norm_positions, **generations(model),
     }
 

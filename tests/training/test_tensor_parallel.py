@@ -60,6 +60,9 @@ def test_every_layout_trains_like_one_process(run, layouts, references):
         torch.testing.assert_close(ours["weights"][key], weight, rtol=1e-5, atol=1e-5, msg=key)
     # The run trained: weights that did not move would agree with anything.
     assert reference["moved"] > 1e-3
+    # Each rank's embedding gradient is its part of the table (a whole one on every rank would also train alike).
+    rows, grad_rows = ours["embedding_rows"]
+    assert rows <= worker.VOCAB // 2 and grad_rows in (rows, None if mode != "full" else rows)
 
 
 @pytest.mark.parametrize("run", [r for r in worker.RUNS if r[2] in worker.SEQUENCE_PARALLEL], ids="/".join)

@@ -7,10 +7,11 @@ The plan, the same for every family in :mod:`toolkit.models` (they share these m
   ``num_kv_heads / tp`` key/value heads, so attention itself runs on local heads with no communication; the
   attention reads its head counts from the tensors), ``o_proj`` row-wise (one all-reduce);
 - MLP: ``gate_proj``, ``up_proj`` column-wise, ``down_proj`` row-wise (one all-reduce);
-- token embedding and output projection (tied or not) sharded over the vocabulary: the embedding looks up the
-  rows it holds (one all-reduce), and the fused projection-and-loss (:func:`toolkit.modules.loss.
-  linear_cross_entropy_sum`) computes each rank's vocabulary shard of the logits chunk by chunk, with the softmax's
-  max and sum and the label's logit reduced over the group: in training no rank ever holds whole logits. Where
+- token embedding and output projection (tied or not) sharded over the vocabulary: each rank looks up the tokens
+  of the rows it holds (the lookups summed in one all-reduce; the gradient of its rows only), and the fused
+  projection-and-loss (:func:`toolkit.modules.loss.linear_cross_entropy_sum`) computes each rank's vocabulary
+  shard of the logits chunk by chunk, with the softmax's max and sum and the label's logit reduced over the group:
+  in training no rank ever holds whole logits. Where
   logits are asked for (generation, evaluation), they are gathered whole on every rank, so that every rank picks
   the same next token;
 - everything else (norms, Qwen 3's per-head q/k norms) replicated.
@@ -158,7 +159,7 @@ def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, sequence_parallel: bool =
     if sequence_parallel:
         model.register_forward_pre_hook(partial(_decide_sequence_split, split), with_kwargs=True)
         model.norm.register_forward_hook(partial(_gather_sequence, tp_mesh, split))
-    _distribute(model.embed_tokens, tp_mesh, replace(_VOCAB_EMBEDDING, output=residual))
+    _split_embedding(model.embed_tokens, tp_mesh, output=residual)
     if model.output is not None:
         _distribute(model.output, tp_mesh, _VOCAB_OUTPUT)
     for layer in model.layers:
@@ -213,6 +214,42 @@ def _distribute(module: nn.Module, mesh: DeviceMesh, split: _Split) -> None:
             module.get_submodule(owner).register_parameter(attr, sharded)
 
     distribute_module(module, mesh, partition, partial(_wrap_input, split.input), partial(_unwrap_output, split.output))
+
+
+def _split_embedding(module: nn.Module, mesh: DeviceMesh, *, output: PlacementOf) -> None:
+    """Split the token embedding's rows (the vocabulary) over ``mesh``, each rank looking up the tokens it holds
+    in its own rows, zeros for the others, and the lookups summed over the group.
+
+    The lookup runs on plain tensors rather than DTensor's embedding, whose backward makes the gradient of the whole
+    table on every rank (measured: a replicated ``[vocab, d]`` gradient, 2 GB for a 70B model's in bf16); here it
+    is this rank's rows only. An embedding that scales its output (Gemma's) scales its zeros too."""
+    weight = module.weight
+    sharded = nn.Parameter(distribute_tensor(weight, mesh, [_VOCAB_EMBEDDING.params["weight"]]),
+                           requires_grad=weight.requires_grad)
+    module.register_parameter("weight", sharded)
+    module.register_forward_pre_hook(partial(_look_up_own_rows, mesh))
+    module.register_forward_hook(partial(_sum_lookups, mesh, output))
+
+
+def _look_up_own_rows(mesh: DeviceMesh, module: nn.Module, inputs: tuple) -> tuple:
+    # The rows this rank holds: rank r of the group the r-th chunk, as DTensor splits (torch.chunk sizes).
+    weight = module._parameters["weight"]
+    local = weight.to_local(grad_placements=[Shard(0)])
+    start = -(-weight.shape[0] // mesh.size()) * mesh.get_local_rank()
+    module.__dict__["weight"] = local  # found before the registered parameter, for this forward (see _replicate)
+    tokens = inputs[0] - start
+    outside = (tokens < 0) | (tokens >= local.shape[0])
+    module.__dict__["_outside_rows"] = outside
+    return (tokens.masked_fill(outside, 0), *inputs[1:])
+
+
+def _sum_lookups(mesh: DeviceMesh, placement: PlacementOf, module: nn.Module, inputs: tuple, output: torch.Tensor):
+    module.__dict__.pop("weight", None)
+    outside = module.__dict__.pop("_outside_rows")
+    output = output.masked_fill(outside.unsqueeze(-1), 0.0)  # (in backward: no gradient to row 0 for them)
+    placement = placement() if callable(placement) else placement
+    summed = DTensor.from_local(output, mesh, [Partial()], run_check=False)
+    return summed.redistribute(placements=[placement]).to_local()
 
 
 def _replicate(module: nn.Module, mesh: DeviceMesh, *, grad: PlacementOf) -> None:
