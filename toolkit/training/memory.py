@@ -326,7 +326,8 @@ def estimate_memory(
     p, c = precision.stored, precision.compute
     # FSDP2 reduces the gradients for the sharded strategies, and for ddp over tensor-parallel groups (ParallelDims.
     # uses_fsdp); otherwise mixed precision runs under autocast.
-    fsdp = strategy in _SHARDED or (tensor_parallel > 1 and world_size > 1)
+    # One data-parallel rank has nothing to shard over (apply_data_parallel leaves the model as it is).
+    fsdp = world_size > 1 and (strategy in _SHARDED or tensor_parallel > 1)
     autocast = precision.autocast_when_replicated and not fsdp
 
     # This rank's tensor-parallel shard of each parameter (the parameters themselves without TP): everything below
