@@ -101,7 +101,7 @@ def test_device_memory_from_the_config(plan) -> None:
         (("--device-memory-gb", "24", "tensor_parallel=abc"),
          "tensor_parallel: expects an integer >= 1 or one of auto, got 'abc'"),
         (("--device-memory-gb", "24", "--nproc_per_node", "2", "tensor_parallel=auto", *SEVENTY_B),
-         "tensor_parallel: auto: no layout of 2 processes fits 21.60 GiB usable"),
+         "tensor_parallel: auto: no layout of 2 process(es) fits 21.60 GiB usable"),
     ],
 )
 def test_bad_input_is_one_line(plan, args: tuple[str, ...], message: str) -> None:

@@ -180,7 +180,7 @@ def test_tensor_parallel_auto_refuses_when_nothing_fits() -> None:
     with pytest.raises(UserError) as error:
         _auto(4)
     message = str(error.value)
-    assert message.startswith("tensor_parallel: auto: no layout of 8 processes fits") and "\n" not in message
+    assert message.startswith("tensor_parallel: auto: no layout of 8 process(es) fits") and "\n" not in message
     assert "x tp8" in message  # the smallest, named with its numbers
 
 

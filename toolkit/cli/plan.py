@@ -1,4 +1,5 @@
-"""``tune plan``: the memory each data-parallel strategy needs for a config, and what ``auto`` would pick.
+"""``tune plan``: the memory each data-parallel strategy (and tensor-parallel degree) needs for a config, and what
+``auto`` would pick.
 
 Nothing is trained or allocated: the model is built on the meta device and counted
 (:mod:`toolkit.training.memory`).
@@ -40,13 +41,21 @@ DESCRIPTION = """\
 Estimate per-device memory (parameters, gradients, optimizer state, activations, logits, gathered parameters)
 for every data-parallel strategy, and show the one `data_parallel: auto` picks: the cheapest that fits.
 
+With tensor parallelism: a further table for each degree that splits the model's heads, key/value heads, MLP
+width and vocabulary and divides the processes of one node (each process's shards, its heads' activations, its
+vocabulary columns of the loss), or only for the configured `tensor_parallel=N`; and the layout
+`tensor_parallel: auto` picks: no TP if that fits without offloading, else the smallest degree within a node that
+fits, else offloading.
+
 Reads the config keys model, micro_batch_size, max_seq_len, dtype (default bf16-mixed), activation_checkpointing,
-activation_offloading, flex_attention, loss_chunks, fused_loss, data_parallel, cpu_offload, hsdp_shard_size,
-batch_size, optimizer, optimizer_in_backward and device_memory_gb. Plans are for GPUs: flex_attention auto counts as on.
+activation_offloading, flex_attention, loss_chunks, fused_loss, data_parallel, tensor_parallel, cpu_offload,
+hsdp_shard_size, batch_size, optimizer, optimizer_in_backward and device_memory_gb. Plans are for GPUs:
+flex_attention auto counts as on.
 
 examples:
   tune plan full_finetune --config demo --device-memory-gb 24
-  tune plan full_finetune --config llama3_1_8b --nproc_per_node 8 --device-memory-gb 80 max_seq_len=4096"""
+  tune plan full_finetune --config llama3_1_8b --nproc_per_node 8 --device-memory-gb 80 max_seq_len=4096
+  tune plan full_finetune --config llama3_1_70b --nproc_per_node 8 --device-memory-gb 80 tensor_parallel=auto"""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -681,7 +681,7 @@ def choose_layout(
             smallest[tp] = estimate
     if not smallest:
         raise UserError(
-            f"tensor_parallel: auto: no layout of {world_size} processes takes batch_size {batch_size} with "
+            f"tensor_parallel: auto: no layout of {world_size} process(es) takes batch_size {batch_size} with "
             f"degrees {', '.join(map(str, degrees))}; choose a batch_size that is a multiple of {world_size}"
         )
     best = min(smallest.values(), key=lambda e: e.total)
@@ -696,7 +696,7 @@ def choose_layout(
     fixes += ["a shorter max_seq_len", "LoRA/QLoRA", f"more than {world_size} GPU(s)"]
     tried = ", ".join(str(t) for t in smallest)
     raise UserError(
-        f"tensor_parallel: auto: no layout of {world_size} processes fits {budget} (degrees tried: {tried}, within "
+        f"tensor_parallel: auto: no layout of {world_size} process(es) fits {budget} (degrees tried: {tried}, within "
         f"a node): the smallest, {best.label}, needs {format_bytes(best.total)} per device ({parts}); try "
         f"{', '.join(fixes)}"
     )
