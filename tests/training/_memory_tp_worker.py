@@ -8,8 +8,13 @@ of its local shards: parameters and buffers, gradients, optimizer state (the sca
 and the tensors autograd saves inside the decoder layers (the part of the activations that tensor parallelism
 splits; storages counted once, parameters' own storages not at all). Rank zero gathers every rank's numbers and
 saves them to ``sys.argv[1]`` (``torch.save``).
+
+Then, in the same launch, the full fine-tune recipe runs one step of the demo into ``sys.argv[2]`` with
+``tensor_parallel: auto`` and ``data_parallel: auto`` on a device of :data:`RECIPE_MEMORY_GB`, where only the
+split fits (its line, on stdout, says what it picked).
 """
 
+import runpy
 import sys
 
 import torch
@@ -17,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from toolkit.cli._catalog import recipe_schema
+from toolkit.config import apply_overrides, load_config, validate
 from toolkit.models._decoder import plain_linear
 from toolkit.models._lora import lora_linear
 from toolkit.models.gemma2 import gemma2
@@ -24,6 +31,7 @@ from toolkit.models.llama3 import llama3
 from toolkit.models.qwen2_5 import qwen2_5
 from toolkit.modules.peft import get_adapter_params, init_adapters, set_trainable_params
 from toolkit.parallel import apply_tp
+from toolkit.paths import configs_dir, recipes_dir
 from toolkit.training import init_weights
 from toolkit.training.init import materialize
 
@@ -107,6 +115,27 @@ def measure(name: str, mode: str, tp_mesh) -> dict[str, int]:
     )
 
 
+# The demo (micro batches of 16 of a batch of 32) on 2 processes, fp32: without TP the smallest layout needs
+# 56.9 MiB per process, ddp x tp2 37.5 MiB (tune plan full_finetune --config demo --nproc_per_node 2); 90% of
+# 50 MiB lies between.
+RECIPE_MEMORY_GB = 0.0488
+
+
+def run_recipe(output_dir: str) -> None:
+    """The full fine-tune recipe's ``train`` (its ``main`` would leave the process group), checked as `tune run`
+    checks it."""
+    cfg = load_config(configs_dir() / "full_finetune" / "demo.yaml")
+    apply_overrides(cfg, [
+        "tensor_parallel=auto", "data_parallel=auto", f"device_memory_gb={RECIPE_MEMORY_GB}", "max_steps=1",
+        "~eval_tasks", "~validation_dataset", "progress_bar=false", "dataset.num_samples=256",
+        f"output_dir={output_dir}",
+    ])
+    validate(cfg, schema=recipe_schema(recipes_dir() / "full_finetune.py"), world_size=dist.get_world_size())
+    recipe = runpy.run_path(str(recipes_dir() / "full_finetune.py"))
+    with recipe["sdpa_preference"](cfg.get("sdpa_backend")):
+        recipe["train"](cfg)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     tp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))["tp"]
@@ -118,6 +147,7 @@ def main() -> None:
         results[f"{name} {mode}"] = every
     if dist.get_rank() == 0:
         torch.save(results, sys.argv[1])
+    run_recipe(sys.argv[2])
     dist.destroy_process_group()
 
 

@@ -26,11 +26,25 @@ GIB = 1024**3
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("memory_tp") / "results.pt"
-    result = run_workers(worker.__file__, str(out), nproc=2, timeout_s=180)
+def launch(tmp_path_factory):
+    out = tmp_path_factory.mktemp("memory_tp")
+    result = run_workers(worker.__file__, str(out / "results.pt"), str(out / "run"), nproc=2, timeout_s=180)
     assert result.returncode == 0, result.stderr[-4000:]
-    return torch.load(out, weights_only=True)
+    return out, result.stdout
+
+
+@pytest.fixture(scope="module")
+def measured(launch) -> dict:
+    return torch.load(launch[0] / "results.pt", weights_only=True)
+
+
+def test_the_recipe_picks_tp2_where_only_the_split_fits_and_says_why(launch) -> None:
+    out, stdout = launch
+    (line,) = [line for line in stdout.splitlines() if "tensor_parallel: auto ->" in line]
+    assert line.startswith("data_parallel, tensor_parallel: auto -> ddp, tensor_parallel 2 (ddp x tp2 needs ")
+    assert "without tensor parallelism the smallest, zero3, would need" in line
+    assert "ddp x tensor_parallel 2" in stdout  # the run's summary line: the layout it built
+    assert (out / "run" / "final").is_dir()
 
 
 @pytest.mark.parametrize(("name", "mode"), worker.CASES, ids=lambda v: str(v))
