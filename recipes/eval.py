@@ -4,7 +4,7 @@ tasks of lm-evaluation-harness.
     tune run eval --config demo                                              # outputs/full_finetune_demo/final
     tune run eval --config demo checkpointer.checkpoint_dir=null             # a random model (from `seed`)
     tune run eval_distributed --nproc_per_node 2 --config demo data_parallel=zero3
-    tune run eval_distributed --nproc_per_node 2 --config demo tensor_parallel=2         # one model over 2 processes
+    tune run eval_distributed --nproc_per_node 2 --config demo tensor_parallel=2
     tune run eval --config demo checkpointer.checkpoint_dir=null adapter_dir=outputs/lora_finetune_demo/final/adapter
     tune run eval --config demo 'lm_eval.tasks=[arc_easy]' lm_eval.limit=100   # pip install "tunekit[eval]"
     tune run eval --config any_model 'lm_eval.tasks=[gsm8k]' lm_eval.apply_chat_template=true  # a chat fine-tune

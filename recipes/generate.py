@@ -3,7 +3,7 @@
     tune run generate --config demo prompt="reverse: hello"
     tune run generate --config demo checkpoint_dir=outputs/lora_finetune_demo/final/merged temperature=0.8 top_p=0.9
     tune run generate --config demo checkpoint_dir=null adapter_dir=outputs/lora_finetune_demo/final/adapter
-    tune run generate_distributed --nproc_per_node 2 --config demo tensor_parallel=2
+    tune run generate_distributed --nproc_per_node 2 --config demo tensor_parallel=2 prompt="reverse: hello"
 
 The weights come from ``checkpoint_dir`` (``null``: random from ``seed``, the LoRA demo's base). With ``adapter_dir``,
 a PEFT LoRA/DoRA adapter folder is loaded on top: a plain ``model`` is built as its LoRA/DoRA version with the

@@ -136,8 +136,9 @@ def run_lm_eval(
 
     Returns:
         On ``rank`` 0, ``{task: {"metrics": {name: value}, "num_fewshot": n, "samples": n}}`` for every task and group
-        lm-eval reports (a group's samples: those of its tasks). Metric names are lm-eval's (``acc``, ``acc_stderr``, ``exact_match``...); a filter other
-        than the default stays after a comma (``exact_match,strict-match``). ``None`` on other ranks.
+        lm-eval reports (a group's samples: those of its tasks). Metric names are lm-eval's (``acc``, ``acc_stderr``,
+        ``exact_match``...); a filter other than the default stays after a comma (``exact_match,strict-match``).
+        ``None`` on other ranks, and on a process that is not its node's first (lm-eval returns nothing there).
 
     Raises:
         UserError: as :func:`check_chat_settings`.
@@ -157,7 +158,7 @@ def run_lm_eval(
         log_samples=False, apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
         system_instruction=system_instruction,
     )
-    if rank != 0:
+    if rank != 0 or results is None:  # lm-eval keeps its results to the process of LOCAL_RANK 0 too
         return None
     return {
         task: {
