@@ -140,18 +140,18 @@ def train(cfg: DictConfig) -> None:
     set_trainable_params(model, get_adapter_params(model))
     # `tensor_parallel` ranks split each layer (toolkit.parallel.apply_tp); the data-parallel strategy, the batch
     # and the memory plan span the other dimension, world size / tensor_parallel ranks.
-    tensor_parallel = cfg.get("tensor_parallel", 1)
-    dp_world, dp_local = env.world_size // tensor_parallel, max(1, env.local_world_size // tensor_parallel)
-    # `auto` (data_parallel, micro_batch_size) is resolved from a memory estimate: the least-communicating strategy
-    # that fits the device, then the largest micro batch that fits; the global batch never changes.
+    # `auto` (tensor_parallel, data_parallel, micro_batch_size) is resolved from a memory estimate: the
+    # least-communicating layout that fits the device (no TP, then TP within a node), then the largest micro batch
+    # that fits; the global batch never changes.
     plan = plan_parallelism(
         model=model, strategy=cfg.data_parallel, cpu_offload=cfg.cpu_offload, batch_size=cfg.batch_size,
         micro_batch_size=cfg.micro_batch_size, device=env.device, device_memory_gb=cfg.get("device_memory_gb"),
-        world_size=dp_world, local_world_size=dp_local, max_seq_len=cfg.max_seq_len,
+        world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing,
         activation_offloading=cfg.activation_offloading, optimizer_in_backward=cfg.get("optimizer_in_backward", False),
         kernels=kernels, shard_size=cfg.hsdp_shard_size,
         optimizer=optimizer_memory_model(cfg.optimizer._component_) or "adamw",  # one it does not know: as AdamW
+        tensor_parallel=cfg.get("tensor_parallel", 1),
     )
     accum_steps = plan.accumulation_steps
     dims = parallel_dims(
@@ -161,7 +161,7 @@ def train(cfg: DictConfig) -> None:
         shard_size=cfg.hsdp_shard_size,
         cpu_offload=plan.cpu_offload,
         device_type=env.device.type,
-        tensor_parallel=tensor_parallel,
+        tensor_parallel=plan.tensor_parallel,
         rank=env.rank,
     )
     # The one device mesh (dp_replicate x dp_shard x tp) every dimension is cut from, and the data-parallel peers

@@ -96,8 +96,12 @@ def test_device_memory_from_the_config(plan) -> None:
         (("--device-memory-gb", "24", "data_parallel=zero4"), "data_parallel: expects one of ddp, zero1, zero2, zero3, hsdp, auto, got 'zero4'"),
         (("--device-memory-gb", "-1"), "--device-memory-gb: must be a positive number of GiB"),
         (("--device-memory-gb", "24", "--bogus"), "unrecognized arguments: --bogus; see `tune plan --help`"),
-        (("--device-memory-gb", "24", "--nproc_per_node", "2", "tensor_parallel=2", "~eval_tasks"),
-         "tensor_parallel: the memory plan does not count tensor parallelism's split of the layers yet"),
+        (("--device-memory-gb", "24", "--nproc_per_node", "4", "tensor_parallel=8"),
+         "tensor_parallel: 8 is more than the 4 processes of the launch"),
+        (("--device-memory-gb", "24", "tensor_parallel=abc"),
+         "tensor_parallel: expects an integer >= 1 or one of auto, got 'abc'"),
+        (("--device-memory-gb", "24", "--nproc_per_node", "2", "tensor_parallel=auto", *SEVENTY_B),
+         "tensor_parallel: auto: no layout of 2 process(es) fits 21.60 GiB usable"),
     ],
 )
 def test_bad_input_is_one_line(plan, args: tuple[str, ...], message: str) -> None:
@@ -209,3 +213,61 @@ def test_auto_micro_batch_fits_the_configured_hsdp_groups(plan) -> None:
     assert result.returncode == 0, result.stderr
     assert "micro_batch_size: auto -> 2 sequences per device" in result.stdout
     assert "config: data_parallel=hsdp needs" in result.stdout and "does NOT fit" not in result.stdout
+
+
+def _tables(out: str) -> dict[int, list[str]]:
+    """The header row of each table, by tensor-parallel degree (1: the first, untitled one)."""
+    tables, degree = {}, 1
+    for line in out.splitlines():
+        if line.startswith("tensor_parallel ") and ": each layer split over" in line:
+            degree = int(line.split()[1].rstrip(":"))
+        elif "per device" in line and line.split()[1:3] == ["per", "device"]:
+            tables[degree] = line.split()[3:]
+    return tables
+
+
+def test_plan_prints_a_table_for_each_tp_degree_that_splits_the_model_within_a_node(plan) -> None:
+    # The demo Llama: 4 heads, 2 key/value heads: degrees 1 and 2 on 4 processes (4 does not split 2 KV heads).
+    result = plan("full_finetune", "--config", "demo", "--nproc_per_node", "4", "--device-memory-gb", "24")
+    assert result.returncode == 0, result.stderr
+    tables = _tables(result.stdout)
+    assert tables == {1: ["ddp", "zero1", "zero2", "zero3", "zero2", "zero3"], 2: ["ddp", "zero2", "zero3"]}
+    assert "tensor_parallel 2: each layer split over 2 processes, data parallelism over 2 rank(s)" in result.stdout
+    assert "x tp2" in result.stdout
+    # The demo fits without TP: auto keeps it off.
+    assert "tensor_parallel auto picks: data_parallel=ddp, tensor_parallel=1 (ddp needs" in result.stdout
+    # TP halves what is split: the params of ddp x tp2 are below ddp's.
+    params = [float(x) for x in _rows(result.stdout, "params")]
+    assert params[6] < params[0]
+
+
+def _rows(out: str, title: str) -> list[str]:
+    return [cell for line in out.splitlines() if line.startswith(title) for cell in line[len(title):].split()]
+
+
+def test_plan_with_a_given_tp_degree_shows_only_it(plan) -> None:
+    result = plan("full_finetune", "--config", "demo", "--nproc_per_node", "4", "--device-memory-gb", "24",
+                  "tensor_parallel=2")
+    assert result.returncode == 0, result.stderr
+    assert _tables(result.stdout) == {2: ["ddp", "zero2", "zero3"]}
+    assert "config: data_parallel=ddp x tp2 needs" in result.stdout
+    assert "auto picks: data_parallel=ddp x tensor_parallel 2 (ddp x tp2 needs" in result.stdout
+
+
+def test_plan_tensor_parallel_auto_picks_tp1_when_it_fits_and_tp2_when_only_that_fits(plan) -> None:
+    args = ("full_finetune", "--config", "llama3_1_8b", "--nproc_per_node", "2", "batch_size=2",
+            "micro_batch_size=1", "max_seq_len=4096", "tensor_parallel=auto", "data_parallel=auto")
+    roomy = plan(*args, "--device-memory-gb", "200")
+    assert roomy.returncode == 0, roomy.stderr
+    assert "tensor_parallel auto picks: data_parallel=ddp, tensor_parallel=1 (ddp needs" in roomy.stdout
+    # Where only the split fits: between what ddp x tp2 (one data-parallel rank) and every tp=1 layout without
+    # offloading need.
+    tables = roomy.stdout
+    tp1_totals = [float(x) for x in _rows(tables, "total")[:4]]
+    tp2_total = float(_rows(tables, "total")[6])
+    assert tp2_total < min(tp1_totals)  # the premise
+    memory = (tp2_total + min(tp1_totals)) / 2 / 0.9
+    tight = plan(*args, "--device-memory-gb", f"{memory:.2f}")
+    assert tight.returncode == 0, tight.stderr
+    assert "tensor_parallel auto picks: data_parallel=ddp, tensor_parallel=2 (ddp x tp2 needs" in tight.stdout
+    assert "without tensor parallelism the smallest, zero3, would need" in tight.stdout

@@ -212,8 +212,12 @@ TP_CASES = [
     ("full_finetune", ["tensor_parallel=2", "float8=true"], 2, "float8"),
     ("full_finetune", ["tensor_parallel=2", "compile=true"], 2, "compile"),
     ("full_finetune", ["tensor_parallel=2", "fused_loss=false"], 2, "fused_loss"),
-    ("full_finetune", ["tensor_parallel=2", "data_parallel=auto"], 2, "data_parallel"),
-    ("full_finetune", ["tensor_parallel=2", "micro_batch_size=auto"], 2, "micro_batch_size"),
+    ("full_finetune", ["tensor_parallel=8"], 4, "tensor_parallel"),  # more than the launch's (one node's) 4
+    ("full_finetune", ["tensor_parallel=abc"], 2, "tensor_parallel"),
+    ("full_finetune", ["tensor_parallel=Auto"], 2, "tensor_parallel"),
+    ("full_finetune", ["tensor_parallel=auto", "float8=true"], 2, "float8"),  # auto may split: refused as TP is
+    ("lora_finetune", ["tensor_parallel=auto", "compile=true"], 2, "compile"),
+    ("eval", ["tensor_parallel=auto"], 2, "tensor_parallel"),  # evaluation plans no memory: a number
     ("lora_finetune", ["tensor_parallel=2", "model.quantize_base=true"], 2, "tensor_parallel"),
     ("lora_finetune", ["tensor_parallel=2", "model.use_dora=true"], 2, "tensor_parallel"),
     ("full_finetune", ["sequence_parallel=true"], 2, "sequence_parallel"),  # with tensor_parallel 1
@@ -238,10 +242,18 @@ def test_tensor_parallel_refuses_what_does_not_fit_in_one_line(recipe, overrides
 
 def test_tensor_parallel_fits_and_is_refused_before_launching(tmp_path, monkeypatch, capsys):
     assert main(["validate", "full_finetune/demo", "--nproc_per_node", "4", "tensor_parallel=2"]) == 0
+    # auto, with the other autos: planned at run time (the memory plan counts the split now).
+    assert main(["validate", "full_finetune/demo", "--nproc_per_node", "4", "tensor_parallel=auto",
+                 "data_parallel=auto", "micro_batch_size=auto"]) == 0
+    assert main(["validate", "full_finetune/demo", "--nproc_per_node", "2", "tensor_parallel=2",
+                 "data_parallel=auto", "micro_batch_size=auto"]) == 0
     monkeypatch.chdir(tmp_path)
     args = ["run", "--nproc_per_node", "4", "lora_finetune_distributed", "--config", "demo", "tensor_parallel=2"]
     assert main([*args, "data_parallel=zero1"]) == 2
     _one_problem(capsys.readouterr().err, "data_parallel", "lora_finetune")
+    assert main(["run", "--nproc_per_node", "4", "full_finetune_distributed", "--config", "demo",
+                 "tensor_parallel=8"]) == 2
+    _one_problem(capsys.readouterr().err, "tensor_parallel", "full_finetune")
     assert list(tmp_path.iterdir()) == []  # nothing written, no process started
 
 
@@ -275,3 +287,31 @@ def test_a_finished_run_is_refused_before_any_process_starts(tmp_path, monkeypat
     assert line.startswith("tune: error: output_dir: ") and "already holds a run (metrics.jsonl)" in line, line
     assert "overwrite=true" in line
     assert sorted(p.name for p in run.iterdir()) == before  # nothing launched, nothing written
+
+
+def test_tensor_parallel_auto_runs_and_says_what_it_picked(tmp_path):
+    # One process: nothing to split, so auto keeps tensor parallelism off and says so, with the numbers, in the one
+    # line data_parallel auto prints too. (Which degree auto picks on several processes: tests/training/
+    # test_memory_tp.py and tests/cli/test_plan.py, on the same plan_parallelism the recipe calls.)
+    from tests.launch import run_tune_here
+
+    result = run_tune_here(
+        "run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path / 'run'}", "max_steps=1",
+        "~eval_tasks", "~validation_dataset", "tensor_parallel=auto", "data_parallel=auto", "device_memory_gb=8",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [line for line in (result.stdout + result.stderr).splitlines() if "tensor_parallel: auto ->" in line]
+    assert "data_parallel, tensor_parallel: auto -> ddp, tensor_parallel 1 (ddp needs " in line
+
+
+def test_tensor_parallel_auto_that_fits_nowhere_is_one_line_and_touches_no_folder(tmp_path):
+    from tests.launch import run_tune_here
+
+    result = run_tune_here(
+        "run", "full_finetune_single_device", "--config", "demo", f"output_dir={tmp_path / 'run'}",
+        "~eval_tasks", "tensor_parallel=auto", "device_memory_gb=0.001",
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: tensor_parallel: auto: no layout of 1 process(es) fits 0.9 MiB usable"), line
+    assert not (tmp_path / "run").exists()

@@ -1,4 +1,5 @@
-"""``tune plan``: the memory each data-parallel strategy needs for a config, and what ``auto`` would pick.
+"""``tune plan``: the memory each data-parallel strategy (and tensor-parallel degree) needs for a config, and what
+``auto`` would pick.
 
 Nothing is trained or allocated: the model is built on the meta device and counted
 (:mod:`toolkit.training.memory`).
@@ -23,6 +24,7 @@ from toolkit.training.activations import checkpoint_interval
 from toolkit.training.memory import (
     StepKernels,
     candidate_strategies,
+    choose_layout,
     choose_strategy,
     device_memory_bytes,
     estimate_memory,
@@ -30,6 +32,7 @@ from toolkit.training.memory import (
     format_table,
     optimizer_memory_model,
     plan_parallelism,
+    tensor_parallel_degrees,
 )
 
 _GIB = 1024**3
@@ -38,13 +41,21 @@ DESCRIPTION = """\
 Estimate per-device memory (parameters, gradients, optimizer state, activations, logits, gathered parameters)
 for every data-parallel strategy, and show the one `data_parallel: auto` picks: the cheapest that fits.
 
+With tensor parallelism: a further table for each degree that splits the model's heads, key/value heads, MLP
+width and vocabulary and divides the processes of one node (each process's shards, its heads' activations, its
+vocabulary columns of the loss), or only for the configured `tensor_parallel=N`; and the layout
+`tensor_parallel: auto` picks: no TP if that fits without offloading, else the smallest degree within a node that
+fits, else offloading.
+
 Reads the config keys model, micro_batch_size, max_seq_len, dtype (default bf16-mixed), activation_checkpointing,
-activation_offloading, flex_attention, loss_chunks, fused_loss, data_parallel, cpu_offload, hsdp_shard_size,
-batch_size, optimizer, optimizer_in_backward and device_memory_gb. Plans are for GPUs: flex_attention auto counts as on.
+activation_offloading, flex_attention, loss_chunks, fused_loss, data_parallel, tensor_parallel, cpu_offload,
+hsdp_shard_size, batch_size, optimizer, optimizer_in_backward and device_memory_gb. Plans are for GPUs:
+flex_attention auto counts as on.
 
 examples:
   tune plan full_finetune --config demo --device-memory-gb 24
-  tune plan full_finetune --config llama3_1_8b --nproc_per_node 8 --device-memory-gb 80 max_seq_len=4096"""
+  tune plan full_finetune --config llama3_1_8b --nproc_per_node 8 --device-memory-gb 80 max_seq_len=4096
+  tune plan full_finetune --config llama3_1_70b --nproc_per_node 8 --device-memory-gb 80 tensor_parallel=auto"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -155,11 +166,6 @@ def plan_command(argv: Sequence[str]) -> int:
     nproc, nnodes, world_note = _world(args)
     world_size = nproc * nnodes
     cfg, path = _load(args.recipe, args.config, args.overrides, world_size=world_size)
-    if cfg.get("tensor_parallel", 1) != 1:  # a table that counted whole layers per device would mislead
-        raise UserError(
-            "tensor_parallel: the memory plan does not count tensor parallelism's split of the layers yet; plan "
-            "with tensor_parallel=1, an upper bound of what each device holds"
-        )
     if "model" not in cfg:
         raise UserError(f"{path}: model: the config has no model to plan for")
     auto_micro_batch = cfg.get("micro_batch_size") == "auto"
@@ -187,6 +193,15 @@ def plan_command(argv: Sequence[str]) -> int:
     if adapters:  # what the LoRA recipe does: only the adapters train
         set_trainable_params(model, adapters)
     shard_size = cfg.get("hsdp_shard_size")  # hsdp's groups, as the run makes them
+    # The tensor-parallel degrees to show: the configured one, or (none or auto) every degree that splits the model
+    # within one node, as tensor_parallel: auto would try them.
+    configured_tp = cfg.get("tensor_parallel", None)
+    auto_tp = configured_tp in (None, "auto")
+    degrees = tensor_parallel_degrees(model, processes_per_node=nproc) if auto_tp else [configured_tp]
+    tp_note = None
+    if not auto_tp and configured_tp > nproc:
+        tp_note = f"note: tensor_parallel {configured_tp} spans nodes (more than the {nproc} processes of one node)"
+    run_tp = 1 if configured_tp is None else configured_tp  # what tune run would do with this config
     auto_note = None
     if auto_micro_batch:  # what tune run would pick, for the configured strategy (or the one auto picks)
         if "batch_size" not in cfg:
@@ -199,35 +214,41 @@ def plan_command(argv: Sequence[str]) -> int:
             activation_offloading=activation_offloading, optimizer_in_backward=optimizer_in_backward,
             headroom=args.headroom, kernels=kernels, shard_size=shard_size, optimizer=optimizer,
             offload_candidates=True,  # plans are for GPUs, which may offload; the CPU here has nothing to say
+            tensor_parallel=run_tp,
         )
         micro_batch_size = chosen.micro_batch_size
         auto_note = "; ".join(chosen.reasons)
-    accumulation = 1
-    if "batch_size" in cfg:  # (a batch that does not divide was refused with the config)
-        micro_batch_size = micro_batch_within_share(
-            batch_size=cfg.batch_size, micro_batch_size=micro_batch_size, world_size=world_size
-        )  # as tune run cuts it
-        accumulation = gradient_accumulation_steps(
-            batch_size=cfg.batch_size, micro_batch_size=micro_batch_size, world_size=world_size
+
+    def shape(tp: int) -> tuple[int, int]:
+        """The micro batch and accumulation steps on ``world_size / tp`` data-parallel ranks, as tune run cuts them."""
+        if "batch_size" not in cfg:
+            return micro_batch_size, 1
+        dp = world_size // tp
+        micro = micro_batch_within_share(batch_size=cfg.batch_size, micro_batch_size=micro_batch_size, world_size=dp)
+        return micro, gradient_accumulation_steps(batch_size=cfg.batch_size, micro_batch_size=micro, world_size=dp)
+
+    def common(tp: int) -> dict[str, Any]:
+        micro, accumulation = shape(tp)
+        return dict(
+            world_size=world_size // tp,
+            num_nodes=nnodes,
+            micro_batch_size=micro,
+            max_seq_len=max_seq_len,
+            dtype=dtype,
+            activation_checkpointing=activation_checkpointing,
+            activation_offloading=activation_offloading,
+            optimizer=optimizer,
+            optimizer_in_backward=optimizer_in_backward,
+            gradient_accumulation_steps=accumulation,
+            kernels=kernels,
+            shard_size=shard_size,
+            tensor_parallel=tp,
         )
 
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    common: dict[str, Any] = dict(
-        world_size=world_size,
-        num_nodes=nnodes,
-        micro_batch_size=micro_batch_size,
-        max_seq_len=max_seq_len,
-        dtype=dtype,
-        activation_checkpointing=activation_checkpointing,
-        activation_offloading=activation_offloading,
-        optimizer=optimizer,
-        optimizer_in_backward=optimizer_in_backward,
-        gradient_accumulation_steps=accumulation,
-        kernels=kernels,
-        shard_size=shard_size,
-    )
     usable = int(args.headroom * memory)
+    micro_batch_size, accumulation = shape(run_tp if run_tp in degrees else degrees[0])
 
     chunks = kernels.loss_chunks
     loss = f"in {chunks} chunks" if chunks else "in 1 chunk" if kernels.fused_loss else "whole"
@@ -248,26 +269,64 @@ def plan_command(argv: Sequence[str]) -> int:
         f"devices: {nnodes} node(s) x {nproc} process(es) = world size {world_size}; {memory / _GIB:.2f} GiB each "
         f"({memory_source}), {usable / _GIB:.2f} GiB usable (headroom {args.headroom:g})"
     )
-    for note in (world_note, optimizer_note, auto_note):
+    for note in (world_note, optimizer_note, tp_note, auto_note):
         if note:
             print(note)
     print()
-    candidates = candidate_strategies(world_size=world_size, num_nodes=nnodes)
-    estimates = [estimate_memory(model, strategy=s, cpu_offload=o, **common) for s, o in candidates]
-    print(format_table(estimates, usable_bytes=usable))
-    if world_size == 1:
-        print("(one process: nothing to shard over, every strategy runs as plain single-device training)")
-    print()
+    for tp in degrees:
+        if tp == 1:
+            candidates = candidate_strategies(world_size=world_size, num_nodes=nnodes)
+        else:  # what combines with TP: no zero1, no offloading
+            candidates = [(s, o) for s, o in candidate_strategies(world_size=world_size // tp, num_nodes=nnodes)
+                          if not o and s != "zero1"]
+            micro, steps = shape(tp)
+            print(
+                f"tensor_parallel {tp}: each layer split over {tp} processes, data parallelism over "
+                f"{world_size // tp} rank(s); micro batch {micro}, {steps} accumulation step(s)"
+            )
+        estimates = [estimate_memory(model, strategy=s, cpu_offload=o, **common(tp)) for s, o in candidates]
+        print(format_table(estimates, usable_bytes=usable))
+        if world_size // tp == 1:
+            print(
+                "(one process: nothing to shard over, every strategy runs as plain single-device training)" if tp == 1
+                else f"(one data-parallel rank: the {tp} processes split each layer, nothing else)"
+            )
+        print()
 
     configured = str(cfg.get("data_parallel", "auto"))
-    if configured != "auto":
+    if configured != "auto" and configured_tp != "auto":
         offload = bool(cfg.get("cpu_offload", False))
-        mine = estimate_memory(model, strategy=configured, cpu_offload=offload, **common)
+        mine = estimate_memory(model, strategy=configured, cpu_offload=offload, **common(run_tp))
         verdict = "fits" if mine.total <= usable else "does NOT fit"
         print(f"config: data_parallel={mine.label} needs {format_bytes(mine.total)} per device: {verdict}")
+    # What tensor_parallel: auto picks (with the configured data_parallel), and, without it, what data_parallel:
+    # auto picks at the configured degree. The one the config asks for is the one whose failure is the error.
+    layout_error = None
+    if auto_tp and len(degrees) > 1 or configured_tp == "auto":
+        try:
+            strategy, tp, estimate, reason = choose_layout(
+                model, device_memory_bytes=memory, world_size=world_size, num_nodes=nnodes, degrees=degrees,
+                strategy=configured, cpu_offload=bool(cfg.get("cpu_offload", False)) if configured != "auto" else True,
+                batch_size=cfg.get("batch_size"), micro_batch_size=micro_batch_size, max_seq_len=max_seq_len,
+                dtype=dtype, activation_checkpointing=activation_checkpointing,
+                activation_offloading=activation_offloading, optimizer=optimizer,
+                optimizer_in_backward=optimizer_in_backward, headroom=args.headroom, kernels=kernels,
+                shard_size=shard_size,
+            )
+            offload = " with cpu_offload: true" if estimate.cpu_offload else ""
+            print(f"tensor_parallel auto picks: data_parallel={strategy}{offload}, tensor_parallel={tp} ({reason})")
+        except UserError as error:
+            layout_error = error
+            if configured_tp != "auto":
+                print(f"tensor_parallel auto picks nothing: {error}")
+    if configured_tp == "auto":
+        if layout_error is not None:
+            raise layout_error
+        return 0
     strategy, estimate, reason = choose_strategy(
-        model, device_memory_bytes=memory, headroom=args.headroom, **common
+        model, device_memory_bytes=memory, headroom=args.headroom, **common(run_tp)
     )
     offload = " with cpu_offload: true" if estimate.cpu_offload else ""
-    print(f"auto picks: data_parallel={strategy}{offload} ({reason})")
+    tp_part = f" x tensor_parallel {run_tp}" if run_tp > 1 else ""
+    print(f"auto picks: data_parallel={strategy}{offload}{tp_part} ({reason})")
     return 0

@@ -170,7 +170,14 @@ def tensor_parallel_problems(
     if tensor_parallel == 1:
         return []
     problems = []
-    if world_size is not None and world_size % tensor_parallel:
+    if world_size is not None and tensor_parallel > world_size:
+        # Without --nnodes a launch is one node: a TP group larger than it cannot be formed.
+        problems.append((
+            "tensor_parallel", f"{tensor_parallel} is more than the {world_size} processes of the launch; "
+            f"tensor parallelism splits each layer within a node, so use at most {world_size} (a divisor of it), or "
+            f"launch {tensor_parallel} processes per node",
+        ))
+    elif world_size is not None and world_size % tensor_parallel:
         problems.append((
             "tensor_parallel", f"{tensor_parallel} does not divide the {world_size} processes; choose a divisor of "
             f"{world_size}, or launch a multiple of {tensor_parallel} processes",

@@ -30,6 +30,7 @@ from toolkit.training.lr_schedulers import cosine_with_warmup
 from toolkit.training.memory import (
     ParallelPlan,
     StepKernels,
+    choose_layout,
     choose_strategy,
     estimate_memory,
     optimizer_memory_model,
@@ -94,6 +95,7 @@ __all__ = [
     "check_float8_device",
     "check_optimizer_in_backward",
     "claim_output_dir",
+    "choose_layout",
     "choose_strategy",
     "chunked_cross_entropy_sum",
     "clip_grad_norm",

@@ -64,11 +64,16 @@ def _norm_bytes_per_token(norm: nn.Module, *, embed_dim: int, compute: int, auto
 
 
 def _layer_activation_bytes_per_token(
-    layer: nn.Module, *, embed_dim: int, seq_len: int, compute: int, autocast: bool, flex_attention: bool = False
+    layer: nn.Module, *, embed_dim: int, seq_len: int, compute: int, autocast: bool, flex_attention: bool = False,
+    tensor_parallel: int = 1,
 ) -> int:
-    """Bytes one decoder layer saves for backward per token (the formula of :func:`activation_bytes`)."""
-    attn, mlp, d, c = layer.self_attn, layer.mlp, embed_dim, compute
-    n_h, n_kv, h_d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    """Bytes one decoder layer saves for backward per token on one rank (the formula of :func:`activation_bytes`).
+
+    Under tensor parallelism each rank computes its ``1/tensor_parallel`` of the heads and of the MLP width
+    (``apply_tp``'s column-wise q/k/v and gate/up), so every term of those shrinks; the norms, their inputs and the
+    projections' inputs are whole on every rank (the residual stream is replicated), so those terms do not."""
+    attn, mlp, d, c, t = layer.self_attn, layer.mlp, embed_dim, compute, tensor_parallel
+    n_h, n_kv, h_d = attn.num_heads // t, attn.num_kv_heads // t, attn.head_dim
     q_dim, kv_dim = n_h * h_d, n_kv * h_d
     norms = [m for name, m in layer.named_children() if name not in ("self_attn", "mlp")]
     # Under autocast every projection casts its input to bf16 separately (autocast caches casts of weights
@@ -90,13 +95,13 @@ def _layer_activation_bytes_per_token(
         cast = c if c != 4 else 0  # the softmax's cast back to the compute dtype, a no-op in fp32
         total += 2 * c * q_dim + n_h * seq_len * (c + 4 + cast) - 4 * n_h
     # SwiGLU: gate and up outputs, the activation's output and the product (down_proj's input).
-    total += 4 * c * _out_features(mlp.gate_proj)
+    total += 4 * c * (_out_features(mlp.gate_proj) // t)
     return total
 
 
 def _activations_per_token(
     model: nn.Module, *, seq_len: int, dtype: str = "bf16-mixed", activation_checkpointing: bool | int = False,
-    autocast: bool = False, flex_attention: bool = False,
+    autocast: bool = False, flex_attention: bool = False, tensor_parallel: int = 1,
 ) -> tuple[list[int], int, int]:
     """Bytes per token that :func:`activation_bytes` and :func:`offloaded_activation_bytes` add up: what each layer
     keeps from its forward to its backward, what a checkpointed layer holds again while it is recomputed (the
@@ -107,7 +112,8 @@ def _activations_per_token(
     d = model.embed_tokens.embedding_dim
     full = [
         _layer_activation_bytes_per_token(
-            layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast, flex_attention=flex_attention
+            layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast, flex_attention=flex_attention,
+            tensor_parallel=tensor_parallel,
         )
         for layer in model.layers
     ]
@@ -129,6 +135,7 @@ def activation_bytes(
     activation_offloading: bool = False,
     autocast: bool = False,
     flex_attention: bool = False,
+    tensor_parallel: int = 1,
 ) -> int:
     """Bytes autograd keeps for backward on the device after one forward pass, without the logits (see
     :func:`logits_bytes`).
@@ -172,10 +179,14 @@ def activation_bytes(
         autocast: mixed precision through ``torch.autocast`` rather than low-precision parameters.
         flex_attention: attention runs on FlexAttention, which soft-caps scores inside its kernel: soft-capped
             layers save what SDPA layers do, not their scores.
+        tensor_parallel: ranks each layer is split over; the result is one rank's. What is split by heads (q, k,
+            v, the attention output, its logsumexp or scores, per-head norms) or by the MLP width (gate, up, their
+            product) is divided by it; the norms and the projections' inputs (the replicated residual stream) and
+            the model's own head terms are not.
     """
     kept, recomputed, head = _activations_per_token(
         model, seq_len=seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing, autocast=autocast,
-        flex_attention=flex_attention,
+        flex_attention=flex_attention, tensor_parallel=tensor_parallel,
     )
     layers = sum(sorted(kept)[-2:]) if activation_offloading else sum(kept)
     return micro_batch_size * seq_len * (layers + recomputed + head)
@@ -187,8 +198,8 @@ def offloaded_activation_bytes(model: nn.Module, *, micro_batch_size: int, seq_l
 
     Args:
         model, micro_batch_size, seq_len, **kwargs: as in :func:`activation_bytes` (``dtype``,
-            ``activation_checkpointing``, ``autocast``, ``flex_attention``; ``activation_offloading`` aside, which this
-            implies).
+            ``activation_checkpointing``, ``autocast``, ``flex_attention``, ``tensor_parallel``;
+            ``activation_offloading`` aside, which this implies).
     """
     kept, _, _ = _activations_per_token(model, seq_len=seq_len, **kwargs)
     return micro_batch_size * seq_len * sum(kept)
@@ -202,8 +213,9 @@ def logits_bytes(
     dtype: str = "bf16-mixed",
     loss_chunks: int | None = None,
     fused: bool = False,
+    tensor_parallel: int = 1,
 ) -> int:
-    """Peak bytes of the logits and the loss.
+    """Peak bytes of the logits and the loss, on one rank.
 
     Whole logits: ``t * vocab * (12 + c)``. The caller holds the logits (``c`` bytes each) through backward; the
     loss upcasts them and log-softmax saves its fp32 output (4); at the start of backward the fp32 gradients of the
@@ -223,6 +235,10 @@ def logits_bytes(
     dropped-out adapter input (through the forward), its gradient (until backward) and dropout's mask (kept in
     ``c`` bytes on CPU, 1 on CUDA: there this is slightly high).
 
+    Under tensor parallelism (``tensor_parallel`` ranks; the fused loss only, which the schema requires with it)
+    each rank computes its vocabulary shard of each chunk, ``vocab / tensor_parallel`` columns, while the hidden
+    states and their gradient are whole on every rank.
+
     Soft-capped logits (Gemma 2) save their tanh as well (``c``), in every case. Each form is measured with an
     allocation tracker to within 1% (``tests/training/test_memory.py``).
     """
@@ -235,6 +251,7 @@ def logits_bytes(
         rows = math.ceil(tokens / (loss_chunks or 1))
         hidden = 4 if getattr(model.output, "dropout_p", 0.0) > 0 else 1  # a LoRA output's dropped-out input
         width = model.embed_tokens.embedding_dim
+        vocab = math.ceil(vocab / tensor_parallel)  # the vocabulary-parallel loss: this rank's columns only
         return rows * vocab * (compute + one_chunk + softcap) + hidden * tokens * width * compute
     tokens_x_vocab = tokens * vocab
     if not loss_chunks:

@@ -39,6 +39,9 @@ import torch
 from torch import nn
 
 from toolkit.errors import UserError
+from toolkit.parallel.mesh import tensor_parallel_problems
+from toolkit.parallel.tensor_parallel import check_tensor_parallel
+from toolkit.parallel.tp_shapes import tensor_parallel_local_parameters
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 # The activation and logits formulas, also importable from here as they were before they got their own module.
 from toolkit.training.activation_memory import _precision, activation_bytes, logits_bytes, offloaded_activation_bytes
@@ -99,11 +102,13 @@ class MemoryEstimate:
         strategy: ``ddp``, ``zero1``, ``zero2``, ``zero3`` or ``hsdp``.
         cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
         dtype: the precision mode (``fp32``, ``bf16``, ``bf16-mixed``, ``fp16-mixed``).
-        world_size: data-parallel ranks.
+        world_size: data-parallel ranks (all processes over ``tensor_parallel``).
         shard_size: ranks each parameter is sharded over (1 for ddp/zero1, optimizer state aside).
         params, grads, optimizer_state, activations, logits, gathered: per-device bytes.
         host: per-rank bytes of host memory for offloaded state and activations (0 without ``cpu_offload`` or
             ``activation_offloading``).
+        tensor_parallel: ranks each layer is split over (the layout is ``world_size x tensor_parallel``
+            processes).
     """
 
     strategy: str
@@ -118,11 +123,13 @@ class MemoryEstimate:
     logits: int
     gathered: int
     host: int = 0
+    tensor_parallel: int = 1
 
     @property
     def label(self) -> str:
-        """The strategy as a column title: ``zero3`` or ``zero3+offload``."""
-        return f"{self.strategy}+offload" if self.cpu_offload else self.strategy
+        """The layout in a few words: ``zero3``, ``zero3+offload`` or ``zero3 x tp2``."""
+        label = f"{self.strategy}+offload" if self.cpu_offload else self.strategy
+        return label if self.tensor_parallel == 1 else f"{label} x tp{self.tensor_parallel}"
 
     @property
     def temporary(self) -> int:
@@ -169,6 +176,8 @@ def format_table(estimates: Sequence[MemoryEstimate], *, usable_bytes: int | Non
     lines = [row(f"{unit} per device", [e.strategy for e in estimates])]
     if any(e.cpu_offload for e in estimates):
         lines.append(row("", ["+offload" if e.cpu_offload else "" for e in estimates]))
+    if any(e.tensor_parallel > 1 for e in estimates):
+        lines.append(row("", [f"x tp{e.tensor_parallel}" if e.tensor_parallel > 1 else "" for e in estimates]))
     for title, attribute in _ROWS:
         lines.append(row(title, [f"{getattr(e, attribute) / scale:.2f}" for e in estimates]))
     if usable_bytes is not None:
@@ -246,6 +255,7 @@ def estimate_memory(
     shard_size: int | None = None,
     gradient_accumulation_steps: int = 1,
     kernels: StepKernels = StepKernels(),
+    tensor_parallel: int = 1,
 ) -> MemoryEstimate:
     """Per-device memory of one training step of ``model`` under ``strategy`` (see the module docstring).
 
@@ -266,6 +276,14 @@ def estimate_memory(
       no memory.
     - ``cpu_offload``: sharded parameters, gradients and optimizer state move to ``host``.
     - ``activation_offloading``: the layers' activations move to ``host`` (see :func:`activation_bytes`).
+    - ``tensor_parallel`` ``t`` > 1: every count above starts from this rank's TP shard of each parameter instead
+      of the whole one (:func:`~toolkit.parallel.tp_shapes.tensor_parallel_local_parameters`, the placements of
+      ``apply_tp``: projections split by rows or columns, embedding and output by vocabulary, norms and rotary
+      buffers whole), which the strategy then shards over the ``world_size`` data-parallel ranks; activations and
+      logits are one rank's (see :func:`activation_bytes` and :func:`logits_bytes`). ``ddp`` under TP runs as
+      FSDP2 with a shard group of one (``parallel.apply_data_parallel``): it is counted as ``zero2`` sharded over
+      one rank, every layer's compute-dtype copy kept from forward to backward. With one data-parallel rank
+      nothing wraps the TP model, and mixed precision runs under autocast, as for ``ddp`` without TP.
 
     Args:
         model: a :class:`~toolkit.modules.TransformerDecoder`, usually on the meta device.
@@ -284,6 +302,8 @@ def estimate_memory(
         optimizer: ``adamw``, ``adam`` (2 states), ``adamw8bit``, ``adam8bit`` (2 states of 1 byte) or ``sgd``
             (1: momentum).
         optimizer_in_backward: each parameter steps as soon as its gradient is ready, which is then freed.
+        tensor_parallel: ranks each layer is split over (config ``tensor_parallel``); ``world_size`` is then the
+            data-parallel ranks, all processes over it.
         shard_size: HSDP's shard group size (default ``world_size // num_nodes``).
         gradient_accumulation_steps: micro-steps per optimizer step.
         kernels: how the step runs its attention and loss (see :class:`StepKernels`); by default SDPA and the
@@ -299,10 +319,21 @@ def estimate_memory(
     if micro_batch_size < 1 or max_seq_len < 1:
         raise UserError(f"micro_batch_size ({micro_batch_size}) and max_seq_len ({max_seq_len}) must be positive")
     shards = _check_shape(strategy, world_size, num_nodes, shard_size, cpu_offload)
+    for problem in tensor_parallel_problems(
+        tensor_parallel=tensor_parallel, world_size=None, strategy=strategy, cpu_offload=cpu_offload
+    ):
+        raise UserError(": ".join(problem))
     p, c = precision.stored, precision.compute
-    autocast = precision.autocast_when_replicated and strategy in ("ddp", "zero1")
+    # FSDP2 reduces the gradients for the sharded strategies, and for ddp over tensor-parallel groups (ParallelDims.
+    # uses_fsdp); otherwise mixed precision runs under autocast.
+    # One data-parallel rank has nothing to shard over (apply_data_parallel leaves the model as it is).
+    fsdp = world_size > 1 and (strategy in _SHARDED or tensor_parallel > 1)
+    autocast = precision.autocast_when_replicated and not fsdp
 
-    params = list(model.parameters())
+    # This rank's tensor-parallel shard of each parameter (the parameters themselves without TP): everything below
+    # counts those, as FSDP2 shards them further.
+    local = tensor_parallel_local_parameters(model, tp=tensor_parallel)
+    params = [local[id(t)] for t in model.parameters()]
     total = sum(t.numel() for t in params)
     flagged = sum(t.numel() for t in params if t.requires_grad)
     trainable = flagged if trainable_params is None else trainable_params
@@ -322,16 +353,16 @@ def estimate_memory(
 
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())  # replicated by every strategy
     states = OPTIMIZER_STATES[optimizer]
-    layer_ids = {id(t) for layer in model.layers for t in layer.parameters()}
+    layers = [[local[id(t)] for t in layer.parameters()] for layer in model.layers]
+    layer_ids = {id(t) for layer in layers for t in layer}
     root = [t for t in params if id(t) not in layer_ids]
-    layers = [list(layer.parameters()) for layer in model.layers]
     largest_layer = max(layers, key=lambda ts: sum(t.numel() for t in ts), default=[])
 
     def compute_copies(tensors: list[torch.Tensor]) -> int:
         # Unsharded in the compute dtype (FSDP2's gathered parameters); subclasses gather in their own format.
         return sum(_stored_bytes(t, c) for t in tensors)
 
-    if strategy in ("ddp", "zero1"):
+    if not fsdp:
         param_bytes = sum(_stored_bytes(t, p) for t in params)
         grad_elems = trainable
         if strategy == "ddp" or world_size == 1:
@@ -342,14 +373,15 @@ def estimate_memory(
             opt_elems = math.ceil(trainable / world_size)
         # Autocast's compute copies of matmul weights, saved for backward; not of the embedding lookup or the norms
         # (which run as stored), nor of NF4 weights (dequantized inside the matmul, in forward and again in backward).
-        matmul_weights = [t for t in params if t.dim() >= 2 and t is not model.embed_tokens.weight]
+        embedding = local[id(model.embed_tokens.weight)]
+        matmul_weights = [t for t in params if t.dim() >= 2 and t is not embedding]
         if model.output is None:
-            matmul_weights.append(model.embed_tokens.weight)
+            matmul_weights.append(embedding)
         gathered = sum(c * t.numel() for t in matmul_weights if not _is_subclass(t)) if autocast else 0
     else:
         param_bytes = sum(_stored_bytes(t, p, shards) for t in params)
         grad_elems = opt_elems = trainable_shard(params)
-        if strategy == "zero2":
+        if strategy in ("zero2", "ddp"):  # ddp: under TP, FSDP2 over a shard group of one (no resharding)
             gathered_params = compute_copies(params)  # every unit stays unsharded from its forward to its backward
         else:
             gathered_params = compute_copies(root) + 2 * compute_copies(largest_layer)
@@ -361,7 +393,7 @@ def estimate_memory(
         gathered = int(gathered_params + unsharded_grads)
     if optimizer_in_backward:
         # Each gradient is freed as soon as its parameter has stepped: one exists at a time, at most the largest.
-        per_rank = 1 if strategy in ("ddp", "zero1") else shards
+        per_rank = shards
         if by_flags:
             grad_elems = max((_stored_bytes(t, 1, per_rank) for t in params if t.requires_grad), default=0)
         else:
@@ -369,6 +401,7 @@ def estimate_memory(
     activations = dict(
         micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype,
         activation_checkpointing=activation_checkpointing, autocast=autocast, flex_attention=kernels.flex_attention,
+        tensor_parallel=tensor_parallel,
     )
     host = offloaded_activation_bytes(model, **activations) if activation_offloading else 0
     grad_bytes, opt_bytes = p * grad_elems, int(_STATE_ELEMENT_BYTES.get(optimizer, p) * states * opt_elems)
@@ -388,10 +421,11 @@ def estimate_memory(
         activations=activation_bytes(model, activation_offloading=activation_offloading, **activations),
         logits=logits_bytes(
             model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype,
-            loss_chunks=kernels.loss_chunks, fused=kernels.fused_loss,
+            loss_chunks=kernels.loss_chunks, fused=kernels.fused_loss, tensor_parallel=tensor_parallel,
         ),
         gathered=gathered,
         host=host,
+        tensor_parallel=tensor_parallel,
     )
 
 
@@ -444,13 +478,16 @@ def choose_strategy(
     kernels: StepKernels = StepKernels(),
     cpu_offload: bool = True,
     shard_size: int | None = None,
+    tensor_parallel: int = 1,
 ) -> tuple[str, MemoryEstimate, str]:
     """The cheapest strategy (order: :func:`candidate_strategies`) whose estimate fits ``headroom`` of the device.
 
     The other arguments are those of :func:`estimate_memory` (``shard_size``: HSDP's, the config's
-    ``hsdp_shard_size``, with which the run shards if ``hsdp`` is picked). With ``optimizer_in_backward`` on several
-    processes, only the FSDP2 strategies are candidates (see :mod:`toolkit.training.optim`); with
-    ``cpu_offload=False`` (training on the CPU), no offloaded one is.
+    ``hsdp_shard_size``, with which the run shards if ``hsdp`` is picked; ``world_size``: the data-parallel ranks,
+    all processes over ``tensor_parallel``). With ``optimizer_in_backward`` on several processes, only the FSDP2
+    strategies are candidates (see :mod:`toolkit.training.optim`); with ``cpu_offload=False`` (training on the
+    CPU), no offloaded one is; with ``tensor_parallel`` > 1, none that cannot combine with it (``zero1``,
+    ``cpu_offload``).
 
     Returns:
         ``(strategy, estimate, reason)``: the ``data_parallel`` value, its estimate (``estimate.cpu_offload`` says
@@ -463,7 +500,11 @@ def choose_strategy(
     budget = f"{format_bytes(usable)} usable ({headroom:.0%} of {format_bytes(device_memory_bytes)})"
     estimates = []
     for strategy, offload in candidate_strategies(world_size=world_size, num_nodes=num_nodes, cpu_offload=cpu_offload):
-        if optimizer_in_backward and world_size > 1 and strategy not in _SHARDED:
+        if optimizer_in_backward and world_size > 1 and strategy not in _SHARDED and tensor_parallel == 1:
+            continue
+        if tensor_parallel_problems(
+            tensor_parallel=tensor_parallel, world_size=None, strategy=strategy, cpu_offload=offload
+        ):
             continue
         estimate = estimate_memory(
             model,
@@ -482,6 +523,7 @@ def choose_strategy(
             gradient_accumulation_steps=gradient_accumulation_steps,
             kernels=kernels,
             shard_size=shard_size,
+            tensor_parallel=tensor_parallel,
         )
         if estimate.total <= usable:
             rejected = "".join(f"; {e.label} would need {format_bytes(e.total)}" for e in estimates)
@@ -490,6 +532,164 @@ def choose_strategy(
         estimates.append(estimate)
     raise UserError(_nothing_fits(min(estimates, key=lambda e: e.total), budget, world_size, micro_batch_size,
                                   _activation_fixes(activation_checkpointing, activation_offloading)))
+
+
+# --- Choosing a tensor-parallel degree too (``tensor_parallel: auto``) ----------------------------------------------
+
+
+def tensor_parallel_degrees(model: nn.Module, *, processes_per_node: int) -> list[int]:
+    """The tensor-parallel degrees a run may use: divisors of the processes of one node (a TP group's all-reduces,
+    four per layer and step, must stay on a node's fast links) that split the model's heads, key/value heads, MLP
+    width and vocabulary (:func:`~toolkit.parallel.tensor_parallel.check_tensor_parallel`), smallest first; 1 always.
+    """
+    degrees = []
+    for tp in range(1, processes_per_node + 1):
+        if processes_per_node % tp:
+            continue
+        try:
+            check_tensor_parallel(model, tp=tp)
+        except UserError:
+            continue
+        degrees.append(tp)
+    return degrees
+
+
+def candidate_layouts(
+    *, world_size: int, num_nodes: int = 1, degrees: Sequence[int] = (1,), cpu_offload: bool = True
+) -> list[tuple[str, bool, int]]:
+    """``(strategy, cpu_offload, tensor_parallel)`` in the order ``tensor_parallel: auto`` tries them, over
+    ``world_size`` processes: least communication first.
+
+    - no tensor parallelism, the strategies of :func:`candidate_strategies` without offloading: at most one
+      collective per layer and step, overlapped with compute;
+    - then each degree of ``degrees`` above 1, smallest first, with the strategies over the ``world_size /
+      degree`` data-parallel ranks that combine with it (not ``zero1``): every layer waits on an all-reduce in
+      forward and backward, within a node, and a larger degree cuts the matmuls finer;
+    - last, offloading without tensor parallelism (it cannot combine with it yet): every step copies state over
+      PCIe and runs the optimizer on the CPU, slower than any collective.
+    """
+    plain = [(s, False, 1) for s, offload in candidate_strategies(world_size=world_size, num_nodes=num_nodes)
+             if not offload]
+    split = [
+        (s, False, tp)
+        for tp in degrees if tp > 1 and world_size % tp == 0
+        for s, offload in candidate_strategies(world_size=world_size // tp, num_nodes=num_nodes)
+        if not offload and s != "zero1"
+    ]
+    offloaded = [(s, True, 1) for s, offload in candidate_strategies(world_size=world_size, num_nodes=num_nodes)
+                 if offload] if cpu_offload else []
+    return ([*plain] if 1 in degrees else []) + split + (offloaded if 1 in degrees else [])
+
+
+def choose_layout(
+    model: nn.Module,
+    *,
+    device_memory_bytes: int,
+    world_size: int,
+    num_nodes: int = 1,
+    degrees: Sequence[int],
+    strategy: str = "auto",
+    cpu_offload: bool = True,
+    batch_size: int | None,
+    micro_batch_size: int | str,
+    max_seq_len: int,
+    dtype: str = "bf16-mixed",
+    activation_checkpointing: bool | int = False,
+    activation_offloading: bool = False,
+    optimizer: str = "adamw",
+    optimizer_in_backward: bool = False,
+    headroom: float = 0.9,
+    kernels: StepKernels = StepKernels(),
+    shard_size: int | None = None,
+) -> tuple[str, int, MemoryEstimate, str]:
+    """``tensor_parallel: auto``: the first layout of :func:`candidate_layouts` (the strategy given, or every one
+    with ``strategy="auto"``) whose estimate fits ``headroom`` of the device.
+
+    Args:
+        world_size: all processes; a degree ``t`` leaves ``world_size / t`` data-parallel ranks.
+        degrees: the degrees to try (:func:`tensor_parallel_degrees`).
+        strategy: the configured ``data_parallel``, or ``auto``.
+        cpu_offload: with a given strategy, the configured ``cpu_offload``; with ``auto``, whether offloaded
+            layouts are candidates (not on a CPU).
+        batch_size: the global batch; a degree whose data-parallel ranks it does not split over is skipped
+            (``None``: not checked, ``micro_batch_size`` used as it is).
+        micro_batch_size: sequences per micro batch, cut to each layout's share of ``batch_size`` as the run cuts
+            it; ``auto``: 1, or the whole share with ``optimizer_in_backward`` (which cannot accumulate).
+        The others: as in :func:`estimate_memory` (``shard_size`` in data-parallel ranks).
+
+    Returns:
+        ``(strategy, tensor_parallel, estimate, reason)``: the reason is one line naming the layout, its bytes, the
+        budget and the smallest estimate of each degree tried before it.
+
+    Raises:
+        UserError: no layout fits (naming ``tensor_parallel``, the smallest layout and its numbers).
+    """
+    usable = int(headroom * device_memory_bytes)
+    budget = f"{format_bytes(usable)} usable ({headroom:.0%} of {format_bytes(device_memory_bytes)})"
+    if strategy == "auto":
+        layouts = candidate_layouts(world_size=world_size, num_nodes=num_nodes, degrees=degrees,
+                                    cpu_offload=cpu_offload)
+    else:
+        layouts = [(strategy, cpu_offload, tp) for tp in degrees if not tensor_parallel_problems(
+            tensor_parallel=tp, world_size=world_size, strategy=strategy, cpu_offload=cpu_offload)]
+    smallest: dict[int, MemoryEstimate] = {}  # per degree tried, its smallest estimate
+    for layout_strategy, offload, tp in layouts:
+        dp = world_size // tp
+        if optimizer_in_backward and dp > 1 and tp == 1 and layout_strategy not in _SHARDED:
+            continue  # DDP and ZeRO-1 cannot step inside backward (ddp under TP runs on FSDP2, which can)
+        if batch_size is not None and (batch_size < 1 or batch_size % dp):
+            continue  # the global batch does not split over this layout's data-parallel ranks
+        if micro_batch_size == "auto":
+            whole = optimizer_in_backward and batch_size is not None
+            micro = batch_size // dp if whole else 1
+        elif batch_size is not None:
+            micro = micro_batch_within_share(batch_size=batch_size, micro_batch_size=micro_batch_size, world_size=dp)
+        else:
+            micro = micro_batch_size
+        if batch_size is not None and batch_size % (dp * micro):
+            continue
+        steps = 1 if batch_size is None else batch_size // (dp * micro)
+        try:
+            estimate = estimate_memory(
+                model, strategy=layout_strategy, world_size=dp, num_nodes=num_nodes, micro_batch_size=micro,
+                max_seq_len=max_seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing,
+                activation_offloading=activation_offloading, cpu_offload=offload, optimizer=optimizer,
+                optimizer_in_backward=optimizer_in_backward, shard_size=shard_size,
+                gradient_accumulation_steps=steps, kernels=kernels, tensor_parallel=tp,
+            )
+        except UserError:  # a shape this degree cannot take (hsdp_shard_size over fewer data-parallel ranks)
+            continue
+        if estimate.total <= usable:
+            before = "".join(
+                f"; {'without tensor parallelism' if t == 1 else f'at tp{t}'} the smallest, {e.label}, would need "
+                f"{format_bytes(e.total)}"
+                for t, e in smallest.items() if t != tp
+            )
+            reason = f"{estimate.label} needs {format_bytes(estimate.total)} per device of {budget}{before}"
+            return layout_strategy, tp, estimate, reason
+        if tp not in smallest or estimate.total < smallest[tp].total:
+            smallest[tp] = estimate
+    if not smallest:
+        raise UserError(
+            f"tensor_parallel: auto: no layout of {world_size} process(es) takes batch_size {batch_size} with "
+            f"degrees {', '.join(map(str, degrees))}; choose a batch_size that is a multiple of {world_size}"
+        )
+    best = min(smallest.values(), key=lambda e: e.total)
+    parts = ", ".join(
+        f"{title} {format_bytes(getattr(best, attribute))}"
+        for title, attribute in _ROWS[:-1]
+        if getattr(best, attribute) >= 0.01 * best.total
+    )
+    fixes = _activation_fixes(activation_checkpointing, activation_offloading)
+    if micro_batch_size not in ("auto", 1):
+        fixes.append(f"a smaller micro_batch_size (now {micro_batch_size})")
+    fixes += ["a shorter max_seq_len", "LoRA/QLoRA", f"more than {world_size} GPU(s)"]
+    tried = ", ".join(str(t) for t in smallest)
+    raise UserError(
+        f"tensor_parallel: auto: no layout of {world_size} process(es) fits {budget} (degrees tried: {tried}, within "
+        f"a node): the smallest, {best.label}, needs {format_bytes(best.total)} per device ({parts}); try "
+        f"{', '.join(fixes)}"
+    )
 
 
 def _activation_fixes(activation_checkpointing: bool | int, activation_offloading: bool) -> list[str]:
@@ -534,8 +734,9 @@ class ParallelPlan:
         strategy: the ``data_parallel`` strategy.
         cpu_offload: whether sharded parameters and optimizer state live in host memory.
         micro_batch_size: sequences per device per forward/backward.
-        accumulation_steps: micro-steps per optimizer step (``batch_size = world x micro x steps``).
+        accumulation_steps: micro-steps per optimizer step (``batch_size = data-parallel ranks x micro x steps``).
         reasons: one line per ``auto`` decision or cut micro batch, naming the numbers it was made from.
+        tensor_parallel: ranks each layer is split over.
     """
 
     strategy: str
@@ -543,6 +744,7 @@ class ParallelPlan:
     micro_batch_size: int
     accumulation_steps: int
     reasons: tuple[str, ...] = ()
+    tensor_parallel: int = 1
 
 
 def plan_parallelism(
@@ -566,9 +768,14 @@ def plan_parallelism(
     shard_size: int | None = None,
     optimizer: str = "adamw",
     offload_candidates: bool | None = None,
+    tensor_parallel: int | str = 1,
 ) -> ParallelPlan:
-    """Resolve ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory estimate.
+    """Resolve ``tensor_parallel: auto``, ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory
+    estimate.
 
+    ``tensor_parallel: auto`` picks the least-communicating layout that fits (:func:`choose_layout`): no tensor
+    parallelism if a strategy without offloading fits, else the smallest degree within a node that does, else
+    offloading; with ``data_parallel`` given, only the degree is chosen.
     ``data_parallel: auto`` picks the least-communicating strategy whose estimate fits ``headroom`` of the device
     at the configured micro batch (at 1 when that is ``auto`` too), never one with ``cpu_offload`` on a CPU.
     ``micro_batch_size: auto`` then picks the largest micro batch that divides this rank's share of ``batch_size``
@@ -585,14 +792,16 @@ def plan_parallelism(
             ``loss_chunks`` and ``fused_loss`` (see :class:`StepKernels`).
         device: this rank's device; its memory is used on CUDA.
         device_memory_gb: the memory to plan for where the device does not say (CPU), in GiB.
-        world_size, local_world_size: the job's shape.
+        world_size, local_world_size: the job's shape: all processes, and those of one node. The batch and the
+            data-parallel strategy span ``world_size / tensor_parallel`` of them.
         headroom: the fraction of device memory a plan may fill.
-        shard_size: HSDP's shard group size as the run will use it (config ``hsdp_shard_size``; default: the
-            processes of one node); the estimate of an ``hsdp`` plan depends on it.
+        shard_size: HSDP's shard group size as the run will use it (config ``hsdp_shard_size``, in data-parallel
+            ranks; default: those of one node); the estimate of an ``hsdp`` plan depends on it.
         optimizer: the memory model of the run's optimizer (:func:`optimizer_memory_model`), whose state the
             estimate counts.
         offload_candidates: whether ``data_parallel: auto`` may pick ``cpu_offload``; default: on any device but
             the CPU (``tune plan``, which plans for GPUs from a CPU, says true).
+        tensor_parallel: the config's ``tensor_parallel``: a degree, or ``auto``.
 
     Raises:
         UserError: ``auto`` without a known device memory, nothing fits, sizes that do not divide, or an invalid
@@ -600,57 +809,91 @@ def plan_parallelism(
     """
     checkpoint_interval(activation_checkpointing)  # refused here, before any weight is loaded
     auto_batch = micro_batch_size == "auto"
+    auto_tp = tensor_parallel == "auto"
     if not auto_batch and not isinstance(micro_batch_size, int):
         raise UserError(f"micro_batch_size: must be a positive integer or auto, got {micro_batch_size!r}")
+    if not auto_tp and (isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int)
+                        or tensor_parallel < 1):
+        raise UserError(f"tensor_parallel: must be a positive integer or auto, got {tensor_parallel!r}")
+    tp = 1 if auto_tp else tensor_parallel
+    if world_size % tp:
+        raise UserError(f"tensor_parallel: {tp} does not divide the {world_size} processes")
+    num_nodes = max(1, world_size // max(1, local_world_size))
     reasons = []
-    if not auto_batch:
+    if not auto_batch and not auto_tp:
         given = micro_batch_size
         micro_batch_size = micro_batch_within_share(
-            batch_size=batch_size, micro_batch_size=given, world_size=world_size
+            batch_size=batch_size, micro_batch_size=given, world_size=world_size // tp
         )
         if micro_batch_size != given:
             reasons.append(
                 f"micro_batch_size: {given} -> {micro_batch_size}, each process's share of batch_size {batch_size} "
-                f"on {world_size} processes"
+                f"on {world_size // tp} {'processes' if tp == 1 else 'data-parallel ranks'}"
             )
-    if strategy != "auto" and not auto_batch:
-        steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro_batch_size, world_size=world_size)
-        return ParallelPlan(strategy, cpu_offload, micro_batch_size, steps, tuple(reasons))
+    if strategy != "auto" and not auto_batch and not auto_tp:
+        steps = gradient_accumulation_steps(
+            batch_size=batch_size, micro_batch_size=micro_batch_size, world_size=world_size // tp
+        )
+        return ParallelPlan(strategy, cpu_offload, micro_batch_size, steps, tuple(reasons), tp)
     memory = device_memory_bytes(device)
     if memory is None:
         if device_memory_gb is None:
-            what = "data_parallel: auto" if strategy == "auto" else "micro_batch_size: auto"
+            what = ("tensor_parallel: auto" if auto_tp else "data_parallel: auto" if strategy == "auto"
+                    else "micro_batch_size: auto")
             raise UserError(
                 f"{what} needs the memory of each device; on CPU set device_memory_gb=<GiB> "
-                "(or give the value: data_parallel ddp, zero1, zero2, zero3 or hsdp; micro_batch_size a number)"
+                "(or give the value: data_parallel ddp, zero1, zero2, zero3 or hsdp; micro_batch_size and "
+                "tensor_parallel a number)"
             )
         memory = int(device_memory_gb * 2**30)
-    num_nodes = max(1, world_size // max(1, local_world_size))
-    common = dict(world_size=world_size, max_seq_len=max_seq_len, dtype=dtype,
+    offload = device.type != "cpu" if offload_candidates is None else offload_candidates
+    common = dict(max_seq_len=max_seq_len, dtype=dtype,
                   activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
                   optimizer_in_backward=optimizer_in_backward, kernels=kernels, shard_size=shard_size,
                   optimizer=optimizer)
+    if auto_tp:
+        given_strategy = strategy != "auto"
+        strategy, tp, estimate, reason = choose_layout(
+            model, device_memory_bytes=memory, world_size=world_size, num_nodes=num_nodes,
+            degrees=tensor_parallel_degrees(model, processes_per_node=max(1, local_world_size)),
+            strategy=strategy, cpu_offload=cpu_offload if given_strategy else offload, batch_size=batch_size,
+            micro_batch_size=micro_batch_size, headroom=headroom, **common,
+        )
+        cpu_offload = estimate.cpu_offload
+        if given_strategy:
+            reasons.append(f"tensor_parallel: auto -> {tp} ({reason})")
+        else:
+            reasons.append(f"data_parallel, tensor_parallel: auto -> {strategy}"
+                           f"{' with cpu_offload' if cpu_offload else ''}, tensor_parallel {tp} ({reason})")
+    dp_world = world_size // tp
     micro = micro_batch_size
     if auto_batch:
         # The step inside backward takes this rank's share of the batch at once (it cannot accumulate).
-        whole = optimizer_in_backward and batch_size >= world_size and batch_size % world_size == 0
-        micro = batch_size // world_size if whole else 1
-    steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=world_size)
+        whole = optimizer_in_backward and batch_size >= dp_world and batch_size % dp_world == 0
+        micro = batch_size // dp_world if whole else 1
+    else:
+        given = micro_batch_size
+        micro = micro_batch_within_share(batch_size=batch_size, micro_batch_size=given, world_size=dp_world)
+        if auto_tp and micro != given:
+            reasons.append(
+                f"micro_batch_size: {given} -> {micro}, each process's share of batch_size {batch_size} on "
+                f"{dp_world} data-parallel ranks"
+            )
+    steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=dp_world)
     if strategy == "auto":
         strategy, estimate, reason = choose_strategy(
-            model, device_memory_bytes=memory, num_nodes=num_nodes, micro_batch_size=micro,
-            gradient_accumulation_steps=steps, headroom=headroom,
-            cpu_offload=device.type != "cpu" if offload_candidates is None else offload_candidates, **common,
+            model, device_memory_bytes=memory, world_size=dp_world, num_nodes=num_nodes, micro_batch_size=micro,
+            gradient_accumulation_steps=steps, headroom=headroom, cpu_offload=offload, tensor_parallel=tp, **common,
         )
         cpu_offload = estimate.cpu_offload
         reasons.append(f"data_parallel: auto -> {reason}")
     if auto_batch:
         micro, steps, reason = _largest_micro_batch(
             model, strategy=strategy, cpu_offload=cpu_offload, batch_size=batch_size, num_nodes=num_nodes,
-            usable=int(headroom * memory), **common,
+            usable=int(headroom * memory), world_size=dp_world, tensor_parallel=tp, **common,
         )
         reasons.append(f"micro_batch_size: auto -> {reason}")
-    return ParallelPlan(strategy, cpu_offload, micro, steps, tuple(reasons))
+    return ParallelPlan(strategy, cpu_offload, micro, steps, tuple(reasons), tp)
 
 
 def _largest_micro_batch(

@@ -87,6 +87,9 @@ TRAINING_KEYS = {
     "eval_max_new_tokens": Int(ge=1),
     "batch_size": Int(ge=1),
     "micro_batch_size": one_of(Int(ge=1), Choice("auto")),
+    # Training plans memory, so it may choose the degree (toolkit.training.memory.choose_layout); evaluation and
+    # generation take PARALLEL_KEYS' number.
+    "tensor_parallel": one_of(Int(ge=1), Choice("auto"), required=False),
     "device_memory_gb": Float(gt=0, null=True, required=False),
     "epochs": Int(ge=1),
     "max_steps": Int(ge=1, null=True),
@@ -112,10 +115,11 @@ TRAINING_KEYS = {
 
 
 def data_parallel_size(ctx: Context) -> int | None:
-    """The data-parallel processes of the launch: all of them over ``tensor_parallel`` (None when not known, or
-    when ``tensor_parallel`` does not divide them, which :func:`tensor_parallel_fits` reports)."""
+    """The data-parallel processes of the launch: all of them over ``tensor_parallel`` (None when not known, when
+    ``tensor_parallel`` is ``auto``, chosen at run time, or when it does not divide them, which
+    :func:`tensor_parallel_fits` reports)."""
     world, tp = ctx.world_size, ctx.get("tensor_parallel", 1)
-    if world is None or world % tp:
+    if world is None or tp == "auto" or world % tp:
         return None
     return world // tp
 
@@ -123,7 +127,7 @@ def data_parallel_size(ctx: Context) -> int | None:
 def _named_as_data_parallel(problem: str, ctx: Context) -> str:
     # The accumulation's message speaks of the world size; under TP the batch divides over the data-parallel ranks.
     tp, dp = ctx.get("tensor_parallel", 1), data_parallel_size(ctx)
-    if tp == 1:
+    if tp == 1 or dp is None:
         return problem
     return problem.replace(
         f"world size ({dp})", f"data-parallel size ({dp}: {ctx.world_size} processes / tensor_parallel {tp})"
@@ -162,7 +166,10 @@ def shard_groups_divide(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("tensor_parallel", "data_parallel", "cpu_offload")
 def tensor_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
-    """``tensor_parallel`` divides the processes, and the data-parallel strategy can shard a TP model."""
+    """``tensor_parallel`` divides the processes, and the data-parallel strategy can shard a TP model (``auto``
+    chooses among the degrees that do)."""
+    if ctx.get("tensor_parallel") == "auto":
+        return
     yield from tensor_parallel_problems(
         tensor_parallel=ctx.get("tensor_parallel", 1), world_size=ctx.world_size,
         strategy=ctx.get("data_parallel"), cpu_offload=ctx.get("cpu_offload", False),
@@ -179,12 +186,13 @@ def sequence_parallel_needs_tensor_parallel(ctx: Context) -> Iterator[tuple[str,
         )
 
 
-@rule("tensor_parallel", "float8", "compile", "fused_loss", "micro_batch_size", "data_parallel")
+@rule("tensor_parallel", "float8", "compile", "fused_loss")
 def tensor_parallel_combines(ctx: Context) -> Iterator[tuple[str, str]]:
     """What tensor parallelism does not combine with (yet), refused by name."""
     tp = ctx.get("tensor_parallel", 1)
     if tp == 1:
         return
+    # auto may choose a degree above 1, so it is refused with them too (tensor_parallel=1 keeps them).
     with_tp = f"tensor_parallel={tp}"
     if ctx.get("float8"):
         yield "float8", f"cannot combine with {with_tp} yet (float8 matmuls on split layers); remove one of them"
@@ -195,12 +203,6 @@ def tensor_parallel_combines(ctx: Context) -> Iterator[tuple[str, str]]:
             f"{with_tp} needs the fused projection and loss, which computes the loss vocabulary-parallel (no rank "
             "holds whole logits); remove fused_loss=false"
         )
-    for key in ("data_parallel", "micro_batch_size"):
-        if ctx.get(key) == "auto":
-            yield key, (
-                f"auto plans memory without {with_tp}'s split of the layers; give it (data_parallel ddp, zero2, "
-                "zero3 or hsdp; micro_batch_size a number)"
-            )
 
 
 @rule("tensor_parallel", "model")
@@ -208,7 +210,9 @@ def tensor_parallel_splits_the_model(ctx: Context) -> Iterator[tuple[str, str]]:
     """``tensor_parallel`` divides the model's heads, key/value heads, MLP width and vocabulary: checked on the model
     built on the meta device (free, whatever its size)."""
     tp, node = ctx.get("tensor_parallel", 1), ctx.get("model")
-    if tp == 1 or node is None:
+    if tp in (1, "auto") or node is None:  # auto tries only the degrees that split it
+        return
+    if ctx.world_size is not None and tp > ctx.world_size:  # tensor_parallel_fits says so: one line for one key
         return
     try:
         with torch.device("meta"):
