@@ -158,3 +158,152 @@ def test_the_eval_recipe_split_over_two_processes_scores_as_one_does(launch, spl
     assert two["val_tokens"] == one["val_tokens"]
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
     assert (two["correct"], two["total"]) == (one["correct"], one["total"])
+
+
+# --- Across layouts on 2 processes, and the exports of a tensor-parallel run -------------------------------------------
+# Step checkpoints written on one layout and resumed on another: tp=2 (one pair, no data parallelism), dp=2 (zero3, no
+# TP) and one process, each way. DCP reshards the model and optimizer state; the sampler's position and the RNG state
+# carry over, so the resumed run reads the same rows in the same micro-batches (the layouts cut the global batch into
+# the same rows). Every run saves at steps 2, 4 and 5 (the last).
+SAVES = ["save_every_n_steps=2", "keep_last_n=null"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The demo recipe on one process, uninterrupted, saving step checkpoints (its final/ is the LoRA runs' base)."""
+    out = tmp_path_factory.mktemp("one_process")
+    run_recipe_here("full_finetune", "demo", *worker.RECIPE, *SAVES, f"output_dir={out}")
+    return out
+
+
+def _checkpoint(out: Path) -> Path:
+    return out / "checkpoints" / f"step_{worker.RESUMED_AT}"
+
+
+# The LoRA recipe on the one-process model as its base (a trained base: the adapters' effect is not a random base's),
+# saving the merged model too; LoRA on every projection and the (vocabulary-split) output projection.
+LORA = [*worker.RECIPE, "save_merged=true", *SAVES]
+
+
+@pytest.fixture(scope="module")
+def two_processes(one_process, tmp_path_factory) -> dict[str, Path]:
+    """Every 2-process run, in one launch: uninterrupted tp=2 and zero3 runs, each resumed from the other's step 2
+    checkpoint, tp=2 resumed from the one-process run's, and LoRA on tp=2. By name, their output folders."""
+    root = tmp_path_factory.mktemp("two_processes")
+    tp2, zero3 = ["tensor_parallel=2"], ["data_parallel=zero3"]
+    runs = {
+        "tp2": RecipeRun("full_finetune", root / "tp2", *worker.RECIPE, *tp2, *SAVES),
+        "zero3": RecipeRun("full_finetune", root / "zero3", *worker.RECIPE, *zero3, *SAVES),
+        "tp2_from_zero3": RecipeRun("full_finetune", root / "tp2_from_zero3", *worker.RECIPE, *tp2,
+                                    f"resume_from={_checkpoint(root / 'zero3')}"),
+        "zero3_from_tp2": RecipeRun("full_finetune", root / "zero3_from_tp2", *worker.RECIPE, *zero3,
+                                    f"resume_from={_checkpoint(root / 'tp2')}"),
+        "tp2_from_one": RecipeRun("full_finetune", root / "tp2_from_one", *worker.RECIPE, *tp2,
+                                  f"resume_from={_checkpoint(one_process)}"),
+        "lora_tp2": RecipeRun("lora_finetune", root / "lora_tp2", *LORA, *tp2,
+                              f"checkpointer.checkpoint_dir={one_process / 'final'}"),
+    }
+    result = run_recipes(list(runs.values()), nproc=2, timeout_s=400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {name: run.output_dir for name, run in runs.items()}
+
+
+# (resumed run, the uninterrupted run whose checkpoint it resumed)
+CROSS_LAYOUT = [("tp2_from_zero3", "zero3"), ("zero3_from_tp2", "tp2"), ("tp2_from_one", "one")]
+
+
+def _run(name: str, two_processes: dict[str, Path], one_process: Path) -> Path:
+    return one_process if name == "one" else two_processes[name]
+
+
+@pytest.mark.parametrize("resumed,source", CROSS_LAYOUT, ids=lambda x: x)
+def test_a_checkpoint_resumes_on_another_layout(resumed, source, two_processes, one_process):
+    # The resumed run goes on from step 3 with the same rows (each step's token count) and, the layouts summing in
+    # another order only, the uninterrupted run's losses to float rounding.
+    ours, theirs = _records(two_processes[resumed]), _records(_run(source, two_processes, one_process))
+    assert [r["step"] for r in ours] == list(range(worker.RESUMED_AT + 1, 6))
+    later = theirs[worker.RESUMED_AT :]
+    assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in later]
+    torch.testing.assert_close([r["loss"] for r in ours], [r["loss"] for r in later], rtol=1e-5, atol=0)
+
+
+def test_a_tp2_checkpoint_resumes_on_one_process(two_processes, tmp_path):
+    run_recipe_here("full_finetune", "demo", *worker.RECIPE, f"output_dir={tmp_path}",
+                    f"resume_from={_checkpoint(two_processes['tp2'])}")
+    ours, theirs = _records(tmp_path), _records(two_processes["tp2"])[worker.RESUMED_AT :]
+    assert [r["step"] for r in ours] == list(range(worker.RESUMED_AT + 1, 6))
+    assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in theirs]
+    torch.testing.assert_close([r["loss"] for r in ours], [r["loss"] for r in theirs], rtol=1e-5, atol=0)
+
+
+def test_tp2_and_zero3_train_like_one_process(two_processes, one_process):
+    # The uninterrupted runs the resumed ones are compared with agree with each other too (tolerances as above).
+    reference = _records(one_process)
+    for name in ("tp2", "zero3"):
+        ours = _records(two_processes[name])
+        assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in reference]
+        torch.testing.assert_close([r["loss"] for r in ours], [r["loss"] for r in reference], rtol=1e-5, atol=0)
+
+
+def _files(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_tune_export_of_a_tp2_step_checkpoint_gives_the_final_export(two_processes, tmp_path):
+    # The last step's checkpoint holds the weights the run exported at its end: the same bytes, written from the
+    # TP shards by one process.
+    run = two_processes["tp2"]
+    result = run_tune_here("export", str(run / "checkpoints" / "step_5"), "--output", str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr
+    ours, final = _files(tmp_path / "hf"), _files(run / "final")
+    assert ours.keys() == final.keys()
+    for key, weight in final.items():
+        assert torch.equal(ours[key], weight), key
+
+
+def test_tune_export_of_a_lora_tp2_step_checkpoint_gives_the_final_adapter_and_merged_model(two_processes, tmp_path):
+    # The adapter: the same bytes. The merged model: merged offline from the base's files here, from each rank's
+    # shards in the run, both in float32 (the sums in another order: 1e-6).
+    run = two_processes["lora_tp2"]
+    result = run_tune_here("export", str(run / "checkpoints" / "step_5"), "--output", str(tmp_path), "--merged",
+                           "--overwrite")
+    assert result.returncode == 0, result.stderr
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    final = load_file(run / "final" / "adapter" / "adapter_model.safetensors")
+    assert adapter.keys() == final.keys()
+    for key, weight in final.items():
+        assert torch.equal(adapter[key], weight), key
+    merged, final_merged = _files(tmp_path / "merged"), _files(run / "final" / "merged")
+    assert merged.keys() == final_merged.keys()
+    for key, weight in final_merged.items():
+        torch.testing.assert_close(merged[key], weight, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.interop
+def test_the_exports_of_a_lora_tp2_run_load_in_transformers_and_peft(two_processes, one_process):
+    # The run's own model, rebuilt from its files by our loaders (the base and the PEFT adapter), against
+    # transformers on the merged export and peft on the base with the adapter: fp32, the same math in another
+    # order, 1e-4 on logits of about 1 (as in test_peft_export.py).
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from toolkit.models import build_from_hf
+    from toolkit.pretrained import from_pretrained
+    from toolkit.training import materialize
+    from toolkit.training.peft import adapter_linear, fill_adapter_model
+
+    base, final = one_process / "final", two_processes["lora_tp2"] / "final"
+    with torch.device("meta"):
+        model = build_from_hf(path=base, linear=adapter_linear(final / "adapter", model_family="llama3"))
+    materialize(model, device=torch.device("cpu"))
+    from toolkit.training import HFCheckpointer
+    fill_adapter_model(model, HFCheckpointer(str(base), model_family="llama3"), adapter_dir=final / "adapter")
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.eval()(tokens)
+        assert (ours - from_pretrained(base)(tokens)).abs().max() > 1e-2  # the adapters changed the model
+        torch.testing.assert_close(from_pretrained(final / "merged")(tokens), ours, atol=1e-4, rtol=0)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(final / "merged", dtype=torch.float32).eval()
+        torch.testing.assert_close(hf(tokens).logits, ours, atol=1e-4, rtol=0)
+        hf_base = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        adapted = peft.PeftModel.from_pretrained(hf_base, final / "adapter").eval()
+        torch.testing.assert_close(adapted(tokens).logits, ours, atol=1e-4, rtol=0)
