@@ -143,19 +143,21 @@ EVAL = ["dataset.num_samples=32", "eval_tasks.num_samples=12", "micro_batch_size
 PROMPT = ["prompt=reverse: tensor", "temperature=1.0", "top_k=50"]
 
 
-@pytest.fixture(scope="module")
-def split_over_two(launch) -> dict[str, RecipeRun]:
-    """The generate and eval recipes on the recipe's trained model, tensor_parallel=2 on 2 processes, in one launch."""
+def _split_over_two_runs(launch: Path) -> dict[str, RecipeRun]:
     checkpoint = launch / "recipe" / "final"
-    runs = {
+    return {
         "generate": RecipeRun("generate", launch / "generate_tp2", "tensor_parallel=2", f"checkpoint_dir={checkpoint}",
                               *PROMPT),
         "eval": RecipeRun("eval", launch / "eval_tp2", "tensor_parallel=2", f"checkpointer.checkpoint_dir={checkpoint}",
                           *EVAL),
     }
-    result = run_recipes(list(runs.values()), nproc=2, timeout_s=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return runs
+
+
+@pytest.fixture(scope="module")
+def split_over_two(two_process_launch) -> dict[str, RecipeRun]:
+    """The generate and eval recipes on the recipe's trained model, tensor_parallel=2 on 2 processes (in the module's
+    one 2-process launch, :func:`two_process_launch`)."""
+    return {name: two_process_launch[name] for name in ("generate", "eval")}
 
 
 def test_the_generate_recipe_split_over_two_processes_replies_as_one_does(launch, split_over_two):
@@ -203,12 +205,14 @@ def _lora(launch: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def two_processes(launch, one_process, tmp_path_factory) -> dict[str, Path]:
-    """Every 2-process run, in one launch: uninterrupted tp=2 and zero3 runs, each resumed from the other's step 2
-    checkpoint, tp=2 resumed from the one-process run's, and LoRA on tp=2. By name, their output folders."""
+def two_process_launch(launch, one_process, tmp_path_factory) -> dict[str, RecipeRun]:
+    """Every 2-process run of this module, in one launch: the generate and eval recipes split over 2 processes, then
+    uninterrupted tp=2 and zero3 runs, each resumed from the other's step 2 checkpoint, tp=2 resumed from the
+    one-process run's, and LoRA on tp=2. By name."""
     root = tmp_path_factory.mktemp("two_processes")
     tp2, zero3 = ["tensor_parallel=2"], ["data_parallel=zero3"]
     runs = {
+        **_split_over_two_runs(launch),
         "tp2": RecipeRun("full_finetune", root / "tp2", *worker.RECIPE, *tp2, *SAVES),
         "zero3": RecipeRun("full_finetune", root / "zero3", *worker.RECIPE, *zero3, *SAVES),
         "tp2_from_zero3": RecipeRun("full_finetune", root / "tp2_from_zero3", *worker.RECIPE, *tp2,
@@ -219,9 +223,15 @@ def two_processes(launch, one_process, tmp_path_factory) -> dict[str, Path]:
                                   f"resume_from={_checkpoint(one_process)}"),
         "lora_tp2": RecipeRun("lora_finetune", root / "lora_tp2", *_lora(launch), *tp2, *SAVES),
     }
-    result = run_recipes(list(runs.values()), nproc=2, timeout_s=400)
+    result = run_recipes(list(runs.values()), nproc=2, timeout_s=500)
     assert result.returncode == 0, result.stderr[-4000:]
-    return {name: run.output_dir for name, run in runs.items()}
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_processes(two_process_launch) -> dict[str, Path]:
+    """The output folders of :func:`two_process_launch`'s training runs, by name."""
+    return {name: run.output_dir for name, run in two_process_launch.items() if name not in ("generate", "eval")}
 
 
 # (resumed run, the uninterrupted run whose checkpoint it resumed)
