@@ -16,7 +16,8 @@ Before: ``bash benchmarks/gpu/fetch_wheels.sh`` where PyPI is reachable (README.
    random weights, 2 x 4096 tokens without activation checkpointing (issue 8's setup), everything under
    ``/dev/shm`` (removed after each shape). Then, budget permitting,
    ``benchmarks/attention.py``: packed rows on SDPA with a dense mask against FlexAttention block masks, in Llama 3.1
-   8B's attention layer.
+   8B's attention layer. Where the machine has several GPUs, ``benchmarks/tensor_parallel.py --device cuda``:
+   bytes and step time of data- and tensor-parallel layouts of Llama 3.2 1B over all of them (skipped on one).
 4. ``results.md`` (and ``results.json``) in ``--results``: one row per tool, the ratio lines and the attention
    table.
 
@@ -45,6 +46,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 COMPARE = REPO / "benchmarks" / "compare.py"
 ATTENTION = REPO / "benchmarks" / "attention.py"
+TENSOR_PARALLEL = REPO / "benchmarks" / "tensor_parallel.py"
 OURS_WHEEL = "tunekit"
 # Wheels of packages ours needs too: added to ours' folder when this interpreter cannot import them.
 SHARED = {"omegaconf": "omegaconf", "torchao": "torchao"}
@@ -145,7 +147,8 @@ def device_name(dry_run: bool) -> str:
 
 
 def write_table(
-    results: Path, runs: list[dict], versions: dict[str, str], *, device: str, pytest_status: str, attention: list[str]
+    results: Path, runs: list[dict], versions: dict[str, str], *, device: str, pytest_status: str, attention: list[str],
+    tensor_parallel: list[str],
 ) -> str:
     """Markdown: the setup, one row per tool and method, then the ratio lines."""
     lines = [
@@ -180,10 +183,17 @@ def write_table(
               + (", ".join(f"{p / 1e12:.4g} TFLOP/s" for p in sorted(peaks)) or "-")]
     lines += ["", *(f"    {run['shape']}: {line}" for run in runs for line in run.get("ratio_lines", []))]
     lines += ["", "## Packed rows: attention kernels (benchmarks/attention.py)", "", *attention]
+    lines += ["", "## Data- and tensor-parallel layouts (benchmarks/tensor_parallel.py)", "", *tensor_parallel]
     text = "\n".join(lines) + "\n"
     (results / "results.md").write_text(text)
     (results / "results.json").write_text(json.dumps({"versions": versions, "runs": runs}, indent=1))
     return text
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -269,8 +279,25 @@ def main() -> None:
         attention = [line for line in (args.results / "attention.log").read_text().splitlines()
                      if line.startswith(("attention layer", "|", "note:"))] if code == 0 else [f"FAILED (exit {code})"]
 
+    # Tensor-parallel rows need several GPUs (on CPU, the dry run checks the script on 2 processes).
+    gpus = 2 if args.dry_run else _gpu_count()
+    tensor_parallel = [f"not run: {gpus} GPU(s); the layouts need 2 or more"]
+    if gpus >= 2:
+        tensor_parallel = [f"not run: {left()} s of --budget left"]
+        tp_args = (["--nproc", "2", "--layouts", "ddp", "tp2", "--steps", "2"] if args.dry_run else
+                   ["--device", "cuda", "--nproc", str(gpus), "--model", "toolkit.models.llama3.llama3_2_1b",
+                    "--seq_len", "2048", "--micro_batch_size", "1", "--layouts", "ddp", "zero3", "tp2", "zero3_tp2"])
+        if left() >= 60:
+            code = run_logged([sys.executable, str(TENSOR_PARALLEL), *tp_args],
+                              log_path=args.results / "tensor_parallel.log", timeout=min(150, left()),
+                              env={**os.environ, "PYTHONPATH": str(ours)})
+            tensor_parallel = [line for line in (args.results / "tensor_parallel.log").read_text().splitlines()
+                               if line.startswith(("|", f"{tp_args[tp_args.index('--nproc') + 1]} processes"))]
+            if code != 0:
+                tensor_parallel = [f"FAILED (exit {code})"]
+
     table = write_table(args.results, runs, versions, device=device_name(args.dry_run), pytest_status=pytest_status,
-                        attention=attention)
+                        attention=attention, tensor_parallel=tensor_parallel)
     print("\n" + table)
     log(f"done in {time.monotonic() - started:.0f} s; {args.results / 'results.md'}")
     if any(run["status"] != "ok" for run in runs):

@@ -189,8 +189,9 @@ class TransformerDecoder(nn.Module):
         """Give every attention layer a KV cache for incremental decoding.
 
         Each cache holds as many key/value heads as its layer computes: all of them, or under tensor parallelism this
-        rank's share (it takes its shape from the first keys stored). The cache's ``dtype`` defaults to that of the keys and values the layers will compute: autocast's when it
-        is on here (mixed precision: float32 weights, bfloat16 keys), else the weights'.
+        rank's share (it takes its shape from the first keys stored). The cache's ``dtype`` defaults to that of the
+        keys and values the layers will compute: autocast's when it is on here (mixed precision: float32 weights,
+        bfloat16 keys), else the weights'.
         """
         weight = self.embed_tokens.weight
         if dtype is None and torch.is_autocast_enabled(weight.device.type):
