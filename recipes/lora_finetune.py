@@ -27,9 +27,10 @@ from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import exact_match_accuracy
 from toolkit.training.schema import TRAINING_SCHEMA
 from toolkit.modules.peft import get_adapter_params, get_merged_state_dict
-from toolkit.modules.peft import set_trainable_params
+from toolkit.modules.peft import NF4Linear, set_trainable_params
+
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
-from toolkit.training.peft import fill_adapter_model, save_peft_adapter
+from toolkit.training.peft import export_peft_adapter, fill_adapter_model, save_peft_adapter
 from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
 from toolkit.training import (
     MetricsLogger,
@@ -86,27 +87,39 @@ def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogge
 
 
 def save_adapter_and_merged(model, checkpointer, *, cfg: DictConfig, env, output_dir: Path, log: MetricsLogger) -> None:
-    """Write the PEFT adapter and, if asked, the merged model, from rank zero.
+    """Write the PEFT adapter and, if asked, the merged model (collectives: every rank calls this).
 
-    Sharded adapters are gathered first (a collective), into a plain copy of the model built on rank zero.
+    Sharded (FSDP2 or tensor-parallel) adapters are gathered one tensor at a time (they are small) and rank zero
+    writes them; the merged model is computed from each rank's shards of the base and the adapters and exported as
+    the full fine-tune exports, every rank writing its share: the base is never gathered on one rank. QLoRA's NF4
+    bases under FSDP2 are the exception: the model is gathered on rank zero and merged there.
     """
     plain = unwrap(model)
-    if any(isinstance(p, DTensor) for p in plain.parameters()):
-        full_state = gather_full_state_dict(model)
-        plain = None
-        if env.is_rank_zero:
-            with torch.device("meta"):
-                plain = instantiate(cfg.model)
-            plain.load_state_dict(full_state, assign=True)
-    if not env.is_rank_zero:
-        return
     base = str(checkpointer.checkpoint_dir) if checkpointer.checkpoint_dir is not None else None
-    adapter_dir = save_peft_adapter(
+    sharded = any(isinstance(p, DTensor) for p in plain.parameters())
+    nf4 = any(isinstance(m, NF4Linear) or getattr(m, "quantize_base", False) for m in plain.modules())
+    if sharded and nf4:
+        full_state = gather_full_state_dict(model)
+        if not env.is_rank_zero:
+            return
+        with torch.device("meta"):
+            plain = instantiate(cfg.model)
+        plain.load_state_dict(full_state, assign=True)
+        adapter_dir = save_peft_adapter(
+            plain, output_dir / "final" / "adapter", model_family=checkpointer.family_name, base_model_name_or_path=base
+        )
+        log.print(f"saved {adapter_dir}")
+        if cfg.save_merged:
+            merged_dir = checkpointer.save(plain, output_dir / "final" / "merged", state_dict=get_merged_state_dict(plain))
+            log.print(f"saved {merged_dir}")
+        return
+    adapter_dir = export_peft_adapter(
         plain, output_dir / "final" / "adapter", model_family=checkpointer.family_name, base_model_name_or_path=base
     )
+    barrier()  # rank zero's folder is in place before any rank goes on
     log.print(f"saved {adapter_dir}")
     if cfg.save_merged:
-        merged_dir = checkpointer.save(plain, output_dir / "final" / "merged", state_dict=get_merged_state_dict(plain))
+        merged_dir = checkpointer.export(model, output_dir / "final" / "merged", state_dict=get_merged_state_dict(plain))
         log.print(f"saved {merged_dir}")
 
 

@@ -104,6 +104,11 @@ def _assert_two_processes_match(out, single):
     reference = load_file(single / "final" / "adapter" / "adapter_model.safetensors")
     for key in reference:
         torch.testing.assert_close(ours[key], reference[key], rtol=1e-4, atol=1e-6)
+    # The merged model, which sharded runs export from each rank's shards (never gathered whole on one rank).
+    ours, reference = (load_file(run / "final" / "merged" / "model.safetensors") for run in (out, single))
+    assert ours.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(ours[key], reference[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
 def test_auto_plans_memory_for_the_adapters_only(tmp_path):

@@ -8,8 +8,9 @@ The layouts, all from one 4-rank mesh:
 - ``ddp_tp2``, ``zero3_tp2``, ``hsdp_tp2``: 2 data-parallel ranks (DDP semantics, ZeRO-3, HSDP on a 2-D FSDP mesh)
   of tensor-parallel pairs.
 
-Then the full fine-tune recipe runs on the demo, zero3 x tensor_parallel 2 with sequence parallelism, into ``sys.argv[2]``, saving step
-checkpoints, and again into ``sys.argv[2]_resumed``, resumed from its step 2.
+Then the full fine-tune recipe runs on the demo, zero3 x tensor_parallel 2 with sequence parallelism, into
+``sys.argv[2]``, saving step checkpoints, and again into ``sys.argv[2]_resumed``, resumed from its step 2; then the
+LoRA recipe on that layout into ``sys.argv[2]_lora``, on the model the first run trained.
 
 After training, each run generates from a fixed prompt with the trained model (greedy, and sampled with top-k and
 top-p from a seeded generator: the logits are gathered whole, so every rank draws the same token), and scores the
@@ -37,7 +38,7 @@ from toolkit.models.gemma2 import gemma2
 from toolkit.models.llama3 import llama3
 from toolkit.models.qwen2_5 import qwen2_5
 from toolkit.modules import Llama3RopeScaling
-from toolkit.modules.peft import get_adapter_params, init_adapters, set_trainable_params
+from toolkit.modules.peft import adapter_modules, get_adapter_params, get_merged_state_dict, init_adapters, set_trainable_params
 from toolkit.parallel import ParallelDims, parallel_dims
 from toolkit.paths import configs_dir, recipes_dir
 from toolkit.training import forward_backward, init_weights, optimizer_step, parallelize
@@ -197,8 +198,24 @@ def train(
     moved = max(float((weights[k] - initial[k]).abs().max()) for k in weights)
     return {
         "losses": losses, "norms": norms, "weights": weights, "moved": moved, "positions": positions,
-        "embedding_rows": embedding_rows,
-        "norm_positions": norm_positions, **generations(model),
+        "embedding_rows": embedding_rows, "norm_positions": norm_positions, **merged(model), **generations(model),
+    }
+
+
+def local_numel(t: torch.Tensor) -> int:
+    return (t.to_local() if isinstance(t, DTensor) else t).numel()
+
+
+def merged(model: torch.nn.Module) -> dict:
+    """An adapted model's merged weights (as the LoRA recipe exports them, from each rank's shards), gathered whole
+    here for the comparison, and the keys of those a rank held more of than of the base weight itself (none: the
+    merge never gathers a base weight)."""
+    if not adapter_modules(model):
+        return {}
+    state, dense = model.state_dict(), get_merged_state_dict(model)
+    return {
+        "merged": {k: full(v) for k, v in dense.items()},
+        "gathered_by_merge": [k for k, v in dense.items() if local_numel(v) > local_numel(state[k])],
     }
 
 
@@ -211,15 +228,18 @@ RECIPE = [
 # With sequence parallelism: the recipe pads every batch to a multiple of 2 and splits the norms' positions.
 RECIPE_TP = ["tensor_parallel=2", "data_parallel=zero3", "sequence_parallel=true"]
 RESUMED_AT = 2
+# The LoRA recipe's runs (its demo: rank-16 adapters on every projection and the vocabulary-split output projection),
+# writing the merged model too.
+LORA = ["save_merged=true"]
 
 
-def run_recipe(*overrides: str) -> None:
-    """The full fine-tune recipe on the demo, checked as `tune run` checks it, in this process group (the recipe's
-    ``main`` would leave the group when done; its ``train`` does not)."""
-    cfg = load_config(configs_dir() / "full_finetune" / "demo.yaml")
+def run_recipe(*overrides: str, recipe_name: str = "full_finetune") -> None:
+    """The full fine-tune recipe (or ``recipe_name``) on the demo, checked as `tune run` checks it, in this process
+    group (the recipe's ``main`` would leave the group when done; its ``train`` does not)."""
+    cfg = load_config(configs_dir() / recipe_name / "demo.yaml")
     apply_overrides(cfg, [*RECIPE, *overrides])
-    validate(cfg, schema=recipe_schema(recipes_dir() / "full_finetune.py"), world_size=dist.get_world_size())
-    recipe = runpy.run_path(str(recipes_dir() / "full_finetune.py"))
+    validate(cfg, schema=recipe_schema(recipes_dir() / f"{recipe_name}.py"), world_size=dist.get_world_size())
+    recipe = runpy.run_path(str(recipes_dir() / f"{recipe_name}.py"))
     with recipe["sdpa_preference"](cfg.get("sdpa_backend")):
         recipe["train"](cfg)
 
@@ -246,6 +266,10 @@ def main(out: str, recipe_out: str) -> None:
     # under TP. A run saving every 2 steps, then a run resuming from its step 2 checkpoint on the same layout.
     run_recipe(*RECIPE_TP, "save_every_n_steps=2", "keep_last_n=null", f"output_dir={recipe_out}")
     run_recipe(*RECIPE_TP, f"resume_from={recipe_out}/checkpoints/step_{RESUMED_AT}", f"output_dir={recipe_out}_resumed")
+    # The LoRA recipe on the same layout, its base the model just trained: the PEFT adapter and the merged model
+    # exported from each rank's shards.
+    run_recipe(*RECIPE_TP, *LORA, f"checkpointer.checkpoint_dir={recipe_out}/final", f"output_dir={recipe_out}_lora",
+               recipe_name="lora_finetune")
     dist.destroy_process_group()
 
 

@@ -1,7 +1,10 @@
 """Promise 1 across tensor-parallel layouts: one process, tp=2, tp=4, ddp x tp=2, zero3 x tp=2 and hsdp x tp=2
 train the same model from the same global batches and then generate the same tokens; so does the recipe, and its
 step checkpoints resume on the same layout (bitwise) and on one process; the generate and eval recipes on one model
-split over 2 processes give what they give on one.
+split over 2 processes give what they give on one. On 2 processes (one launch of recipe runs): step checkpoints
+resumed across tp=2, dp=2 (zero3) and one process; the LoRA recipe on tp=2 (and, in the 4-process launch, on zero3 x
+tp=2) trains like one process, and its PEFT adapter and merged model, written from each rank's shards, load in
+`peft` and `transformers`; `tune export` of a TP run's step checkpoint gives its final export.
 
 One torchrun launch of 4 processes (tests/training/_tp_worker.py) runs every layout of a tiny Llama 3 (rope
 scaling), Qwen 2.5 (q/k/v biases, tied embeddings) and Gemma 2 (soft-caps, sliding window, tied), full fine-tune,
@@ -76,6 +79,19 @@ def test_sequence_parallelism_splits_the_norms_positions(run, layouts):
     assert plain["norm_positions"] == plain["positions"]
 
 
+@pytest.mark.parametrize("run", [r for r in worker.RUNS if r[1] != "full"], ids=lambda run: "/".join(run))
+def test_every_layout_merges_adapters_from_its_own_shards(run, layouts, references):
+    # What the LoRA recipe exports as its merged model, computed on each rank's shards of the base and the adapters:
+    # no rank holds more of any merged weight than of the base weight (the model is never gathered), and the
+    # weights gathered afterwards are one process's (tolerance as for the weights).
+    name, mode, layout = run
+    ours, reference = layouts[f"{name}/{mode}/{layout}"], references[(name, mode)]
+    assert ours["gathered_by_merge"] == []
+    assert ours["merged"].keys() == reference["merged"].keys()
+    for key, weight in reference["merged"].items():
+        torch.testing.assert_close(ours["merged"][key], weight, rtol=1e-5, atol=1e-5, msg=key)
+
+
 @pytest.mark.parametrize("run", worker.RUNS, ids=lambda run: "/".join(run))
 def test_every_layout_generates_what_one_process_does(run, layouts, references):
     # The trained model of each layout, its KV cache holding each rank's heads: the same tokens, greedy and sampled
@@ -142,18 +158,20 @@ EVAL = ["dataset.num_samples=32", "eval_tasks.num_samples=12", "micro_batch_size
 PROMPT = ["prompt=reverse: tensor", "checkpoint_dir=null"]
 
 
-@pytest.fixture(scope="module")
-def split_over_two(launch) -> dict[str, RecipeRun]:
-    """The generate and eval recipes, tensor_parallel=2 on 2 processes, in one launch."""
+def _split_over_two_runs(launch: Path) -> dict[str, RecipeRun]:
     checkpoint = launch / "recipe" / "final"
-    runs = {
+    return {
         "generate": RecipeRun("generate", launch / "generate_tp2", "tensor_parallel=2", *PROMPT),
         "eval": RecipeRun("eval", launch / "eval_tp2", "tensor_parallel=2", f"checkpointer.checkpoint_dir={checkpoint}",
                           *EVAL),
     }
-    result = run_recipes(list(runs.values()), nproc=2, timeout_s=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return runs
+
+
+@pytest.fixture(scope="module")
+def split_over_two(two_process_launch) -> dict[str, RecipeRun]:
+    """The generate and eval recipes, tensor_parallel=2 on 2 processes (in the module's one 2-process launch,
+    :func:`two_process_launch`)."""
+    return {name: two_process_launch[name] for name in ("generate", "eval")}
 
 
 def test_the_generate_recipe_split_over_two_processes_replies_as_one_does(split_over_two):
@@ -172,3 +190,219 @@ def test_the_eval_recipe_split_over_two_processes_scores_as_one_does(launch, spl
     assert two["val_tokens"] == one["val_tokens"]
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
     assert (two["correct"], two["total"]) == (one["correct"], one["total"])
+
+
+# --- Across layouts on 2 processes, and the exports of a tensor-parallel run -------------------------------------------
+# Step checkpoints written on one layout and resumed on another: tp=2 (one pair, no data parallelism), dp=2 (zero3, no
+# TP) and one process, each way. DCP reshards the model and optimizer state; the sampler's position and the RNG state
+# carry over, so the resumed run reads the same rows in the same micro-batches (the layouts cut the global batch into
+# the same rows). Every run saves at steps 2, 4 and 5 (the last).
+SAVES = ["save_every_n_steps=2", "keep_last_n=null"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The demo recipe on one process, uninterrupted, saving step checkpoints (its final/ is the LoRA runs' base)."""
+    out = tmp_path_factory.mktemp("one_process")
+    run_recipe_here("full_finetune", "demo", *worker.RECIPE, *SAVES, f"output_dir={out}")
+    return out
+
+
+def _checkpoint(out: Path) -> Path:
+    return out / "checkpoints" / f"step_{worker.RESUMED_AT}"
+
+
+# The LoRA recipe, its base the model the 4-process recipe run trained (a trained base: the adapters' effect is not a
+# random base's), as the worker runs it on zero3 x tp2; saving the merged model too.
+def _lora(launch: Path) -> list[str]:
+    return [*worker.RECIPE, *worker.LORA, f"checkpointer.checkpoint_dir={launch / 'recipe' / 'final'}"]
+
+
+@pytest.fixture(scope="module")
+def two_process_launch(launch, one_process, tmp_path_factory) -> dict[str, RecipeRun]:
+    """Every 2-process run of this module, in one launch: the generate and eval recipes split over 2 processes, then
+    uninterrupted tp=2 and zero3 runs, each resumed from the other's step 2 checkpoint, tp=2 resumed from the
+    one-process run's, and LoRA on tp=2. By name."""
+    root = tmp_path_factory.mktemp("two_processes")
+    tp2, zero3 = ["tensor_parallel=2"], ["data_parallel=zero3"]
+    runs = {
+        **_split_over_two_runs(launch),
+        "tp2": RecipeRun("full_finetune", root / "tp2", *worker.RECIPE, *tp2, *SAVES),
+        "zero3": RecipeRun("full_finetune", root / "zero3", *worker.RECIPE, *zero3, *SAVES),
+        "tp2_from_zero3": RecipeRun("full_finetune", root / "tp2_from_zero3", *worker.RECIPE, *tp2,
+                                    f"resume_from={_checkpoint(root / 'zero3')}"),
+        "zero3_from_tp2": RecipeRun("full_finetune", root / "zero3_from_tp2", *worker.RECIPE, *zero3,
+                                    f"resume_from={_checkpoint(root / 'tp2')}"),
+        "tp2_from_one": RecipeRun("full_finetune", root / "tp2_from_one", *worker.RECIPE, *tp2,
+                                  f"resume_from={_checkpoint(one_process)}"),
+        "lora_tp2": RecipeRun("lora_finetune", root / "lora_tp2", *_lora(launch), *tp2, *SAVES),
+    }
+    result = run_recipes(list(runs.values()), nproc=2, timeout_s=500)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_processes(two_process_launch) -> dict[str, Path]:
+    """The output folders of :func:`two_process_launch`'s training runs, by name."""
+    return {name: run.output_dir for name, run in two_process_launch.items() if name not in ("generate", "eval")}
+
+
+# (resumed run, the uninterrupted run whose checkpoint it resumed)
+CROSS_LAYOUT = [("tp2_from_zero3", "zero3"), ("zero3_from_tp2", "tp2"), ("tp2_from_one", "one")]
+
+
+def _run(name: str, two_processes: dict[str, Path], one_process: Path) -> Path:
+    return one_process if name == "one" else two_processes[name]
+
+
+@pytest.mark.parametrize("resumed,source", CROSS_LAYOUT, ids=lambda x: x)
+def test_a_checkpoint_resumes_on_another_layout(resumed, source, two_processes, one_process):
+    # The resumed run goes on from step 3 with the same rows (each step's token count) and, the layouts summing in
+    # another order only, the uninterrupted run's losses to float rounding.
+    ours, theirs = _records(two_processes[resumed]), _records(_run(source, two_processes, one_process))
+    assert [r["step"] for r in ours] == list(range(worker.RESUMED_AT + 1, 6))
+    later = theirs[worker.RESUMED_AT :]
+    assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in later]
+    torch.testing.assert_close([r["loss"] for r in ours], [r["loss"] for r in later], rtol=1e-5, atol=0)
+
+
+def test_a_tp2_checkpoint_resumes_on_one_process(two_processes, tmp_path):
+    run_recipe_here("full_finetune", "demo", *worker.RECIPE, f"output_dir={tmp_path}",
+                    f"resume_from={_checkpoint(two_processes['tp2'])}")
+    ours, theirs = _records(tmp_path), _records(two_processes["tp2"])[worker.RESUMED_AT :]
+    assert [r["step"] for r in ours] == list(range(worker.RESUMED_AT + 1, 6))
+    assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in theirs]
+    torch.testing.assert_close([r["loss"] for r in ours], [r["loss"] for r in theirs], rtol=1e-5, atol=0)
+
+
+def test_tp2_and_zero3_train_like_one_process(two_processes, one_process):
+    # The uninterrupted runs the resumed ones are compared with agree with each other too (tolerances as above).
+    reference = _records(one_process)
+    for name in ("tp2", "zero3"):
+        ours = _records(two_processes[name])
+        assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in reference]
+        torch.testing.assert_close([r["loss"] for r in ours], [r["loss"] for r in reference], rtol=1e-5, atol=0)
+
+
+def _files(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_tune_export_of_a_tp2_step_checkpoint_gives_the_final_export(two_processes, tmp_path):
+    # The last step's checkpoint holds the weights the run exported at its end: the same bytes, written from the
+    # TP shards by one process.
+    run = two_processes["tp2"]
+    result = run_tune_here("export", str(run / "checkpoints" / "step_5"), "--output", str(tmp_path / "hf"))
+    assert result.returncode == 0, result.stderr
+    ours, final = _files(tmp_path / "hf"), _files(run / "final")
+    assert ours.keys() == final.keys()
+    for key, weight in final.items():
+        assert torch.equal(ours[key], weight), key
+
+
+def test_tune_export_of_a_lora_tp2_step_checkpoint_gives_the_final_adapter_and_merged_model(two_processes, tmp_path):
+    # The adapter: the same bytes. The merged model: merged offline from the base's files here, from each rank's
+    # shards in the run, both in float32 (the sums in another order: 1e-6).
+    run = two_processes["lora_tp2"]
+    result = run_tune_here("export", str(run / "checkpoints" / "step_5"), "--output", str(tmp_path), "--merged",
+                           "--overwrite")
+    assert result.returncode == 0, result.stderr
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    final = load_file(run / "final" / "adapter" / "adapter_model.safetensors")
+    assert adapter.keys() == final.keys()
+    for key, weight in final.items():
+        assert torch.equal(adapter[key], weight), key
+    merged, final_merged = _files(tmp_path / "merged"), _files(run / "final" / "merged")
+    assert merged.keys() == final_merged.keys()
+    for key, weight in final_merged.items():
+        torch.testing.assert_close(merged[key], weight, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.fixture(scope="module")
+def lora_one_process(launch, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("lora_one_process")
+    run_recipe_here("lora_finetune", "demo", *_lora(launch), f"output_dir={out}")
+    return out
+
+
+def _lora_run(name: str, launch: Path, two_processes: dict[str, Path]) -> Path:
+    return launch / "recipe_lora" if name == "zero3_tp2" else two_processes[name]
+
+
+LORA_RUNS = ["lora_tp2", "zero3_tp2"]  # 2 processes, and the worker's 4
+
+
+@pytest.mark.parametrize("name", LORA_RUNS)
+def test_the_lora_recipe_on_tensor_parallel_layouts_trains_and_exports_like_one_process(
+    name, launch, two_processes, lora_one_process
+):
+    # The same rows, losses and gradient norms; the adapters and the merged model as one process writes them (the
+    # split matmuls sum in another order: 1e-4 relative after 5 AdamW steps, as for the full fine-tune's weights).
+    run = _lora_run(name, launch, two_processes)
+    ours, reference = _records(run), _records(lora_one_process)
+    assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in reference]
+    torch.testing.assert_close([r["loss"] for r in ours], [r["loss"] for r in reference], rtol=1e-5, atol=0)
+    torch.testing.assert_close([r["grad_norm"] for r in ours], [r["grad_norm"] for r in reference], rtol=1e-5, atol=0)
+    for folder in ("adapter", "merged"):
+        weights, expected = _files(run / "final" / folder), _files(lora_one_process / "final" / folder)
+        assert weights.keys() == expected.keys()
+        for key, weight in expected.items():
+            torch.testing.assert_close(weights[key], weight, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("name", LORA_RUNS)
+def test_the_exports_of_a_tensor_parallel_lora_run_load_in_transformers_and_peft(name, launch, two_processes):
+    # The run's own model, rebuilt from its files by our loaders (the base and the PEFT adapter), against
+    # transformers on the merged export and peft on the base with the adapter: fp32, the same math in another
+    # order, 1e-4 on logits of about 1 (as in test_peft_export.py).
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from toolkit.models import build_from_hf
+    from toolkit.pretrained import from_pretrained
+    from toolkit.training import HFCheckpointer, materialize
+    from toolkit.training.peft import adapter_linear, fill_adapter_model
+
+    base, final = launch / "recipe" / "final", _lora_run(name, launch, two_processes) / "final"
+    with torch.device("meta"):
+        model = build_from_hf(path=base, linear=adapter_linear(final / "adapter", model_family="llama3"))
+    materialize(model, device=torch.device("cpu"))
+    fill_adapter_model(model, HFCheckpointer(str(base), model_family="llama3"), adapter_dir=final / "adapter")
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.eval()(tokens)
+        assert (ours - from_pretrained(base)(tokens)).abs().max() > 1e-2  # the adapters changed the model
+        torch.testing.assert_close(from_pretrained(final / "merged")(tokens), ours, atol=1e-4, rtol=0)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(final / "merged", dtype=torch.float32).eval()
+        torch.testing.assert_close(hf(tokens).logits, ours, atol=1e-4, rtol=0)
+        hf_base = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        adapted = peft.PeftModel.from_pretrained(hf_base, final / "adapter").eval()
+        torch.testing.assert_close(adapted(tokens).logits, ours, atol=1e-4, rtol=0)
+
+
+def test_a_lora_tp2_checkpoint_resumes_on_one_process(launch, two_processes, tmp_path):
+    # Only the adapters and their optimizer state are in it (the base is the base checkpoint's).
+    run_recipe_here("lora_finetune", "demo", *_lora(launch), f"output_dir={tmp_path}",
+                    f"resume_from={_checkpoint(two_processes['lora_tp2'])}")
+    ours, theirs = _records(tmp_path), _records(two_processes["lora_tp2"])[worker.RESUMED_AT :]
+    assert [r["step"] for r in ours] == list(range(worker.RESUMED_AT + 1, 6))
+    assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in theirs]
+    torch.testing.assert_close([r["loss"] for r in ours], [r["loss"] for r in theirs], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("recipe,source,wanted", [
+    ("full_finetune", "lora_tp2", "llama3_demo"), ("lora_finetune", "tp2", "lora_llama3_demo"),
+])
+def test_a_tensor_parallel_checkpoint_of_the_other_recipe_is_refused_in_one_line(
+    recipe, source, wanted, launch, two_processes, tmp_path
+):
+    # A LoRA checkpoint holds adapters only, a full fine-tune's the whole model: the config's model names which.
+    result = run_tune_here(
+        "run", f"{recipe}_single_device", "--config", "demo", *worker.RECIPE,
+        f"output_dir={tmp_path}", f"resume_from={_checkpoint(two_processes[source])}",
+    )
+    assert result.returncode == 2
+    line, = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "model._component_" in line and f"llama3.{wanted}'" in line
+    assert not (tmp_path / "metrics.jsonl").exists()

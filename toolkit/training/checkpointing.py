@@ -239,20 +239,42 @@ class HFCheckpointer:
         specs = {key: _TensorSpec.of(tensor) for key, tensor in state.items()}
         return self._write_folder(output_dir, model, specs, lambda tmp_dir: _memory_reader(state), max_shard_bytes)
 
-    def export(self, model: nn.Module, output_dir: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-        """Write ``model`` (plain, DDP or FSDP-sharded) as ``output_dir`` in Hugging Face layout, from every rank.
+    def export(
+        self,
+        model: nn.Module,
+        output_dir: str | Path,
+        *,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    ) -> Path:
+        """Write ``model`` (plain, DDP, FSDP-sharded or tensor-parallel) as ``output_dir`` in Hugging Face layout,
+        from every rank.
 
         A collective: every rank calls it. The output files are shared out among the ranks, each writing its own
         in parallel, one tensor at a time. A sharded model is never gathered: every rank first writes its shards
         (``torch.distributed.checkpoint``, in parallel), then each file's owner reads back just the tensors of its
         files. Host memory stays at about one tensor per rank above the training state.
 
+        ``state_dict`` gives the weights to write instead of the model's (our names; each rank's own shards where
+        they are DTensors, as ``model.state_dict()`` holds them: a LoRA model's merged weights).
+
         This needs ``output_dir`` on a filesystem every node sees. On nodes with local disks only, rank zero
         gathers the model into host memory and writes it alone (the other nodes' folders stay empty).
         """
         shared = shared_filesystem(Path(output_dir).parent)
         # Nodes with local disks (the folder is not shared): rank zero gathers the model and writes every file.
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=not shared, cpu_offload=not shared))
+        if state_dict is None:
+            options = StateDictOptions(full_state_dict=not shared, cpu_offload=not shared)
+            full = get_model_state_dict(model, options=options)
+        elif shared:
+            full = state_dict
+        else:  # gathered one tensor at a time (a collective for a DTensor), kept on rank zero's CPU
+            rank_zero = not dist.is_initialized() or dist.get_rank() == 0
+            full = {}
+            for key, tensor in state_dict.items():
+                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                if rank_zero:
+                    full[key] = whole.cpu()
         state = {self.family.tune_key_to_hf(k): v for k, v in full.items()}
         specs = {key: _TensorSpec.of(tensor) for key, tensor in state.items()}
         sharded = any(isinstance(tensor, DTensor) for tensor in state.values())

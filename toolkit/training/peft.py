@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from toolkit.errors import UserError, read_json
 from toolkit.models._decoder import LinearFactory
@@ -98,6 +100,29 @@ def save_peft_adapter(
     Raises:
         ValueError: the model has no adapters, or adapters of different ranks, alphas, dropouts or kinds.
     """
+    return _save_adapter(model, output_dir, model_family=model_family, base_model_name_or_path=base_model_name_or_path,
+                         write=True)
+
+
+def export_peft_adapter(
+    model: nn.Module,
+    output_dir: str | Path,
+    *,
+    model_family: str,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """:func:`save_peft_adapter` for a model whose parameters may be sharded (FSDP2, tensor parallelism): a
+    collective, every rank calls it. Each adapter tensor is gathered whole on every rank in turn (a rank-``r``
+    matrix or a magnitude vector, never a base weight: the base is not gathered), and rank zero writes the folder.
+    """
+    rank_zero = not dist.is_initialized() or dist.get_rank() == 0
+    return _save_adapter(model, output_dir, model_family=model_family, base_model_name_or_path=base_model_name_or_path,
+                         write=rank_zero)
+
+
+def _save_adapter(
+    model: nn.Module, output_dir: str | Path, *, model_family: str, base_model_name_or_path: str | None, write: bool
+) -> Path:
     family = load_model_family(model_family)
     modules = adapter_modules(model)
     if not modules:
@@ -107,7 +132,10 @@ def save_peft_adapter(
         hf_name = _hf_module_name(family, name)
         for param_name in module.adapter_params():
             key = f"{_PEFT_PREFIX}{hf_name}.{_TO_PEFT[param_name]}"
-            tensors[key] = module.get_parameter(param_name).detach().contiguous().cpu()
+            param = module.get_parameter(param_name).detach()
+            whole = param.full_tensor() if isinstance(param, DTensor) else param  # a collective for a DTensor
+            if write:
+                tensors[key] = whole.contiguous().cpu()
     use_dora = _uniform({n: isinstance(m, DoRALinear) for n, m in modules.items()}, "adapter kind (LoRA or DoRA)")
     config = {
         "peft_type": "LORA",
@@ -129,11 +157,14 @@ def save_peft_adapter(
         "alpha_pattern": {},
     }
 
-    def write(tmp_dir: Path) -> None:
+    if not write:  # every rank checked the config above: a bad one fails on all of them
+        return Path(output_dir)
+
+    def write_files(tmp_dir: Path) -> None:
         save_file(tensors, str(tmp_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
-    return _write_atomically(Path(output_dir), write)
+    return _write_atomically(Path(output_dir), write_files)
 
 
 def _read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
