@@ -19,8 +19,8 @@ a ZeRO-3 all-gather the data-parallel ranks). Time per step: the median of the t
 ended by a barrier.
 
 The layouts (``--layouts``): ``ddp``, ``zero3`` (4 data-parallel ranks), ``tp2``, ``tp4`` (tensor parallelism over
-pairs or all 4; under ``tp2`` the two pairs are data-parallel, ddp semantics), ``zero3_tp2`` (2 ZeRO-3 ranks of
-tensor-parallel pairs).
+pairs or all 4; under ``tp2`` the two pairs are data-parallel, ddp semantics), ``tp2_sp`` (``tp2`` with sequence
+parallelism), ``zero3_tp2`` (2 ZeRO-3 ranks of tensor-parallel pairs).
 
 ``--device cuda`` runs one process per GPU on NCCL (benchmarks/gpu/run_checks.py does so where a machine has
 several GPUs). On a CPU machine with fewer cores than processes, every collective waits for a rank that lost its
@@ -46,8 +46,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scaling import collective_counter, free_port  # noqa: E402 (the benchmarks folder is no package)
 
-# name: (data_parallel, tensor_parallel)
-LAYOUTS = {"ddp": ("ddp", 1), "zero3": ("zero3", 1), "tp2": ("ddp", 2), "tp4": ("ddp", 4), "zero3_tp2": ("zero3", 2)}
+# name: (data_parallel, tensor_parallel, sequence_parallel)
+LAYOUTS = {
+    "ddp": ("ddp", 1, False), "zero3": ("zero3", 1, False), "tp2": ("ddp", 2, False), "tp2_sp": ("ddp", 2, True),
+    "tp4": ("ddp", 4, False), "zero3_tp2": ("zero3", 2, False),
+}
 
 
 def _worker(rank: int, world_size: int, port: int, options: dict, result_file: str) -> None:
@@ -63,7 +66,7 @@ def _worker(rank: int, world_size: int, port: int, options: dict, result_file: s
     env = init_distributed(device=options["device"])
     results = {}
     for name in options["layouts"]:
-        strategy, tp = LAYOUTS[name]
+        strategy, tp, sequence_parallel = LAYOUTS[name]
         dims = parallel_dims(strategy=strategy, world_size=world_size, local_world_size=world_size,
                              device_type=env.device.type, tensor_parallel=tp, rank=rank)
         set_seed(0)
@@ -72,7 +75,8 @@ def _worker(rank: int, world_size: int, port: int, options: dict, result_file: s
         params = sum(p.numel() for p in model.parameters())
         mesh = dims.build_mesh(env.device.type)
         dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
-        model = parallelize(model, dims=dims, device=env.device, dtype=dtype, fill=init_weights, mesh=mesh)
+        model = parallelize(model, dims=dims, device=env.device, dtype=dtype, fill=init_weights, mesh=mesh,
+                            sequence_parallel=sequence_parallel)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         generator = torch.Generator().manual_seed(dims.dp_rank)  # a TP group's ranks read the same rows
         tokens = torch.randint(0, 256, (options["micro_batch_size"], options["seq_len"] + 1), generator=generator)
@@ -98,7 +102,7 @@ def _worker(rank: int, world_size: int, port: int, options: dict, result_file: s
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         results[name] = {
-            "label": dims.label, "params": params, "step_s": statistics.median(times),
+            "label": dims.label + (" + sequence parallel" if sequence_parallel else ""), "params": params, "step_s": statistics.median(times),
             "bytes": dict(counter.bytes), "calls": dict(counter.calls),
         }
     if rank == 0:
@@ -112,7 +116,8 @@ def _worker(rank: int, world_size: int, port: int, options: dict, result_file: s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layouts", nargs="+", default=["ddp", "zero3", "tp2", "tp4", "zero3_tp2"], choices=LAYOUTS)
+    # (tp4 needs 4 key/value heads; the demo model has 2.)
+    parser.add_argument("--layouts", nargs="+", default=["ddp", "zero3", "tp2", "tp2_sp", "zero3_tp2"], choices=LAYOUTS)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL, one process per GPU")
     parser.add_argument("--nproc", type=int, default=4, help="processes (with --device cuda, at most the GPUs)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per layout (after one warmup step)")

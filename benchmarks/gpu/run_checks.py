@@ -286,7 +286,7 @@ def main() -> None:
         tensor_parallel = [f"not run: {left()} s of --budget left"]
         tp_args = (["--nproc", "2", "--layouts", "ddp", "tp2", "--steps", "2"] if args.dry_run else
                    ["--device", "cuda", "--nproc", str(gpus), "--model", "toolkit.models.llama3.llama3_2_1b",
-                    "--seq_len", "2048", "--micro_batch_size", "1", "--layouts", "ddp", "zero3", "tp2", "zero3_tp2"])
+                    "--seq_len", "2048", "--micro_batch_size", "1", "--layouts", "ddp", "zero3", "tp2", "tp2_sp", "zero3_tp2"])
         if left() >= 60:
             code = run_logged([sys.executable, str(TENSOR_PARALLEL), *tp_args],
                               log_path=args.results / "tensor_parallel.log", timeout=min(150, left()),
