@@ -37,7 +37,7 @@ Grouped-query attention with fewer key/value heads than TP ranks is refused rath
 heads: :func:`check_tensor_parallel` says which degrees fit.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -159,26 +159,40 @@ def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, sequence_parallel: bool =
     if sequence_parallel:
         model.register_forward_pre_hook(partial(_decide_sequence_split, split), with_kwargs=True)
         model.norm.register_forward_hook(partial(_gather_sequence, tp_mesh, split))
-    _split_embedding(model.embed_tokens, tp_mesh, output=residual)
-    if model.output is not None:
-        _distribute(model.output, tp_mesh, _VOCAB_OUTPUT)
+    for module, plan in split_modules(model):
+        if plan is _VOCAB_EMBEDDING:
+            _split_embedding(module, tp_mesh, output=residual)
+        else:  # a row-wise projection's output is the residual stream's part
+            _distribute(module, tp_mesh, replace(plan, output=residual) if plan is _ROW else plan)
     for layer in model.layers:
         for parent in (layer.self_attn, layer.mlp):
             # One DTensor input for all of a block's column-wise projections: in backward their partial input
             # gradients are summed first and all-reduced once (not once per projection: 2 collectives a layer, not 5).
             parent.register_forward_pre_hook(partial(_replicated_input, tp_mesh, split))
-            for name, child in parent.named_children():
-                if name in _COLUMN_PROJECTIONS:
-                    _distribute(child, tp_mesh, _COLUMN)
-                elif name in _ROW_PROJECTIONS:
-                    _distribute(child, tp_mesh, replace(_ROW, output=residual))
-                elif name in ("q_norm", "k_norm"):
-                    # Qwen 3's per-head norms see only this rank's heads: their weights' gradients are partial sums.
-                    _replicate(child, tp_mesh, grad=Partial())
+        for name in ("q_norm", "k_norm"):
+            # Qwen 3's per-head norms see only this rank's heads: their weights' gradients are partial sums.
+            if getattr(layer.self_attn, name, None) is not None:
+                _replicate(getattr(layer.self_attn, name), tp_mesh, grad=Partial())
     for module in model.modules():  # the norms, and anything else that holds parameters of its own
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             _replicate(module, tp_mesh, grad=norm_grad)
     return model
+
+
+def split_modules(model: nn.Module) -> Iterator[tuple[nn.Module, _Split]]:
+    """Every module :func:`apply_tp` splits, with its plan: the token embedding, the output projection (untied),
+    and each layer's column- and row-wise projections. The memory plan (:mod:`toolkit.parallel.tp_shapes`) counts
+    the shards of the same walk."""
+    yield model.embed_tokens, _VOCAB_EMBEDDING
+    if model.output is not None:
+        yield model.output, _VOCAB_OUTPUT
+    for layer in model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in parent.named_children():
+                if name in _COLUMN_PROJECTIONS:
+                    yield child, _COLUMN
+                elif name in _ROW_PROJECTIONS:
+                    yield child, _ROW
 
 
 def _decide_sequence_split(split: _SequenceSplit, model: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -3,9 +3,9 @@
 
 :func:`~toolkit.parallel.tensor_parallel.apply_tp` needs a device mesh, so it cannot run where the plan is made
 (``tune plan`` has no processes; a recipe plans before it builds its mesh). This walks the model the way
-``apply_tp`` does and reads the placements from the same tables (``_COLUMN``, ``_ROW``, ``_VOCAB_EMBEDDING``,
-``_VOCAB_OUTPUT`` and the projection names), so a change to the plan there changes the counts here; the walk
-itself is checked against a real ``apply_tp`` model on 2 processes (``tests/training/test_memory_tp.py``).
+``apply_tp`` does (:func:`~toolkit.parallel.tensor_parallel.split_modules`, the walk ``apply_tp`` itself splits
+by, and its plans' placements), so a change to the plan there changes the counts here; the counts are checked
+against a real ``apply_tp`` model on 2 processes (``tests/training/test_memory_tp.py``).
 """
 
 import math
@@ -14,37 +14,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Placement, Shard
 
-from toolkit.parallel.tensor_parallel import (
-    _COLUMN,
-    _COLUMN_PROJECTIONS,
-    _ROW,
-    _ROW_PROJECTIONS,
-    _VOCAB_EMBEDDING,
-    _VOCAB_OUTPUT,
-    _Split,
-    check_tensor_parallel,
-)
+from toolkit.parallel.tensor_parallel import check_tensor_parallel, split_modules
 
 
 def tensor_parallel_placements(model: nn.Module) -> dict[int, Placement]:
     """``id(parameter) -> placement`` for every parameter ``apply_tp`` shards; the others are replicated."""
     placements: dict[int, Placement] = {}
-
-    def split(module: nn.Module, plan: _Split) -> None:
+    for module, plan in split_modules(model):
         for name, param in module.named_parameters():
             if name in plan.params and id(param) not in placements:
                 placements[id(param)] = plan.params[name]
-
-    split(model.embed_tokens, _VOCAB_EMBEDDING)
-    if model.output is not None:
-        split(model.output, _VOCAB_OUTPUT)
-    for layer in model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in parent.named_children():
-                if name in _COLUMN_PROJECTIONS:
-                    split(child, _COLUMN)
-                elif name in _ROW_PROJECTIONS:
-                    split(child, _ROW)
     return placements
 
 
