@@ -22,14 +22,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from tests.training._tp_worker import build as build_case
 from toolkit.cli._catalog import recipe_schema
 from toolkit.config import apply_overrides, load_config, validate
-from toolkit.models._decoder import plain_linear
-from toolkit.models._lora import lora_linear
 from toolkit.models.gemma2 import gemma2
 from toolkit.models.llama3 import llama3
 from toolkit.models.qwen2_5 import qwen2_5
-from toolkit.modules.peft import get_adapter_params, init_adapters, set_trainable_params
+from toolkit.modules.peft import init_adapters
 from toolkit.parallel import apply_tp
 from toolkit.paths import configs_dir, recipes_dir
 from toolkit.training import init_weights
@@ -45,11 +44,6 @@ MODELS = {
         attn_logit_softcap=5.0, final_logit_softcap=3.0, linear=linear,
     ),
 }
-ADAPTERS = {
-    "full": None,
-    "lora": dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "o_proj"], apply_lora_to_mlp=True, lora_rank=4),
-    "dora": dict(lora_attn_modules=["q_proj", "o_proj"], lora_rank=4, use_dora=True),
-}
 # (model, mode): every split apply_tp makes (column, row, vocabulary, tied, biases, LoRA's A and B, DoRA's
 # magnitude, a LoRA output projection).
 CASES = [("llama", "full"), ("qwen", "full"), ("gemma", "full"), ("llama", "lora"), ("gemma", "dora")]
@@ -57,14 +51,7 @@ CASES = [("llama", "full"), ("qwen", "full"), ("gemma", "full"), ("llama", "lora
 
 def build(name: str, mode: str) -> torch.nn.Module:
     """The case's model on the meta device, only its adapters trainable when it has any (as the LoRA recipe)."""
-    adapters = ADAPTERS[mode]
-    linear = plain_linear if adapters is None else lora_linear(**adapters, apply_lora_to_output=name == "llama")
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = MODELS[name](linear)
-    if adapters is not None:
-        set_trainable_params(model, get_adapter_params(model))
-    return model
+    return build_case(name, mode, models=MODELS)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -88,14 +88,15 @@ RUNS = [
 ]
 
 
-def build(name: str, mode: str) -> torch.nn.Module:
+def build(name: str, mode: str, *, models: dict = MODELS) -> torch.nn.Module:
+    """The case's model (from ``models``) on the meta device, only its adapters trainable when it has any."""
     adapters = ADAPTERS[mode]
     linear = plain_linear
     if adapters is not None:
         linear = lora_linear(**adapters, apply_lora_to_output=name == "llama" and mode == "lora")
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = MODELS[name](linear)
+        model = models[name](linear)
     if adapters is not None:
         set_trainable_params(model, get_adapter_params(model))
     return model

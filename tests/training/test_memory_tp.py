@@ -4,7 +4,6 @@ scaling rules, and ``tensor_parallel: auto``'s choice."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
