@@ -35,7 +35,8 @@ def padded_collate(
             their own length.
 
     Returns:
-        ``{"tokens": LongTensor[b, s], "labels": LongTensor[b, s]}`` with ``s`` the longest sample rounded up.
+        ``{"tokens": LongTensor[b, s], "labels": LongTensor[b, s], "lengths": LongTensor[b]}`` with ``s`` the
+        longest sample rounded up and ``lengths`` each row's length before its padding.
         If any sample has ``input_pos``, also ``"input_pos": LongTensor[b, s]`` and, with ``attention_mask``,
         ``"mask": BoolTensor[b, s, s]`` (True where attention is allowed: causal and within a document). A sample
         without ``input_pos`` counts as one document, and the padding of each row as one more, so no row of the
@@ -63,6 +64,7 @@ def padded_collate(
     out = {
         "tokens": _pad([s["tokens"] for s in batch], seq_len, pad_id),  # [b, s]
         "labels": _pad([s["labels"] for s in batch], seq_len, ignore_index),  # [b, s]
+        "lengths": torch.tensor([len(s["tokens"]) for s in batch], dtype=torch.long),  # [b]
     }
     if packed:
         input_pos = torch.arange(seq_len).repeat(len(batch), 1)  # [b, s]

@@ -6,6 +6,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
+from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.modules.kv_cache import KVCache
 from toolkit.modules.loss import (
     LoRAAdapter,
@@ -13,6 +14,7 @@ from toolkit.modules.loss import (
     linear_cross_entropy_sum,
     logit_loss_and_grad,
 )
+from toolkit.modules.moe import MoEFeedForward, routing_statistics
 from toolkit.modules.peft.lora import LoRALinear
 
 
@@ -55,6 +57,8 @@ class TransformerDecoder(nn.Module):
         norm: the final norm.
         output: the output projection; ``None`` ties it to ``embed_tokens.weight`` (Llama 3.2 1B/3B).
         max_seq_len: longest sequence the position embeddings support.
+        router_aux_loss_coef: weight of the load-balancing loss of the mixture-of-experts layers
+            (:class:`~toolkit.modules.moe.MoEFeedForward`) in the training loss; ignored without them.
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class TransformerDecoder(nn.Module):
         norm: nn.Module,
         output: nn.Linear | None,
         max_seq_len: int,
+        router_aux_loss_coef: float = 0.0,
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
@@ -72,6 +77,11 @@ class TransformerDecoder(nn.Module):
         self.norm = norm
         self.output = output
         self.max_seq_len = max_seq_len
+        self.router_aux_loss_coef = router_aux_loss_coef
+        # The mixture-of-experts blocks, in order (a plain list: they are registered through self.layers), and what
+        # their routers did in training forwards since the trainer last took it (take_routing_totals).
+        self._moe_blocks = [m for m in self.layers.modules() if isinstance(m, MoEFeedForward)]
+        self._routing_totals: dict[str, torch.Tensor] | None = None
         # The fused loss's work between its matmuls; toolkit.training.compile_model replaces it with a compiled one.
         self.output_loss_kernel = logit_loss_and_grad
 
@@ -90,6 +100,7 @@ class TransformerDecoder(nn.Module):
         num_output_chunks: int | None = None,
         labels: torch.Tensor | None = None,
         fused_loss: bool = True,
+        lengths: torch.Tensor | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Logits ``[b, s, vocab]`` for ``tokens`` ``[b, s]`` (mask and input_pos as in the attention layer), or,
         given ``labels``, the summed float32 cross-entropy against them.
@@ -113,6 +124,14 @@ class TransformerDecoder(nn.Module):
                 (:func:`~toolkit.modules.loss.linear_cross_entropy_sum`: no logits outlive their chunk) when the
                 output projection allows it (:meth:`fused_loss_weight`: a plain weight, or LoRA on one); otherwise,
                 or when False, through chunked logits.
+            lengths: ``[b]``, each row's length before its padding (``toolkit.data.padded_collate`` gives it). The
+                routers' load statistics of a mixture-of-experts model count only those positions (all without it).
+
+        With ``labels``, in training mode, a mixture-of-experts model adds its load-balancing loss to the sum:
+        ``router_aux_loss_coef`` times each row's loss (:func:`~toolkit.modules.moe.routing_statistics`) weighted by
+        the row's trained tokens, so that divided by the global token count, as the cross-entropy sum is, it is the
+        token-weighted mean of the rows' losses: for one row exactly ``transformers``' ``aux_loss`` term, and the same
+        total whatever the split of a global batch into ranks and micro-batches.
         """
         h = self.embed_tokens(tokens)  # [b, s, d]
         for layer in self.layers:
@@ -122,10 +141,38 @@ class TransformerDecoder(nn.Module):
         if num_output_chunks is not None and num_output_chunks < 1:
             raise ValueError(f"num_output_chunks must be at least 1, got {num_output_chunks}")
         if labels is not None:
-            return self._loss_sum(h, labels, num_chunks=num_output_chunks or 1, fused=fused_loss)
+            loss = self._loss_sum(h, labels, num_chunks=num_output_chunks or 1, fused=fused_loss)
+            if self._moe_blocks and self.training:
+                loss = loss + self._router_loss_sum(labels, lengths)
+            return loss
         if num_output_chunks is None:
             return self.compute_logits(h)
         return self._chunked_logits(h, num_output_chunks)
+
+    def _router_loss_sum(self, labels: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+        # The routers' load-balancing loss, weighted per row by its trained tokens, and what it and the per-expert
+        # token counts add to the totals the trainer takes after the step.
+        stats = routing_statistics(
+            [block.routing for block in self._moe_blocks], num_experts=self._moe_blocks[0].num_experts,
+            lengths=lengths,
+        )
+        for block in self._moe_blocks:
+            block.routing = None  # the loss's graph keeps what it needs
+        trained = (labels != CROSS_ENTROPY_IGNORE_INDEX).sum(dim=-1).float()  # [b]
+        loss = self.router_aux_loss_coef * (stats.aux_loss * trained).sum()
+        totals = {"aux_loss_sum": loss.detach().double(), "tokens_per_expert": stats.tokens_per_expert.double()}
+        if self._routing_totals is not None:
+            totals = {key: total + self._routing_totals[key] for key, total in totals.items()}
+        self._routing_totals = totals
+        return loss
+
+    def take_routing_totals(self) -> dict[str, torch.Tensor] | None:
+        """What the routers did in the training forwards since the last call (then reset), float64:
+        ``aux_loss_sum``, the load-balancing loss as those forwards added it to the loss sum, and
+        ``tokens_per_expert`` ``[moe_layers, num_experts]``, the assignments each expert got. ``None`` without
+        mixture-of-experts layers or such forwards."""
+        totals, self._routing_totals = self._routing_totals, None
+        return totals
 
     def _chunked_logits(self, h: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
         # Each chunk is a strided view of h; copied to one block, its projection is one matrix multiply instead of a

@@ -25,8 +25,8 @@ def materialize(model: nn.Module, *, device: torch.device, dtype: torch.dtype | 
 
 @torch.no_grad()
 def init_weights(model: nn.Module, *, std: float = 0.02) -> None:
-    """Initialize from scratch: every matrix parameter (linear, embedding, and the frozen base weights of adapter
-    layers) from normal(0, std), biases at zero, and other leaf modules (norms) by their own
+    """Initialize from scratch: every matrix parameter (linear, embedding, stacked experts, and the frozen base
+    weights of adapter layers) from normal(0, std), biases at zero, and other leaf modules (norms) by their own
     ``reset_parameters``. Draws from the global torch RNG in a fixed order, so the same seed gives the same model
     on every rank. Adapter layers reset their own adapters afterwards (``init_adapters``)."""
     for module in model.modules():
@@ -39,6 +39,9 @@ def init_weights(model: nn.Module, *, std: float = 0.02) -> None:
                 init_full_(weight, lambda w: nn.init.normal_(w, mean=0.0, std=std))
             if own.get("bias") is not None:
                 nn.init.zeros_(own["bias"])
+        elif own and all(param.dim() == 3 for param in own.values()):  # stacked experts: [experts, out, in] each
+            for param in own.values():
+                init_full_(param, lambda w: nn.init.normal_(w, mean=0.0, std=std))
         elif own and hasattr(module, "reset_parameters"):
             module.reset_parameters()
 

@@ -2,7 +2,7 @@
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -16,7 +16,7 @@ from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import gradient_scale, start_global_token_count
 from toolkit.training.optim import OptimizerInBackward
-from toolkit.parallel import clip_grad_norm, gradient_sync
+from toolkit.parallel import clip_grad_norm, gradient_sync, unwrap
 
 T = TypeVar("T")
 
@@ -29,11 +29,13 @@ class StepResult:
         loss: mean token loss over the whole global batch (all micro-batches and ranks).
         num_tokens: non-ignored tokens in the global batch.
         num_positions: this rank's input positions, padding included (for throughput).
+        routing: for a mixture-of-experts model, :func:`routing_metrics` of the global batch; else empty.
     """
 
     loss: float
     num_tokens: int
     num_positions: int
+    routing: dict[str, float] = field(default_factory=dict)
 
 
 def forward_backward(
@@ -95,7 +97,8 @@ def forward_backward(
                 mask = batch_attention_mask(mb, flex_attention=flex_attention)
                 if loss_fn is None:
                     micro_loss = model(
-                        mb["tokens"], mask=mask, input_pos=mb.get("input_pos"), labels=mb["labels"], **output_kwargs
+                        mb["tokens"], mask=mask, input_pos=mb.get("input_pos"), labels=mb["labels"],
+                        lengths=mb.get("lengths"), **output_kwargs,
                     )
                 else:
                     logits = model(mb["tokens"], mask=mask, input_pos=mb.get("input_pos"), **output_kwargs)
@@ -109,7 +112,32 @@ def forward_backward(
             (grad_scaler.scale(scaled) if grad_scaler is not None else scaled).backward()
         loss_sum += micro_loss.detach().float()
     loss = all_reduce_sum(loss_sum, group=data_parallel_group).item() / max(num_tokens, 1)
-    return StepResult(loss=loss, num_tokens=num_tokens, num_positions=num_positions)
+    take_routing = getattr(unwrap(model), "take_routing_totals", None)
+    routing = take_routing() if take_routing is not None else None
+    metrics = {} if routing is None else routing_metrics(routing, num_tokens=num_tokens, group=data_parallel_group)
+    return StepResult(loss=loss, num_tokens=num_tokens, num_positions=num_positions, routing=metrics)
+
+
+def routing_metrics(
+    totals: dict[str, torch.Tensor], *, num_tokens: int, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """The ``metrics.jsonl`` figures of a step's expert routing, from each rank's
+    :meth:`~toolkit.modules.TransformerDecoder.take_routing_totals` summed over ``group`` (a collective).
+
+    ``router_aux_loss`` is the load-balancing loss's part of ``loss``; ``expert_load_min`` and ``expert_load_max``
+    the fewest and most token assignments one expert of one layer got in the global batch; and
+    ``expert_load_busiest_share`` the largest share of a layer's assignments that went to one expert (``1 /
+    num_experts`` when perfectly balanced, 1 when the router has collapsed onto one expert).
+    """
+    load = totals["tokens_per_expert"]  # [layers, experts]
+    summed = all_reduce_sum(torch.cat([totals["aux_loss_sum"].reshape(1), load.flatten()]).cpu(), group=group)
+    aux_loss_sum, load = summed[0], summed[1:].view_as(load)
+    return {
+        "router_aux_loss": float(aux_loss_sum) / max(num_tokens, 1),
+        "expert_load_min": float(load.min()),
+        "expert_load_max": float(load.max()),
+        "expert_load_busiest_share": float((load.max(dim=-1).values / load.sum(dim=-1).clamp(min=1)).max()),
+    }
 
 
 def optimizer_step(
