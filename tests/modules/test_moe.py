@@ -1,6 +1,6 @@
 """The mixture-of-experts block against ``transformers``' Qwen3-MoE pieces (its router, its loop over the experts,
-its load-balancing loss), the grouped matmul against its per-expert fallback, and the per-row load statistics
-against splitting the batch. fp32 throughout: the same products summed in other orders, so 1e-6."""
+its load-balancing loss), the grouped matmul against its per-expert fallback, the per-row load statistics
+against splitting the batch, and the experts' adapters against one LoRA layer per expert. fp32 throughout: the same products summed in other orders, so 1e-6."""
 
 import pytest
 import torch
@@ -13,6 +13,13 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 
 from toolkit.modules import moe
 from toolkit.modules.moe import GroupedExperts, MoEFeedForward, TopKRouter, grouped_mm, routing_statistics
+from toolkit.modules.peft import (
+    LoRAGroupedExperts,
+    LoRALinear,
+    disable_adapters,
+    get_merged_state_dict,
+    merge_lora_weights,
+)
 
 E, K, DIM, HIDDEN = 8, 2, 32, 16
 
@@ -130,3 +137,56 @@ def test_bad_router_and_expert_settings_are_refused():
         TopKRouter(DIM, 4, 5, norm_topk_prob=True)
     with pytest.raises(ValueError, match="scores 4 experts but there are 8"):
         MoEFeedForward(gate=TopKRouter(DIM, 4, 2, norm_topk_prob=True), experts=GroupedExperts(num_experts=8, dim=DIM, hidden_dim=HIDDEN))
+
+
+# --- LoRA on the experts ----------------------------------------------------------------------------------------
+
+
+def _adapted(dropout: float = 0.0) -> tuple[MoEFeedForward, MoEFeedForward]:
+    """A block with adapted experts (B random, so the adapters matter) and the plain block it came from."""
+    plain, _, _ = _pair(True)
+    experts = LoRAGroupedExperts(num_experts=E, dim=DIM, hidden_dim=HIDDEN, rank=3, alpha=6.0, dropout=dropout)
+    experts.load_state_dict(plain.experts.state_dict(), strict=False)
+    torch.manual_seed(2)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        torch.nn.init.normal_(experts.adapter(name).lora_b.weight, std=0.3)
+    return MoEFeedForward(gate=plain.gate, experts=experts), plain
+
+
+def test_expert_adapters_compute_what_one_lora_layer_per_expert_does():
+    adapted, plain = _adapted()
+    x = torch.randn(2, 9, DIM)
+    _, weights, chosen = adapted.gate(x.view(-1, DIM))
+    expected = torch.zeros(x.numel() // DIM, DIM)
+    for e in range(E):
+        # Expert e as three LoRALinear layers with its slices of the stacked base and adapters.
+        layers = {}
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            base = getattr(adapted.experts, name)[e]
+            layer = LoRALinear(base.shape[1], base.shape[0], rank=3, alpha=6.0)
+            with torch.no_grad():
+                layer.weight.copy_(base)
+                layer.lora_a.weight.copy_(adapted.experts.adapter(name).lora_a.weight[e])
+                layer.lora_b.weight.copy_(adapted.experts.adapter(name).lora_b.weight[e])
+            layers[name] = layer
+        for t, k in zip(*torch.where(chosen == e)):
+            h = torch.nn.functional.silu(layers["gate_proj"](x.view(-1, DIM)[t])) * layers["up_proj"](x.view(-1, DIM)[t])
+            expected[t] += weights[t, k] * layers["down_proj"](h).detach()
+    torch.testing.assert_close(adapted(x).view(-1, DIM).detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_adapters_start_as_the_base_train_alone_and_merge_into_plain_experts():
+    adapted, plain = _adapted()
+    x = torch.randn(2, 6, DIM)
+    adapted.experts.reset_lora_parameters()  # B = 0: the adapted block is its base
+    assert torch.equal(adapted(x), plain(x))
+    torch.nn.init.normal_(adapted.experts.adapter("up_proj").lora_b.weight, std=0.3)
+    adapted(x).sum().backward()
+    trained = {n for n, p in adapted.experts.named_parameters() if p.grad is not None}
+    assert trained == set(adapted.experts.adapter_params())  # the base experts are frozen
+    with disable_adapters(adapted):
+        torch.testing.assert_close(adapted(x), plain(x), rtol=0, atol=0)
+    merged = merge_lora_weights(MoEFeedForward(gate=adapted.gate, experts=adapted.experts))
+    assert type(merged.experts) is GroupedExperts
+    torch.testing.assert_close(merged(x), adapted(x), rtol=1e-5, atol=1e-6)
+    assert get_merged_state_dict(adapted).keys() == plain.state_dict().keys()

@@ -60,11 +60,20 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     ``torch._grouped_mm`` where this device and dtype have it (one kernel for all groups); otherwise one matrix
     multiply per group's contiguous rows, which gives the same values.
     """
-    if _has_grouped_mm(x.device.type, x.dtype):
+    weight_t = weight.transpose(-2, -1)  # [E, in, out]
+    if _has_grouped_mm(x.device.type, x.dtype) and _aligned(x, weight_t, weight.shape[-2]):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(x, weight_t, offs=offsets)
     segments = x.split(counts.tolist())
     return torch.cat([segment @ weight[e].T for e, segment in enumerate(segments)])
+
+
+def _aligned(x: torch.Tensor, weight_t: torch.Tensor, out_dim: int) -> bool:
+    # The kernel needs every stride but the unit one, and the output's rows, to be multiples of 16 bytes (a LoRA
+    # adapter's rank of 3 in float32 is not).
+    step = 16 // x.element_size()
+    strides = [s for t in (x, weight_t) for s in t.stride() if s != 1]
+    return out_dim % step == 0 and all(s % step == 0 for s in strides)
 
 
 @cache
@@ -111,6 +120,11 @@ class GroupedExperts(nn.Module):
             bound = 1 / param.shape[-1] ** 0.5
             nn.init.uniform_(param, -bound, bound)
 
+    def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Projection ``name`` (``gate_proj``, ``up_proj`` or ``down_proj``) of rows ``x`` grouped by expert
+        (``counts`` rows each); adapters override it."""
+        return grouped_mm(x, getattr(self, name), counts)
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for tokens ``x`` ``[t, dim]``, each routed to ``experts`` ``[t, k]`` and mixed by
         ``weights`` ``[t, k]``: ``[t, dim]``.
@@ -124,8 +138,8 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
         routed = x.repeat_interleave(top_k, dim=0)[order]  # [t * k, dim], grouped by expert
-        hidden = self.activation(grouped_mm(routed, self.gate_proj, counts)) * grouped_mm(routed, self.up_proj, counts)
-        out = grouped_mm(hidden, self.down_proj, counts)
+        hidden = self.activation(self.project("gate_proj", routed, counts)) * self.project("up_proj", routed, counts)
+        out = self.project("down_proj", hidden, counts)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to token-major order
         return (unsorted.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 

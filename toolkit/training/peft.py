@@ -25,7 +25,7 @@ from toolkit.errors import UserError, read_json
 from toolkit.models._decoder import LinearFactory
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES, lora_linear
 from toolkit.modules._dtensor import copy_full_
-from toolkit.modules.peft import DoRALinear, adapter_modules, init_adapters, is_adapter_key
+from toolkit.modules.peft import DoRALinear, LoRAGroupedExperts, adapter_modules, init_adapters, is_adapter_key
 from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _weight_files, load_model_family
 from toolkit.training.step_checkpoint import TOKENIZER_FILES
 from toolkit.training.init import init_weights
@@ -127,6 +127,9 @@ def _save_adapter(
     modules = adapter_modules(model)
     if not modules:
         raise ValueError("the model has no LoRA/DoRA layers to save")
+    experts = [name for name, module in modules.items() if isinstance(module, LoRAGroupedExperts)]
+    if experts:  # written without them, the adapter would silently lose the experts' training
+        raise ValueError(f"{experts[0]}: adapters on stacked experts have no PEFT layout here; export the merged model")
     tensors = {}
     for name, module in modules.items():
         hf_name = _hf_module_name(family, name)

@@ -13,6 +13,7 @@ A LoRA recipe, in order::
     save_peft_adapter(model, out_dir, model_family="llama3")  # toolkit.training.peft
 """
 
+from toolkit.modules.peft.experts import LoRAGroupedExperts
 from toolkit.modules.peft.lora import DoRALinear, LoRALinear
 from toolkit.modules.peft.nf4 import NF4Linear, dequantize, is_nf4, to_nf4
 from toolkit.modules.peft.utils import (
@@ -29,6 +30,7 @@ from toolkit.modules.peft.utils import (
 
 __all__ = [
     "DoRALinear",
+    "LoRAGroupedExperts",
     "LoRALinear",
     "NF4Linear",
     "adapter_modules",

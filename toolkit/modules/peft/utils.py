@@ -6,15 +6,20 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from toolkit.modules.moe import GroupedExperts
+from toolkit.modules.peft.experts import LoRAGroupedExperts
 from toolkit.modules.peft.lora import DoRALinear, LoRALinear
 from toolkit.modules.peft.nf4 import NF4Linear, dequantize
 
 _ADAPTER_SUFFIXES = (".lora_a.weight", ".lora_b.weight", ".magnitude")
 
 
-def adapter_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    """Every LoRA/DoRA layer of ``model`` by its module name (``layers.0.self_attn.q_proj``)."""
-    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+def adapter_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAGroupedExperts]:
+    """Every LoRA/DoRA layer and every set of adapted experts of ``model`` by its module name
+    (``layers.0.self_attn.q_proj``, ``layers.0.mlp.experts``)."""
+    return {
+        name: module for name, module in model.named_modules() if isinstance(module, (LoRALinear, LoRAGroupedExperts))
+    }
 
 
 def is_adapter_key(key: str) -> bool:
@@ -72,8 +77,14 @@ def get_adapter_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 def _dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    # The plain-linear weight of every adapted or quantized layer, by state-dict key.
-    weights = {f"{name}.weight": module.merged_weight() for name, module in adapter_modules(model).items()}
+    # The plain-linear weight of every adapted or quantized layer (the stacked weights of adapted experts), by
+    # state-dict key.
+    weights = {}
+    for name, module in adapter_modules(model).items():
+        if isinstance(module, LoRAGroupedExperts):
+            weights.update({f"{name}.{param}": merged for param, merged in module.merged_weights().items()})
+        else:
+            weights[f"{name}.weight"] = module.merged_weight()
     for name, module in model.named_modules():
         if isinstance(module, NF4Linear):
             weights[f"{name}.weight"] = dequantize(module.weight)
@@ -97,15 +108,25 @@ def get_merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def merge_lora_weights(model: nn.Module) -> nn.Module:
-    """Replace, in place, every LoRA/DoRA layer by a plain ``nn.Linear`` holding its merged weight, and every NF4
-    layer by a dequantized one; return the model (a new module if ``model`` itself was such a layer).
+    """Replace, in place, every LoRA/DoRA layer by a plain ``nn.Linear`` holding its merged weight, every NF4
+    layer by a dequantized one, and adapted experts by plain ones; return the model (a new module if ``model``
+    itself was such a layer).
 
     The result has no adapter and no torchao tensor: save it with ``HFCheckpointer.save`` or export it anywhere.
     Merged weights take the adapter's dtype (the NF4 layers' their nominal dtype).
     """
     replaced: dict[str, nn.Module] = {}
     for name, module in list(model.named_modules()):
-        if isinstance(module, (LoRALinear, NF4Linear)):
+        if isinstance(module, LoRAGroupedExperts):
+            gate_proj = module.gate_proj
+            plain = GroupedExperts(
+                num_experts=module.num_experts, dim=gate_proj.shape[2], hidden_dim=gate_proj.shape[1],
+                activation=module.activation,
+            ).to(device="meta")
+            for param, merged in module.merged_weights().items():
+                setattr(plain, param, nn.Parameter(merged.detach().clone()))
+            replaced[name] = plain
+        elif isinstance(module, (LoRALinear, NF4Linear)):
             weight = module.merged_weight() if isinstance(module, LoRALinear) else dequantize(module.weight)
             linear = nn.Linear(module.in_dim, module.out_dim, bias=module.bias is not None, device="meta")
             linear.weight = nn.Parameter(weight.detach().clone())
