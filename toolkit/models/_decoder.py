@@ -7,17 +7,28 @@ from collections.abc import Callable
 from torch import nn
 
 from toolkit.modules import FeedForward, RMSNorm, TransformerDecoder, TransformerDecoderLayer
+from toolkit.modules.moe import GroupedExperts
 
 LinearFactory = Callable[..., nn.Module]
 """``linear(name, in_dim, out_dim, *, bias=False)`` builds one projection; ``name`` is its attribute name
 (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, or ``output``).
 Builders take one as ``linear=``: :func:`plain_linear` for the plain model, ``toolkit.models._lora.lora_linear``
-for adapters."""
+for adapters. A factory that adapts mixture-of-experts blocks too has a ``make_experts`` attribute
+(:func:`grouped_experts`)."""
 
 
 def plain_linear(name: str, in_dim: int, out_dim: int, *, bias: bool = False) -> nn.Linear:
     """A plain ``nn.Linear`` whatever the projection's name: the default of every builder's ``linear``."""
     return nn.Linear(in_dim, out_dim, bias=bias)
+
+
+def grouped_experts(linear: LinearFactory, *, num_experts: int, dim: int, hidden_dim: int) -> GroupedExperts:
+    """A mixture-of-experts block's stacked experts: ``linear.make_experts(...)`` where the factory adapts experts
+    (``lora_linear(apply_lora_to_experts=True)``), else plain :class:`~toolkit.modules.moe.GroupedExperts`."""
+    make = getattr(linear, "make_experts", None)
+    if make is not None:
+        return make(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
+    return GroupedExperts(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
 
 
 def attention_projections(

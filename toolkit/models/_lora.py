@@ -19,7 +19,8 @@ from torch import nn
 from toolkit.config import Float, Int
 from toolkit.errors import UserError
 from toolkit.models._decoder import LinearFactory
-from toolkit.modules.peft import DoRALinear, LoRALinear, NF4Linear
+from toolkit.modules.moe import GroupedExperts
+from toolkit.modules.peft import DoRALinear, LoRAGroupedExperts, LoRALinear, NF4Linear
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -32,6 +33,7 @@ def lora_linear(
     lora_attn_modules: Sequence[str],
     apply_lora_to_mlp: bool = False,
     apply_lora_to_output: bool = False,
+    apply_lora_to_experts: bool = False,
     lora_rank: Annotated[int, Int(ge=1)] = 8,
     lora_alpha: Annotated[float, Float(gt=0)] = 16,
     lora_dropout: Annotated[float, Float(ge=0, lt=1)] = 0.0,
@@ -45,6 +47,8 @@ def lora_linear(
             ``o_proj``.
         apply_lora_to_mlp: adapt the feed-forward's ``gate_proj``, ``up_proj`` and ``down_proj``.
         apply_lora_to_output: adapt the output projection (not possible with tied embeddings).
+        apply_lora_to_experts: adapt every expert of the mixture-of-experts blocks (each projection of each expert
+            its own adapter, :class:`~toolkit.modules.peft.LoRAGroupedExperts`); their routers stay frozen.
         lora_rank: adapter rank ``r``.
         lora_alpha: adapter outputs are scaled by ``lora_alpha / lora_rank``.
         lora_dropout: dropout on the adapters' input.
@@ -62,8 +66,12 @@ def lora_linear(
     adapted = set(lora_attn_modules) | (set(MLP_MODULES) if apply_lora_to_mlp else set())
     if apply_lora_to_output:
         adapted.add("output")
-    if not adapted:
-        raise UserError("no adapters: set lora_attn_modules, apply_lora_to_mlp or apply_lora_to_output")
+    if not adapted and not apply_lora_to_experts:
+        raise UserError(
+            "no adapters: set lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output or apply_lora_to_experts"
+        )
+    if apply_lora_to_experts and use_dora:
+        raise UserError("use_dora: DoRA is not available on experts; set apply_lora_to_experts false or use LoRA")
     adapter_cls = DoRALinear if use_dora else LoRALinear
 
     def linear(name: str, in_dim: int, out_dim: int, *, bias: bool = False) -> nn.Module:
@@ -76,6 +84,17 @@ def lora_linear(
             return NF4Linear(in_dim, out_dim, use_bias=bias)
         return nn.Linear(in_dim, out_dim, bias=bias)
 
+    def make_experts(*, num_experts: int, dim: int, hidden_dim: int) -> nn.Module:
+        if quantize_base:  # experts left in the model dtype would keep nearly all of an MoE model's weight
+            raise UserError("quantize_base: QLoRA does not store mixture-of-experts weights in NF4 yet; use LoRA")
+        if apply_lora_to_experts:
+            return LoRAGroupedExperts(
+                num_experts=num_experts, dim=dim, hidden_dim=hidden_dim, rank=lora_rank, alpha=lora_alpha,
+                dropout=lora_dropout,
+            )
+        return GroupedExperts(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
+
+    linear.make_experts = make_experts
     return linear
 
 
@@ -102,6 +121,8 @@ def lora_builder(builder: Callable[..., Model]) -> Callable[..., Model]:
     def build(**kwargs: Any) -> Model:
         lora = {key: kwargs.pop(key) for key in list(kwargs) if key in _LORA_PARAMS}
         model = builder(**kwargs, linear=lora_linear(**lora))
+        if lora.get("apply_lora_to_experts") and not any(isinstance(m, LoRAGroupedExperts) for m in model.modules()):
+            raise UserError(f"apply_lora_to_experts: {builder.__name__} has no mixture-of-experts layers; set it false")
         # A tied output projection is the embedding, never made by `linear`: an output adapter has nowhere to go.
         if lora.get("apply_lora_to_output") and not isinstance(getattr(model, "output", None), LoRALinear):
             raise UserError(
