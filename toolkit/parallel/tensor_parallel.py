@@ -55,6 +55,7 @@ from torch.distributed.tensor import (
 )
 
 from toolkit.errors import UserError
+from toolkit.modules.moe import MoEFeedForward
 from toolkit.modules.peft.nf4 import is_nf4
 
 _COLUMN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -112,6 +113,11 @@ def check_tensor_parallel(model: nn.Module, *, tp: int) -> None:
     if tp == 1:
         return
     what = f"tensor_parallel: {tp} ranks cannot split"
+    if any(isinstance(layer.mlp, MoEFeedForward) for layer in model.layers):
+        raise UserError(
+            f"{what} mixture-of-experts layers (their experts are not split by tensor parallelism); use "
+            "tensor_parallel=1 with data_parallel (ddp, zero3...)"
+        )
     for layer in model.layers:
         attn = layer.self_attn
         if attn.num_heads % tp:

@@ -20,6 +20,7 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.modules.gemma2 import GemmaRMSNorm
+from toolkit.modules.moe import MoEFeedForward
 from toolkit.training.activations import checkpoint_interval, checkpointed_layers
 
 
@@ -94,9 +95,19 @@ def _layer_activation_bytes_per_token(
         # the scores' tanh, the fp32 softmax and its cast (masks of size s x s per layer are not counted).
         cast = c if c != 4 else 0  # the softmax's cast back to the compute dtype, a no-op in fp32
         total += 2 * c * q_dim + n_h * seq_len * (c + 4 + cast) - 4 * n_h
-    # SwiGLU: gate and up outputs, the activation's output and the product (down_proj's input).
-    total += 4 * c * (_out_features(mlp.gate_proj) // t)
-    return total
+    return total + _mlp_bytes_per_token(mlp, embed_dim=d, compute=c, tensor_parallel=t)
+
+
+def _mlp_bytes_per_token(mlp: nn.Module, *, embed_dim: int, compute: int, tensor_parallel: int) -> int:
+    """What a layer's feed-forward saves per token: SwiGLU's gate and up outputs, the activation's output and the
+    product (down_proj's input). A mixture-of-experts block (never split by tensor parallelism) saves that for each
+    of a token's ``top_k`` expert assignments, plus the assignment's copy of the token (the experts' input) and of
+    its output (before the routing weight), and the router's float32 scores (the softmax's output, which the
+    load-balancing loss also keeps)."""
+    if isinstance(mlp, MoEFeedForward):
+        hidden = mlp.experts.gate_proj.shape[1]
+        return mlp.top_k * compute * (2 * embed_dim + 4 * hidden) + 4 * mlp.num_experts
+    return 4 * compute * (_out_features(mlp.gate_proj) // tensor_parallel)
 
 
 def _activations_per_token(

@@ -13,6 +13,7 @@ from torch import nn
 
 from toolkit.config import did_you_mean
 from toolkit.errors import UserError
+from toolkit.modules.moe import MoEFeedForward
 
 
 class StepProfiler:
@@ -124,16 +125,23 @@ def profiler_settings(section: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(section)
 
 def _matmul_weights(model: nn.Module) -> tuple[int, int]:
-    """(trainable, frozen) weights that multiply activations: every 2-D weight but a (separate) input embedding."""
+    """(trainable, frozen) weights that multiply each token: every 2-D weight but a (separate) input embedding, and
+    of the stacked experts of a mixture-of-experts block (and their adapters) the ``top_k / num_experts`` share a
+    token goes through."""
     embedding = getattr(model, "embed_tokens", None)
     tied = getattr(model, "output", "untied") is None
+    active_share = {
+        id(param): block.top_k / block.num_experts
+        for block in model.modules() if isinstance(block, MoEFeedForward)
+        for param in block.experts.parameters()
+    }
     trainable = frozen = 0
     for name, param in model.named_parameters():
-        if param.dim() != 2:
+        if param.dim() != 2 and id(param) not in active_share:
             continue
         if embedding is not None and param is embedding.weight and not tied:
             continue  # a lookup, not a matmul (a tied embedding is also the output projection: counted)
-        numel = param.numel()
+        numel = round(param.numel() * active_share.get(id(param), 1))
         if param.requires_grad:
             trainable += numel
         else:
