@@ -27,7 +27,7 @@ from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import exact_match_accuracy
 from toolkit.training.schema import TRAINING_SCHEMA
 from toolkit.modules.peft import get_adapter_params, get_merged_state_dict
-from toolkit.modules.peft import NF4Linear, set_trainable_params
+from toolkit.modules.peft import LoRAGroupedExperts, NF4Linear, set_trainable_params
 
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.peft import export_peft_adapter, fill_adapter_model, save_peft_adapter
@@ -87,7 +87,8 @@ def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogge
 
 
 def save_adapter_and_merged(model, checkpointer, *, cfg: DictConfig, env, output_dir: Path, log: MetricsLogger) -> None:
-    """Write the PEFT adapter and, if asked, the merged model (collectives: every rank calls this).
+    """Write the PEFT adapter and, if asked, the merged model (collectives: every rank calls this); with adapters on
+    a mixture-of-experts model's experts, the merged model alone.
 
     Sharded (FSDP2 or tensor-parallel) adapters are gathered one tensor at a time (they are small) and rank zero
     writes them; the merged model is computed from each rank's shards of the base and the adapters and exported as
@@ -98,6 +99,11 @@ def save_adapter_and_merged(model, checkpointer, *, cfg: DictConfig, env, output
     base = str(checkpointer.checkpoint_dir) if checkpointer.checkpoint_dir is not None else None
     sharded = any(isinstance(p, DTensor) for p in plain.parameters())
     nf4 = any(isinstance(m, NF4Linear) or getattr(m, "quantize_base", False) for m in plain.modules())
+    # Adapters on stacked experts have no PEFT layout here: such a run writes the merged model in its place.
+    experts = any(isinstance(m, LoRAGroupedExperts) for m in plain.modules())
+    if experts:
+        log.print("apply_lora_to_experts: the experts' adapters have no PEFT layout; writing the merged model instead")
+    save_merged = cfg.save_merged or experts
     if sharded and nf4:
         full_state = gather_full_state_dict(model)
         if not env.is_rank_zero:
@@ -109,16 +115,17 @@ def save_adapter_and_merged(model, checkpointer, *, cfg: DictConfig, env, output
             plain, output_dir / "final" / "adapter", model_family=checkpointer.family_name, base_model_name_or_path=base
         )
         log.print(f"saved {adapter_dir}")
-        if cfg.save_merged:
+        if save_merged:
             merged_dir = checkpointer.save(plain, output_dir / "final" / "merged", state_dict=get_merged_state_dict(plain))
             log.print(f"saved {merged_dir}")
         return
-    adapter_dir = export_peft_adapter(
-        plain, output_dir / "final" / "adapter", model_family=checkpointer.family_name, base_model_name_or_path=base
-    )
-    barrier()  # rank zero's folder is in place before any rank goes on
-    log.print(f"saved {adapter_dir}")
-    if cfg.save_merged:
+    if not experts:
+        adapter_dir = export_peft_adapter(
+            plain, output_dir / "final" / "adapter", model_family=checkpointer.family_name, base_model_name_or_path=base
+        )
+        barrier()  # rank zero's folder is in place before any rank goes on
+        log.print(f"saved {adapter_dir}")
+    if save_merged:
         merged_dir = checkpointer.export(model, output_dir / "final" / "merged", state_dict=get_merged_state_dict(plain))
         log.print(f"saved {merged_dir}")
 

@@ -129,7 +129,7 @@ def _save_adapter(
         raise ValueError("the model has no LoRA/DoRA layers to save")
     experts = [name for name, module in modules.items() if isinstance(module, LoRAGroupedExperts)]
     if experts:  # written without them, the adapter would silently lose the experts' training
-        raise ValueError(f"{experts[0]}: adapters on stacked experts have no PEFT layout here; export the merged model")
+        raise UserError(f"{experts[0]}: adapters on stacked experts have no PEFT layout here; export the merged model")
     tensors = {}
     for name, module in modules.items():
         hf_name = _hf_module_name(family, name)

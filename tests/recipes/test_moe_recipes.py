@@ -1,0 +1,149 @@
+"""Mixture-of-experts models through the recipes, on a tiny Qwen3-MoE that `transformers` writes (with a BPE
+tokenizer the test trains), through the `any_model` configs.
+
+- The same global batch trains the same on 1 process and on 2 under ddp and zero3: per-step losses (the
+  load-balancing loss included), that loss's share, the per-expert token counts and the gradient norm. fp32 on
+  CPU: the layouts differ only in the order of float sums, so 1e-5 relative (the counts are integers: exact).
+- A run killed by SIGKILL and resumed ends bitwise where the uninterrupted run does.
+- The export loads in `transformers` with our model's logits (1e-4: fp32, other kernels).
+- LoRA with adapters on every expert: each expert's adapters train, and the merged model is written in the
+  per-expert Hugging Face layout and loads in `transformers`.
+"""
+
+import json
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.launch import RecipeRun, run_recipes, run_tune, run_tune_here
+from tests.tiny_tokenizer import chatml_byte_level_bpe
+
+transformers = pytest.importorskip("transformers")
+tune = partial(run_tune_here, "run")
+
+STEPS = 5
+FAST = [
+    f"max_steps={STEPS}", "dataset.num_samples=64", "batch_size=8", "micro_batch_size=2", "progress_bar=false",
+    "~eval_tasks", "dtype=fp32", "max_seq_len=64", "shuffle=true",
+]
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    tokenizer = chatml_byte_level_bpe(["reverse: abcd dcba", "upper: word WORD", "sort: dcba abcd"] * 50, vocab_size=400)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+        router_aux_loss_coef=0.05, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # a router that prefers some experts, so the load-balancing loss has something to balance
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _overrides(folder: Path, *extra: str) -> list[str]:
+    return [f"checkpointer.checkpoint_dir={folder}", *FAST, *extra]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+@pytest.fixture(scope="module")
+def one_process(moe_folder, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("moe_one")
+    code = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={out}",
+                         *_overrides(moe_folder, "save_every_n_steps=2", "keep_last_n=null"))
+    assert code.returncode == 0, code.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_processes(moe_folder, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe_two")
+    runs = {
+        strategy: RecipeRun("full_finetune", root / strategy, *_overrides(moe_folder, f"data_parallel={strategy}",
+                                                                            "save_every_n_steps=null"),
+                            config="any_model")
+        for strategy in ("ddp", "zero3")
+    }
+    lora = RecipeRun("lora_finetune", root / "lora", *_overrides(
+        moe_folder, "data_parallel=zero3", "save_every_n_steps=null", "model.apply_lora_to_experts=true",
+        "optimizer.lr=1e-2",
+    ), config="any_model_lora")
+    result = run_recipes([*runs.values(), lora], nproc=2, timeout_s=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {name: run.output_dir for name, run in {**runs, "lora": lora}.items()}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_two_processes_train_like_one(strategy, one_process, two_processes):
+    ours, reference = _records(two_processes[strategy]), _records(one_process)
+    assert len(ours) == len(reference) == STEPS
+    for key in ("loss", "router_aux_loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in ours], [r[key] for r in reference], rtol=1e-5, atol=0, msg=key)
+    for key in ("expert_load_min", "expert_load_max", "expert_load_busiest_share"):
+        assert [r[key] for r in ours] == [r[key] for r in reference], key
+    assert all(r["router_aux_loss"] > 0 for r in reference)  # the load-balancing loss is in the training loss
+    assert all(1 / 8 <= r["expert_load_busiest_share"] <= 1 for r in reference)
+
+
+def test_the_export_loads_in_transformers_with_the_models_logits(one_process):
+    from toolkit.pretrained import from_pretrained
+
+    final = one_process / "final"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    ours = from_pretrained(final).eval()
+    tokens = torch.randint(0, theirs.config.vocab_size, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-4, atol=1e-4)
+    keys = load_file(final / "model.safetensors").keys()
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in keys  # the hub's per-expert layout
+
+
+@pytest.mark.slow  # a launch of its own for the kill
+def test_a_killed_run_resumes_bitwise(moe_folder, one_process, tmp_path):
+    command = ["run", "full_finetune_single_device", "--config", "any_model", f"output_dir={tmp_path}",
+               *_overrides(moe_folder, "save_every_n_steps=2", "keep_last_n=null")]
+    killed = run_tune(*command, env={"TUNE_INJECT_FAULT": "after_step:3"})
+    assert killed.returncode != 0 and not (tmp_path / "final").exists()
+    resumed = run_tune_here(*command, "resume_from=auto")  # in this process: nothing to kill
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["loss"] for r in _records(tmp_path)][-3:] == [r["loss"] for r in _records(one_process)][-3:]
+    weights, expected = load_file(tmp_path / "final" / "model.safetensors"), load_file(one_process / "final" / "model.safetensors")
+    assert weights.keys() == expected.keys()
+    for key, weight in expected.items():
+        assert torch.equal(weights[key], weight), key
+
+
+def test_lora_on_the_experts_trains_every_expert_and_writes_the_merged_model(moe_folder, two_processes):
+    out = two_processes["lora"]
+    assert "the experts' adapters have no PEFT layout" in out.with_name("lora.stdout").read_text()
+    assert not (out / "final" / "adapter").exists()
+    merged = out / "final" / "merged"
+    weights, base = load_file(merged / "model.safetensors"), load_file(moe_folder / "model.safetensors")
+    for layer in range(2):
+        for expert in range(8):
+            key = f"model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"
+            assert not torch.equal(weights[key], base[key]), f"{key}: its adapter did not train"
+        key = f"model.layers.{layer}.mlp.gate.weight"
+        assert torch.equal(weights[key], base[key]), "the router stays frozen"
+    transformers.AutoModelForCausalLM.from_pretrained(merged)  # loads back
+
+
+def test_expert_adapters_on_a_model_without_experts_are_refused_in_one_line(tmp_path):
+    result = tune("lora_finetune_single_device", "--config", "demo", f"output_dir={tmp_path / 'out'}",
+                  "model.apply_lora_to_experts=true", "max_steps=1")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith("has no mixture-of-experts layers; set it false")
+    assert not (tmp_path / "out").exists()
