@@ -12,7 +12,14 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 
 from toolkit.modules import moe
-from toolkit.modules.moe import GroupedExperts, MoEFeedForward, TopKRouter, grouped_mm, routing_statistics
+from toolkit.modules.moe import (
+    GroupedExperts,
+    MoEFeedForward,
+    TopKRouter,
+    active_parameter_count,
+    grouped_mm,
+    routing_statistics,
+)
 from toolkit.modules.peft import (
     LoRAGroupedExperts,
     LoRALinear,
@@ -190,3 +197,11 @@ def test_expert_adapters_start_as_the_base_train_alone_and_merge_into_plain_expe
     assert type(merged.experts) is GroupedExperts
     torch.testing.assert_close(merged(x), adapted(x), rtol=1e-5, atol=1e-6)
     assert get_merged_state_dict(adapted).keys() == plain.state_dict().keys()
+
+
+def test_a_token_goes_through_top_k_of_the_experts_parameters():
+    block, _, _ = _pair(True)
+    assert active_parameter_count(block) == E * DIM + K * 3 * HIDDEN * DIM  # the router, and k experts' SwiGLU
+    adapted, _ = _adapted()
+    adapters = 3 * (3 * DIM + 3 * HIDDEN)  # per expert: A and B of rank 3 on each projection
+    assert active_parameter_count(adapted) == E * DIM + K * (3 * HIDDEN * DIM + adapters)

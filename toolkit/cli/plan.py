@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
 from toolkit.config import apply_overrides, instantiate, load_config, recipe_keys, validate
 from toolkit.errors import UserError
+from toolkit.modules.moe import active_parameter_count
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.activations import checkpoint_interval
@@ -246,6 +247,8 @@ def plan_command(argv: Sequence[str]) -> int:
         )
 
     n_params = sum(p.numel() for p in model.parameters())
+    n_active = active_parameter_count(model)
+    active = f"{n_active / 1e6:,.2f}M active per token, " if n_active != n_params else ""
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     usable = int(args.headroom * memory)
     micro_batch_size, accumulation = shape(run_tp if run_tp in degrees else degrees[0])
@@ -257,7 +260,8 @@ def plan_command(argv: Sequence[str]) -> int:
     checkpointing = {0: "off", 1: "every layer"}.get(every_k_layers, f"every {every_k_layers} layers")
     print(f"plan for {path}")
     print(
-        f"model: {cfg.model._component_}, {n_params / 1e6:,.2f}M parameters ({n_trainable / 1e6:,.2f}M trainable); "
+        f"model: {cfg.model._component_}, {n_params / 1e6:,.2f}M parameters ({active}{n_trainable / 1e6:,.2f}M "
+        "trainable); "
         f"micro batch {micro_batch_size} x {max_seq_len} tokens, dtype {dtype}, activation checkpointing "
         f"{checkpointing}, offloading {'on' if activation_offloading else 'off'}, "
         f"flex_attention {'on' if kernels.flex_attention else 'off'}, "

@@ -235,3 +235,14 @@ def routing_statistics(routings: list[Routing], *, num_experts: int, lengths: to
     pooled = (len(routings) * real.sum(dim=-1)).clamp(min=1)  # [b]
     aux = num_experts * (counts * scores).sum(dim=-1) / pooled**2
     return RoutingStatistics(aux_loss=aux, tokens_per_expert=torch.stack(per_layer))
+
+
+def active_parameter_count(model: nn.Module) -> int:
+    """Parameters one token goes through: all, but of each mixture-of-experts block's experts (and their adapters)
+    only the ``top_k / num_experts`` share it is routed to."""
+    routed = 0.0
+    for block in model.modules():
+        if isinstance(block, MoEFeedForward):
+            experts = sum(p.numel() for p in block.experts.parameters())
+            routed += experts * (1 - block.top_k / block.num_experts)
+    return sum(p.numel() for p in model.parameters()) - round(routed)
