@@ -57,7 +57,7 @@ from toolkit.training import (
 )
 from toolkit.training.output_dir import check_writable_folder
 from toolkit.training.peft import adapter_linear, fill_adapter_model
-from toolkit.training.schema import MODEL_KEYS, PARALLEL_KEYS, tensor_parallel_fits, tensor_parallel_splits_the_model
+from toolkit.training.schema import MODEL_KEYS, PARALLEL_KEYS, tensor_parallel_fits, parallelism_splits_the_model
 from toolkit.training.validation import ValidationSampler, validation_loss
 
 # Every config key this recipe reads, checked before anything is loaded (toolkit/training/schema.py has the shared
@@ -77,7 +77,7 @@ SCHEMA = Schema({
     "lm_eval.batch_size": Int(ge=1),
     "lm_eval.limit": Float(gt=0, null=True),
     "lm_eval.num_fewshot": Int(ge=0, null=True),
-}, rules=(tensor_parallel_fits, tensor_parallel_splits_the_model))
+}, rules=(tensor_parallel_fits, parallelism_splits_the_model))
 
 
 def write_report(results: dict, output_dir: Path) -> Path:

@@ -134,6 +134,7 @@ def train(cfg: DictConfig) -> None:
         device_type=env.device.type,
         tensor_parallel=plan.tensor_parallel,
         rank=env.rank,
+        expert_parallel=cfg.get("expert_parallel", 1),  # experts shared out over data-parallel ranks (MoE models)
     )
     # The one device mesh (dp_replicate x dp_shard x tp) every dimension is cut from, and the data-parallel peers
     # of this rank, over which tokens and losses are summed (the ranks of a TP group share their micro-batches).

@@ -27,7 +27,7 @@ from toolkit.modules.peft import adapter_modules
 from toolkit.parallel import parallel_dims
 from toolkit.training import destroy_distributed, init_distributed, materialize, parallelize, precision_policy, set_seed
 from toolkit.training.peft import adapter_linear, fill_adapter_model
-from toolkit.training.schema import MODEL_KEYS, tensor_parallel_splits_the_model
+from toolkit.training.schema import MODEL_KEYS, parallelism_splits_the_model
 
 
 @rule("tensor_parallel")
@@ -53,7 +53,7 @@ SCHEMA = Schema({
     "top_p": Float(ge=0, le=1, null=True),
     "tensor_parallel": Int(ge=1, required=False),
     "dist_timeout_s": Float(gt=0, required=False),
-}, rules=(tensor_parallel_spans_the_processes, tensor_parallel_splits_the_model)).without("sdpa_backend")
+}, rules=(tensor_parallel_spans_the_processes, parallelism_splits_the_model)).without("sdpa_backend")
 
 
 def generate_reply(cfg: DictConfig) -> None:

@@ -17,6 +17,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class TopKRouter(nn.Module):
@@ -123,7 +124,13 @@ class GroupedExperts(nn.Module):
     def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Projection ``name`` (``gate_proj``, ``up_proj`` or ``down_proj``) of rows ``x`` grouped by expert
         (``counts`` rows each); adapters override it."""
-        return grouped_mm(x, getattr(self, name), counts)
+        return grouped_mm(x, local(getattr(self, name)), counts)
+
+    def compute(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Every expert's SwiGLU on its rows of ``routed`` (grouped by expert, ``counts[e]`` rows for expert ``e``):
+        ``[rows, dim]``. Expert parallelism (``toolkit.parallel.apply_ep``) wraps it in its token exchange."""
+        hidden = self.activation(self.project("gate_proj", routed, counts)) * self.project("up_proj", routed, counts)
+        return self.project("down_proj", hidden, counts)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for tokens ``x`` ``[t, dim]``, each routed to ``experts`` ``[t, k]`` and mixed by
@@ -138,10 +145,14 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
         routed = x.repeat_interleave(top_k, dim=0)[order]  # [t * k, dim], grouped by expert
-        hidden = self.activation(self.project("gate_proj", routed, counts)) * self.project("up_proj", routed, counts)
-        out = self.project("down_proj", hidden, counts)
+        out = self.compute(routed, counts)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to token-major order
         return (unsorted.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked weight split over expert-parallel ranks (a DTensor), or ``weight``."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 @dataclass

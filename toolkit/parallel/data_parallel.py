@@ -57,9 +57,10 @@ def apply_fsdp(
     reshard_after_forward: bool,
     mp_policy: MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each decoder layer is one unit (gathered just before use), the rest (embedding,
-    final norm, output) the root unit.
+    final norm, output) the root unit; under expert parallelism each layer's experts are a unit of their own.
 
     Args:
         model: the model (on the meta device, or materialized with its weights loaded); its parameters may be
@@ -69,6 +70,9 @@ def apply_fsdp(
             (ZeRO-2: more memory, one all-gather per layer fewer).
         mp_policy: parameter (compute) and gradient-reduction dtypes.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+        expert_mesh: under expert parallelism (experts already split over the mesh's ``ep`` dimension,
+            :func:`~toolkit.parallel.expert_parallel.apply_ep`), the ranks holding the same experts, which FSDP2
+            shards them over (:meth:`ParallelDims.expert_fsdp_mesh`).
     """
     kwargs = {
         "mesh": mesh,
@@ -77,6 +81,16 @@ def apply_fsdp(
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     for layer in model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if expert_mesh is not None and experts is not None:
+            fully_shard(experts, reshard_after_forward=reshard_after_forward, **{**kwargs, "mesh": expert_mesh})
+            # Their gradients come summed over the EP group by the token exchange's backward, and FSDP2 sums them
+            # over the other groups: divided by every data-parallel rank, as the other parameters' are.
+            experts.set_gradient_divide_factor(float(mesh.size()))
+            # Gloo has no pre-multiplied sum: sum, then divide. (Not over one rank, which sends nothing: there torch
+            # would divide twice, in its copy and after it.)
+            if expert_mesh.device_type == "cpu" and expert_mesh.size() > 1:
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's parameters are needed again at the start of backward (the output projection), so keep them.
     fully_shard(model, reshard_after_forward=False, **kwargs)
@@ -108,6 +122,7 @@ def apply_data_parallel(
         reshard_after_forward=dims.strategy not in ("zero2", "ddp"),
         mp_policy=mp_policy,
         cpu_offload=dims.cpu_offload,
+        expert_mesh=dims.expert_fsdp_mesh(mesh) if dims.ep > 1 else None,
     )
 
 

@@ -1,9 +1,11 @@
 """The parallel layout of a job: one device mesh whose named dimensions multiply to the world size.
 
 ``dp_replicate x dp_shard x tp`` ranks, tensor parallelism innermost (the ranks of one TP group are consecutive,
-so with ``tp`` up to the GPUs of a node its all-reduces stay on the node's fast links). Later dimensions slot in
-where they belong: context parallelism (``cp``) between ``dp_shard`` and ``tp``, expert parallelism carved out
-of the data-parallel ranks. Everything that counts samples or tokens (the sampler, the global batch, the loss
+so with ``tp`` up to the GPUs of a node its all-reduces stay on the node's fast links). Expert parallelism is
+carved out of the data-parallel ranks: with ``ep`` > 1, ``dp_shard`` is laid out as ``dp_shard_mod_ep x ep``
+(flattened back into ``dp_shard`` for everything but the experts: :meth:`ParallelDims.fsdp_mesh`), each group of ``ep`` consecutive ranks
+sharing out the experts (:mod:`toolkit.parallel.expert_parallel`). Context parallelism (``cp``) will slot in
+between ``dp_shard`` and ``tp``. Everything that counts samples or tokens (the sampler, the global batch, the loss
 normalization, the metrics) asks for ``dp_size`` and ``dp_rank``; nothing else needs the world size.
 
 | strategy | parameters            | gradients | optimizer state | built on                                  |
@@ -28,8 +30,12 @@ from toolkit.errors import UserError
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 SHARDED_STRATEGIES = ("zero2", "zero3", "hsdp")
-# The mesh's dimensions, outermost first.
+# The mesh's dimensions, outermost first (with expert parallelism, EXPERT_MESH_DIMS).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+EXPERT_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+# The data-parallel strategies expert parallelism combines with: FSDP2 shards the other parameters over every
+# data-parallel rank, and the experts over the ranks that hold the same ones.
+EXPERT_PARALLEL_STRATEGIES = ("zero2", "zero3")
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class ParallelDims:
         tp: ranks each layer is split over (tensor parallelism).
         cpu_offload: sharded parameters, gradients and optimizer state live in host memory.
         rank: this process's global rank.
+        ep: data-parallel ranks the experts of a mixture-of-experts layer are shared out over (expert
+            parallelism; a divisor of ``dp_shard``).
     """
 
     strategy: str
@@ -52,6 +60,7 @@ class ParallelDims:
     tp: int = 1
     cpu_offload: bool = False
     rank: int = 0
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -81,17 +90,31 @@ class ParallelDims:
     @property
     def label(self) -> str:
         """The layout in a few words, for the run's summary line: ``zero3``, ``zero3 x tensor_parallel 2``."""
+        if self.ep > 1:
+            return f"{self.strategy} x expert_parallel {self.ep}"
         return self.strategy if self.tp == 1 else f"{self.strategy} x tensor_parallel {self.tp}"
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The job's one device mesh, dimensions :data:`MESH_DIMS` (None for one process). A collective."""
+        """The job's one device mesh, dimensions :data:`MESH_DIMS` (None for one process); with expert
+        parallelism :data:`EXPERT_MESH_DIMS`. A collective."""
         if self.world_size == 1:
             return None
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
+        if self.ep == 1:
+            return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
+        shape = (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
+
+    def expert_fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """What FSDP2 shards a layer's experts over under expert parallelism: the ranks holding the same experts
+        (one per group of ``ep``), ``dp_shard_mod_ep``."""
+        return mesh["dp_shard_mod_ep"]
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The data-parallel submesh FSDP2 shards over: 1-D ``dp_shard`` for ZeRO-2/3, 2-D
         ``(dp_replicate, dp_shard)`` for HSDP and for ``ddp`` under tensor parallelism (a shard group of one)."""
+        if self.ep > 1:  # dp_shard is dp_shard_mod_ep x ep, flattened (cached by the mesh after the first call)
+            # DeviceMesh has no public flatten; _flatten is how torchtitan makes the same dimension.
+            return mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         if self.strategy in ("zero2", "zero3"):
             return mesh["dp_shard"]
         return mesh["dp_replicate", "dp_shard"]
@@ -119,6 +142,7 @@ def parallel_dims(
     device_type: str = "cuda",
     tensor_parallel: int = 1,
     rank: int = 0,
+    expert_parallel: int = 1,
 ) -> ParallelDims:
     """Check a layout against the job's shape and return it.
 
@@ -132,6 +156,7 @@ def parallel_dims(
         device_type: ``cuda`` or ``cpu``; offloading needs an accelerator to offload from.
         tensor_parallel: ranks each layer is split over (config ``tensor_parallel``).
         rank: this process's global rank.
+        expert_parallel: data-parallel ranks the experts are shared out over (config ``expert_parallel``).
 
     Raises:
         UserError: an unknown strategy, ``cpu_offload`` without sharding or without a GPU, a shape that does not
@@ -149,6 +174,10 @@ def parallel_dims(
         tensor_parallel=tensor_parallel, world_size=world_size, strategy=strategy, cpu_offload=cpu_offload
     ):
         raise UserError(": ".join(problem))
+    for problem in expert_parallel_problems(
+        expert_parallel=expert_parallel, world_size=world_size, strategy=strategy, tensor_parallel=tensor_parallel
+    ):
+        raise UserError(": ".join(problem))
     dp_size = world_size // tensor_parallel
     if strategy == "hsdp":
         shard = shard_size or max(1, local_world_size // tensor_parallel)
@@ -159,7 +188,35 @@ def parallel_dims(
             )
         return ParallelDims(strategy, dp_size // shard, shard, tensor_parallel, cpu_offload, rank)
     shard = dp_size if strategy in ("zero2", "zero3") else 1
-    return ParallelDims(strategy, dp_size // shard, shard, tensor_parallel, cpu_offload, rank)
+    return ParallelDims(strategy, dp_size // shard, shard, tensor_parallel, cpu_offload, rank, expert_parallel)
+
+
+def expert_parallel_problems(
+    *, expert_parallel: int, world_size: int | None, strategy: str | None, tensor_parallel: int | str | None = 1
+) -> list[tuple[str, str]]:
+    """``(key, problem)`` for an expert-parallel degree that does not fit the job, the data-parallel strategy or
+    tensor parallelism (the schema's rule and :func:`parallel_dims` say the same). What it needs of the model (a
+    mixture of experts whose count it divides) :func:`~toolkit.parallel.expert_parallel.check_expert_parallel`
+    checks."""
+    if expert_parallel == 1:
+        return []
+    problems = []
+    if world_size is not None and (world_size % expert_parallel or expert_parallel > world_size):
+        problems.append((
+            "expert_parallel", f"{expert_parallel} does not divide the {world_size} data-parallel processes; choose "
+            f"a divisor of {world_size}",
+        ))
+    if strategy is not None and strategy not in EXPERT_PARALLEL_STRATEGIES:
+        problems.append((
+            "data_parallel", f"{strategy} cannot combine with expert_parallel={expert_parallel} (the experts are "
+            f"sharded by FSDP2 over the ranks that hold the same ones); use {' or '.join(EXPERT_PARALLEL_STRATEGIES)}",
+        ))
+    if tensor_parallel not in (1, None, "auto"):  # auto never splits MoE layers
+        problems.append((
+            "tensor_parallel", f"cannot combine with expert_parallel={expert_parallel} (mixture-of-experts layers are "
+            "not split by tensor parallelism); use tensor_parallel=1",
+        ))
+    return problems
 
 
 def tensor_parallel_problems(

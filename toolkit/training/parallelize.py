@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from toolkit.modules.peft.nf4 import is_nf4
-from toolkit.parallel import ParallelDims, apply_data_parallel, apply_tp
+from toolkit.parallel import ParallelDims, apply_data_parallel, apply_ep, apply_tp
 from toolkit.training.activations import (
     apply_activation_checkpointing,
     apply_activation_offloading,
@@ -45,6 +45,9 @@ def parallelize(
     giving every layout the same values). DDP and ZeRO-1 without TP keep whole copies, so they wrap the model once
     it is filled; so do CPU offload and NF4 (QLoRA) bases, whose weights FSDP2 takes whole.
 
+    Expert parallelism (``dims.ep`` > 1) splits the experts over the ranks of an EP group, on the meta device too
+    (:func:`~toolkit.parallel.apply_ep`).
+
     ``mesh`` is the job's device mesh (:meth:`ParallelDims.build_mesh`), built here when needed and not given;
     pass the one the run built, so that every dimension comes from one mesh. ``sequence_parallel`` splits the
     residual stream and norms along the sequence too (:func:`~toolkit.parallel.apply_tp`; with ``dims.tp`` > 1).
@@ -62,7 +65,9 @@ def parallelize(
         mesh = dims.build_mesh(device.type)
     if dims.tp > 1:
         apply_tp(model, tp_mesh=mesh["tp"], sequence_parallel=sequence_parallel)
-    shard_first = dims.tp > 1 or (
+    if dims.ep > 1:
+        apply_ep(model, ep_mesh=mesh["ep"])
+    shard_first = dims.tp > 1 or dims.ep > 1 or (
         dims.is_sharded and not dims.cpu_offload and not any(is_nf4(p) for p in model.parameters())
     )
     if shard_first:

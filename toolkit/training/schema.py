@@ -9,6 +9,7 @@ anything (see :mod:`toolkit.config._schema`).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 
@@ -32,7 +33,8 @@ from toolkit.training.accumulation import gradient_accumulation_steps, micro_bat
 from toolkit.training.attention import SDPA_BACKENDS
 from toolkit.training.metric_loggers import parse_metric_logger_spec
 from toolkit.parallel import STRATEGIES
-from toolkit.parallel.mesh import tensor_parallel_problems
+from toolkit.parallel.mesh import expert_parallel_problems, tensor_parallel_problems
+from toolkit.parallel.expert_parallel import check_expert_parallel
 from toolkit.parallel.tensor_parallel import check_tensor_parallel
 from toolkit.training.precision import PRECISIONS
 from toolkit.training.profiling import profiler_settings
@@ -90,6 +92,7 @@ TRAINING_KEYS = {
     # Training plans memory, so it may choose the degree (toolkit.training.memory.choose_layout); evaluation and
     # generation take PARALLEL_KEYS' number.
     "tensor_parallel": one_of(Int(ge=1), Choice("auto"), required=False),
+    "expert_parallel": Int(ge=1, required=False),
     "device_memory_gb": Float(gt=0, null=True, required=False),
     "epochs": Int(ge=1),
     "max_steps": Int(ge=1, null=True),
@@ -176,6 +179,17 @@ def tensor_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
     )
 
 
+@rule("expert_parallel", "data_parallel", "tensor_parallel")
+def expert_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
+    """``expert_parallel`` divides the data-parallel processes, under a strategy that shards the experts over the
+    rest (zero2, zero3), without tensor parallelism. (Whether the model has experts it divides is checked when it
+    is built.)"""
+    yield from expert_parallel_problems(
+        expert_parallel=ctx.get("expert_parallel", 1), world_size=data_parallel_size(ctx),
+        strategy=ctx.get("data_parallel"), tensor_parallel=ctx.get("tensor_parallel", 1),
+    )
+
+
 @rule("sequence_parallel", "tensor_parallel")
 def sequence_parallel_needs_tensor_parallel(ctx: Context) -> Iterator[tuple[str, str]]:
     """Sequence parallelism splits the sequence over the ranks of a tensor-parallel group: it needs one."""
@@ -205,25 +219,32 @@ def tensor_parallel_combines(ctx: Context) -> Iterator[tuple[str, str]]:
         )
 
 
-@rule("tensor_parallel", "model")
-def tensor_parallel_splits_the_model(ctx: Context) -> Iterator[tuple[str, str]]:
-    """``tensor_parallel`` divides the model's heads, key/value heads, MLP width and vocabulary: checked on the model
-    built on the meta device (free, whatever its size)."""
-    tp, node = ctx.get("tensor_parallel", 1), ctx.get("model")
-    if tp in (1, "auto") or node is None:  # auto tries only the degrees that split it
-        return
-    if ctx.world_size is not None and tp > ctx.world_size:  # tensor_parallel_fits says so: one line for one key
+@rule("tensor_parallel", "expert_parallel", "model")
+def parallelism_splits_the_model(ctx: Context) -> Iterator[tuple[str, str]]:
+    """``tensor_parallel`` divides the model's heads, key/value heads, MLP width and vocabulary, and
+    ``expert_parallel`` its experts: checked on the model built on the meta device (free, whatever its size)."""
+    tp, ep, node = ctx.get("tensor_parallel", 1), ctx.get("expert_parallel", 1), ctx.get("model")
+    checks = []
+    # auto tries only the degrees that split it; a degree beyond the launch is tensor_parallel_fits' one line.
+    if tp not in (1, "auto") and (ctx.world_size is None or tp <= ctx.world_size):
+        checks.append(partial(check_tensor_parallel, tp=tp))
+    if ep != 1 and not expert_parallel_problems(  # else expert_parallel_fits's line is the one to read
+        expert_parallel=ep, world_size=data_parallel_size(ctx), strategy=ctx.get("data_parallel"), tensor_parallel=tp
+    ):
+        checks.append(partial(check_expert_parallel, ep=ep))
+    if not checks or node is None:
         return
     try:
         with torch.device("meta"):
             model = instantiate(node)
     except Exception:  # noqa: BLE001 (a model that does not build is reported by the component's own checks)
         return
-    try:
-        check_tensor_parallel(model, tp=tp)
-    except UserError as e:
-        key, _, problem = str(e).partition(": ")
-        yield key, problem
+    for check in checks:
+        try:
+            check(model)
+        except UserError as e:
+            key, _, problem = str(e).partition(": ")
+            yield key, problem
 
 
 @rule("optimizer")
@@ -268,9 +289,9 @@ def metric_logger_options(ctx: Context) -> Iterator[tuple[str, str]]:
 TRAINING_SCHEMA = Schema(
     TRAINING_KEYS,
     rules=(
-        batch_divides, shard_groups_divide, tensor_parallel_fits, tensor_parallel_combines,
+        batch_divides, shard_groups_divide, tensor_parallel_fits, tensor_parallel_combines, expert_parallel_fits,
         sequence_parallel_needs_tensor_parallel,
-        tensor_parallel_splits_the_model, optimizer_accepts, profiler_options, metric_logger_options,
+        parallelism_splits_the_model, optimizer_accepts, profiler_options, metric_logger_options,
     ),
 )
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from toolkit.modules._dtensor import init_full_
-from toolkit.modules.moe import GroupedExperts, grouped_mm
+from toolkit.modules.moe import GroupedExperts, grouped_mm, local
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -94,8 +94,8 @@ class LoRAGroupedExperts(GroupedExperts):
         if self.disabled:
             return out
         adapter = self.adapter(name)
-        low = grouped_mm(self.dropout(x), adapter.lora_a.weight, counts) * self.scale  # [n, rank]
-        return out + grouped_mm(low, adapter.lora_b.weight, counts)
+        low = grouped_mm(self.dropout(x), local(adapter.lora_a.weight), counts) * self.scale  # [n, rank]
+        return out + grouped_mm(low, local(adapter.lora_b.weight), counts)
 
     @torch.no_grad()
     def merged_weights(self) -> dict[str, torch.Tensor]:
