@@ -2,14 +2,14 @@
 out, the fused layout too, a wrong expert count refused), and parity with `transformers`: logits, the training loss
 with its load-balancing term, and the export."""
 
+import importlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.training.test_export import read_all
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.errors import UserError
 from toolkit.models import build_from_hf
@@ -49,18 +49,8 @@ def tiny(family: str, *, num_experts: int = 4) -> torch.nn.Module:
     )
 
 
-def read_all(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            tensors.update({key: f.get_tensor(key) for key in f.keys()})
-    return tensors
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_per_expert_names_round_trip(family):
-    import importlib
-
     convert = importlib.import_module(f"toolkit.models.{family}")
     for key, tensor in tiny(family).state_dict().items():
         slices = convert.tune_key_to_hf_slices(key, tensor.shape[0])

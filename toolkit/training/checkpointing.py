@@ -251,9 +251,10 @@ class HFCheckpointer:
                                 counts[part.key] = (held, hf_key)
             except SafetensorError as e:
                 raise UserError(_unreadable(file, e)) from None
-        wrong = {key: held for key, held in counts.items() if held[0] != targets[key].shape[0]}
+        wrong = {key: (held, hf_key) for key, (held, hf_key) in counts.items() if held != targets[key].shape[0]}
         more = [key for key, (held, _) in wrong.items() if held > targets[key].shape[0]]
-        if more or (wrong and wrong.keys() == counts.keys() and len({held for held, _ in wrong.values()}) == 1):
+        same_in_all = wrong.keys() == counts.keys() and len({held for held, _ in wrong.values()}) == 1
+        if more or (wrong and same_in_all):
             key = more[0] if more else min(wrong)
             held, hf_key = wrong[key]
             raise UserError(
