@@ -13,7 +13,8 @@ from toolkit.pretrained import from_pretrained
 
 def test_every_family_declares_its_model_types():
     assert hf_model_types() == {
-        "gemma2": "gemma2", "llama": "llama3", "mistral": "mistral", "qwen2": "qwen2_5", "qwen3": "qwen3",
+        "gemma2": "gemma2", "llama": "llama3", "mistral": "mistral", "mixtral": "mixtral", "qwen2": "qwen2_5",
+        "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
     }
 
 
@@ -23,7 +24,7 @@ def test_unknown_model_type_names_the_file_and_the_supported_types(tmp_path):
         from_pretrained(tmp_path)
     message = str(e.value)
     assert str(tmp_path / "config.json") in message and "'gpt2'" in message
-    assert "llama, mistral, qwen2, qwen3" in message
+    assert "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe" in message
 
 
 def test_missing_config_and_missing_field(tmp_path):

@@ -324,3 +324,18 @@ def test_tensor_parallel_auto_that_fits_nowhere_is_one_line_and_touches_no_folde
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: tensor_parallel: auto: no layout of 1 process(es) fits 0.9 MiB usable"), line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("config", "override"),
+    [
+        ("full_finetune/qwen3_moe_30b_a3b", "model.router_aux_loss_coef=-0.1"),
+        ("lora_finetune/mixtral_8x7b_qlora", "model.router_aux_loss_coef=abc"),
+    ],
+)
+def test_a_bad_router_aux_loss_coef_is_refused_in_one_line(config, override, capsys):
+    # The mixture-of-experts sizes take the weight of their load-balancing loss; the demos have no such key.
+    assert main(["validate", config, override]) == 2
+    err = capsys.readouterr().err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"tune: error: {configs_dir() / config}.yaml: model.router_aux_loss_coef: "), line

@@ -239,6 +239,12 @@ def test_from_pretrained_picks_qwen3_and_takes_a_chat_format(model_dir, tmp_path
     assert tokenizer.decode(tokenizer.prompt_tokens([USER]), skip_special_tokens=False).endswith("</think>\n\n")
 
 
+def test_a_qwen3_moe_folder_gets_the_qwen3_tokenizer(model_dir, tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    assert isinstance(from_pretrained(str(tmp_path)).chat_format, Qwen3ChatFormat)
+
+
 def test_qwen3_configs_get_the_thinking_format(model_dir, tmp_path, config_chat_formats):
     (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
     (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')

@@ -9,6 +9,7 @@ import sentencepiece as spm
 
 from toolkit.errors import UserError
 from toolkit.tokenizers import from_pretrained, gemma_tokenizer, llama2_tokenizer, mistral_tokenizer
+from toolkit.tokenizers.chat_templates import MistralChatFormat
 
 # Gemma's published chat template (gemma-2-*-it tokenizer_config.json).
 GEMMA_TEMPLATE = (
@@ -135,6 +136,13 @@ def test_from_pretrained_tells_families_apart(llama2_model, mistral_model, gemma
         (folder / "tokenizer.model").write_bytes(path.read_bytes())
         tokenizer = from_pretrained(str(folder))
         assert tokenizer.special_id(name) is not None
+
+
+def test_a_mixtral_folder_gets_the_mistral_tokenizer(mistral_model, tmp_path):
+    # Mixtral ships Mistral's sentencepiece vocabulary; its config.json says model_type mixtral.
+    (tmp_path / "tokenizer.model").write_bytes(mistral_model[0].read_bytes())
+    (tmp_path / "config.json").write_text('{"model_type": "mixtral"}')
+    assert isinstance(from_pretrained(str(tmp_path)).chat_format, MistralChatFormat)
 
 
 def test_llama2_rejects_turns_out_of_order(llama2_model):

@@ -12,7 +12,7 @@ from tests.launch import run_workers
 from toolkit.training import HFCheckpointer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _export_worker import tiny_model  # noqa: E402
+from _export_worker import moe_dir, tiny_model, tiny_moe_model  # noqa: E402
 
 
 def read_all(folder: Path) -> dict[str, torch.Tensor]:
@@ -43,13 +43,23 @@ def test_two_process_export_equals_the_model_and_loads_in_transformers(strategy,
     assert written.keys() == expected.keys() == index["weight_map"].keys()
     for key in expected:
         assert torch.equal(written[key], expected[key]), key
+    # The experts, sharded unevenly over the ranks, are written one tensor per expert as one process saves them
+    # (and the worker loaded them back into its shards).
+    saved = read_all(HFCheckpointer(None, model_family="qwen3_moe").save(tiny_moe_model(), tmp_path / "moe_saved"))
+    written = read_all(moe_dir(out))
+    assert len(list(moe_dir(out).glob("*.safetensors"))) > 2
+    assert "model.layers.0.mlp.experts.2.down_proj.weight" in written
+    assert written.keys() == saved.keys()
+    for key in saved:
+        assert torch.equal(written[key], saved[key]), key
 
-    reference = tiny_model().eval()
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tokens = torch.randint(0, 96, (2, 16))
-    with torch.no_grad():
-        # fp32, the same math in another order: 1e-4 absolute on logits of magnitude ~1.
-        torch.testing.assert_close(loaded(tokens).logits, reference(tokens), atol=1e-4, rtol=0)
+    for folder, reference in ((out, tiny_model()), (moe_dir(out), tiny_moe_model())):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            # fp32, the same math in another order: 1e-4 absolute on logits of magnitude ~1.
+            torch.testing.assert_close(loaded(tokens).logits, reference.eval()(tokens), atol=1e-4, rtol=0)
+
 
 
 def test_single_process_export_streams_the_same_files_as_save(tmp_path):

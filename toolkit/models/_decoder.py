@@ -1,13 +1,21 @@
 """The pieces the families' builders share: how a projection is made (so that a LoRA builder reuses the plain
-architecture, changing only its projections), the attention projections, the gated MLP, and the pre-norm decoder
-layout that Llama, Mistral and Qwen share. Each family passes its own blocks."""
+architecture, changing only its projections), the attention projections, the gated MLP, the mixture-of-experts
+feed-forward, and the pre-norm decoder layout that Llama, Mistral and Qwen share. Each family passes its own blocks."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
-from toolkit.modules import FeedForward, RMSNorm, TransformerDecoder, TransformerDecoderLayer
-from toolkit.modules.moe import GroupedExperts
+from toolkit.modules import (
+    FeedForward,
+    GroupedQueryAttention,
+    RMSNorm,
+    RotaryPositionalEmbeddings,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+)
+from toolkit.modules.moe import GroupedExperts, MoEFeedForward, TopKRouter
 
 LinearFactory = Callable[..., nn.Module]
 """``linear(name, in_dim, out_dim, *, bias=False)`` builds one projection; ``name`` is its attribute name
@@ -44,6 +52,30 @@ def attention_projections(
     }
 
 
+def grouped_query_attention(
+    linear: LinearFactory,
+    *,
+    embed_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope: RotaryPositionalEmbeddings,
+    **options: Any,
+) -> GroupedQueryAttention:
+    """Bias-free grouped-query attention with rotary positions; ``options`` are the family's own
+    :class:`~toolkit.modules.GroupedQueryAttention` arguments (``q_norm``, ``sliding_window``...)."""
+    return GroupedQueryAttention(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        **attention_projections(
+            linear, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+        ),
+        pos_embeddings=rope,
+        **options,
+    )
+
+
 def gated_mlp(
     *, embed_dim: int, intermediate_dim: int, linear: LinearFactory = plain_linear, activation: nn.Module | None = None
 ) -> FeedForward:
@@ -56,6 +88,26 @@ def gated_mlp(
     )
 
 
+def moe_mlp(
+    *,
+    embed_dim: int,
+    hidden_dim: int,
+    num_experts: int,
+    num_experts_per_tok: int,
+    norm_topk_prob: bool,
+    linear: LinearFactory = plain_linear,
+) -> MoEFeedForward:
+    """A mixture-of-experts feed-forward of SwiGLU experts without biases, routed top-k (Mixtral, Qwen3-MoE).
+
+    The router is never adapted; the experts are made by :func:`grouped_experts` from ``linear`` (adapted by a LoRA
+    factory with ``apply_lora_to_experts``).
+    """
+    return MoEFeedForward(
+        gate=TopKRouter(embed_dim, num_experts, num_experts_per_tok, norm_topk_prob=norm_topk_prob),
+        experts=grouped_experts(linear, num_experts=num_experts, dim=embed_dim, hidden_dim=hidden_dim),
+    )
+
+
 def prenorm_decoder(
     *,
     vocab_size: int,
@@ -64,8 +116,9 @@ def prenorm_decoder(
     max_seq_len: int,
     norm_eps: float,
     attention: Callable[[], nn.Module],
-    mlp: Callable[[], nn.Module],
+    mlp: Callable[[], nn.Module] | Sequence[Callable[[], nn.Module]],
     output: Callable[[], nn.Module] | None,
+    router_aux_loss_coef: float = 0.0,
 ) -> TransformerDecoder:
     """``num_layers`` layers of ``x + attention(norm(x))`` then ``h + mlp(norm(h))``, RMSNorms throughout.
 
@@ -76,17 +129,22 @@ def prenorm_decoder(
         max_seq_len: the longest sequence the position embeddings support.
         norm_eps: epsilon of every RMSNorm.
         attention: builds one layer's attention (called once per layer, in order).
-        mlp: builds one layer's feed-forward.
+        mlp: builds one layer's feed-forward; or one builder per layer, in order, where layers differ (Qwen3-MoE's
+            dense layers among its mixture-of-experts ones).
         output: builds the output projection; ``None`` ties it to the embedding.
+        router_aux_loss_coef: weight of the mixture-of-experts layers' load-balancing loss in the training loss.
     """
+    mlps = [mlp] * num_layers if callable(mlp) else list(mlp)
+    if len(mlps) != num_layers:
+        raise ValueError(f"mlp: {len(mlps)} builders for {num_layers} layers")
     layers = [
         TransformerDecoderLayer(
             self_attn=attention(),
-            mlp=mlp(),
+            mlp=layer_mlp(),
             input_layernorm=RMSNorm(embed_dim, eps=norm_eps),
             post_attention_layernorm=RMSNorm(embed_dim, eps=norm_eps),
         )
-        for _ in range(num_layers)
+        for layer_mlp in mlps
     ]
     return TransformerDecoder(
         embed_tokens=nn.Embedding(vocab_size, embed_dim),
@@ -94,4 +152,5 @@ def prenorm_decoder(
         norm=RMSNorm(embed_dim, eps=norm_eps),
         output=output() if output is not None else None,
         max_seq_len=max_seq_len,
+        router_aux_loss_coef=router_aux_loss_coef,
     )

@@ -5,6 +5,7 @@ from typing import Any
 
 from toolkit.errors import UserError
 from toolkit.modules import Llama3RopeScaling, TransformerDecoder
+from toolkit.modules.moe import MoEFeedForward
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -100,14 +101,72 @@ def sliding_windows(
     return [int(window) if t == "sliding_attention" else None for t in layer_types]
 
 
+def num_experts(config: dict[str, Any]) -> int:
+    """The experts of each mixture-of-experts layer: ``num_experts`` or ``num_local_experts``, two spellings
+    transformers 5 reads as one (it writes the second; Qwen3-MoE's releases have the first).
+
+    Raises:
+        KeyError: neither is there.
+    """
+    return int(config.get("num_experts") or config["num_local_experts"])
+
+
+def moe_decoder_arguments(
+    config: dict[str, Any], *, max_seq_len: int | None, norm_eps: float, rope_theta_default: float
+) -> dict[str, Any]:
+    """The builder arguments of the Mixtral and Qwen3-MoE families that their ``config.json`` spell alike: the
+    attention's and the width's, the experts' count, top-k and loss weight, and the context length (``max_seq_len``,
+    else the file's ``max_position_embeddings``). ``norm_eps`` and ``rope_theta_default`` are transformers'
+    defaults for the architecture.
+
+    Raises:
+        KeyError: a required field is missing.
+    """
+    return {
+        "vocab_size": config["vocab_size"],
+        "num_layers": config["num_hidden_layers"],
+        "num_heads": config["num_attention_heads"],
+        "num_kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
+        "head_dim": head_dim(config),
+        "embed_dim": config["hidden_size"],
+        "num_experts": num_experts(config),
+        "num_experts_per_tok": config["num_experts_per_tok"],
+        "router_aux_loss_coef": router_aux_loss_coef(config),
+        "max_seq_len": max_seq_len or config["max_position_embeddings"],
+        "norm_eps": config.get("rms_norm_eps", norm_eps),
+        "rope_base": rope_theta(config, default=rope_theta_default),
+        "tie_word_embeddings": config.get("tie_word_embeddings", False),
+    }
+
+
+def router_aux_loss_coef(config: dict[str, Any]) -> float:
+    """The weight of the load-balancing loss in the training loss: the file's ``router_aux_loss_coef``
+    (transformers' default, 0.001, without it). It applies whether or not the file sets ``output_router_logits``,
+    without which transformers leaves the loss out: fine-tuning a mixture of experts keeps its experts balanced."""
+    return float(config.get("router_aux_loss_coef", 0.001))
+
+
+def moe_blocks(model: TransformerDecoder) -> list[MoEFeedForward]:
+    """The mixture-of-experts feed-forwards of ``model``'s layers, in order."""
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEFeedForward)]
+
+
+def moe_fields(model: TransformerDecoder) -> dict[str, Any]:
+    """The ``config.json`` fields of the mixture-of-experts layers that Mixtral and Qwen3-MoE spell alike."""
+    block = moe_blocks(model)[0]
+    return {"num_experts_per_tok": block.top_k, "router_aux_loss_coef": model.router_aux_loss_coef}
+
+
 def decoder_fields(model: TransformerDecoder) -> dict[str, Any]:
-    """The ``config.json`` fields every family's ``hf_config`` shares, read off ``model``'s modules."""
+    """The ``config.json`` fields every family's ``hf_config`` shares, read off ``model``'s modules
+    (``intermediate_size`` from the first dense feed-forward; none without one)."""
     attn = model.layers[0].self_attn
     vocab_size, embed_dim = model.embed_tokens.weight.shape
+    dense = [layer.mlp for layer in model.layers if not isinstance(layer.mlp, MoEFeedForward)]
     return {
         "vocab_size": vocab_size,
         "hidden_size": embed_dim,
-        "intermediate_size": model.layers[0].mlp.gate_proj.weight.shape[0],
+        **({"intermediate_size": dense[0].gate_proj.weight.shape[0]} if dense else {}),
         "num_hidden_layers": len(model.layers),
         "num_attention_heads": attn.num_heads,
         "num_key_value_heads": attn.num_kv_heads,

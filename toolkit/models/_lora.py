@@ -128,6 +128,14 @@ def lora_builder(builder: Callable[..., Model]) -> Callable[..., Model]:
             raise UserError(
                 "apply_lora_to_output: this model ties its output projection to the embedding; set it false"
             )
+        # Mixture-of-experts feed-forwards have no projections made by `linear`: no adapter would be placed.
+        if lora.get("apply_lora_to_mlp") and not any(
+            isinstance(module, LoRALinear) and ".mlp." in name for name, module in model.named_modules()
+        ):
+            raise UserError(
+                "apply_lora_to_mlp: this model's feed-forwards are mixtures of experts, which take no adapters; "
+                "set it false"
+            )
         return model
 
     parameters = [*_LORA_PARAMS.values(), *base_params]

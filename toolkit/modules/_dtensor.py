@@ -8,11 +8,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
+def local_region(sharded: DTensor) -> tuple[slice, ...]:
+    """Where this rank's part of ``sharded`` lies in the global tensor: one slice per dimension."""
+    shape, offset = compute_local_shape_and_global_offset(sharded.shape, sharded.device_mesh, sharded.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
 def local_part(full: torch.Tensor | Any, sharded: DTensor) -> torch.Tensor:
     """This rank's part of ``full`` (anything sliceable with the global shape: a tensor, a safetensors slice) as
     ``sharded`` places it."""
-    shape, offset = compute_local_shape_and_global_offset(sharded.shape, sharded.device_mesh, sharded.placements)
-    return full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+    return full[local_region(sharded)]
 
 
 def copy_full_(target: torch.Tensor, full: torch.Tensor) -> None:

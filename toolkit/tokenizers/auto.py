@@ -11,7 +11,11 @@ from toolkit.tokenizers.sentencepiece import gemma_tokenizer, llama2_tokenizer, 
 from toolkit.tokenizers.tiktoken_bpe import llama3_model_tokenizer, llama3_tokenizer
 
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+$")
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("gemma", "gemma2", "llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
+    "gemma", "gemma2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe",
+)
+# Mixture-of-experts releases that share a dense family's tokenizer.
+_SAME_TOKENIZER = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
 
 
 def _is_tiktoken(path: Path) -> bool:
@@ -101,6 +105,7 @@ def from_pretrained(
 
 def _build(folder: Path, max_seq_len: int | None) -> ModelTokenizer:
     model_type = _read_json(folder / "config.json").get("model_type")
+    model_type = _SAME_TOKENIZER.get(model_type, model_type)
     sp_model = next((folder / n for n in ("tokenizer.model.v3", "tokenizer.model") if (folder / n).is_file()), None)
     if model_type is None:
         if (folder / "tokenizer.json").is_file() and "<|im_start|>" in (folder / "tokenizer.json").read_text():

@@ -4,9 +4,13 @@ Loading streams tensor by tensor from memory-mapped safetensors into the model's
 holds a second copy of the model. Saving streams tensor by tensor too, and in a distributed run every rank writes
 its share of the files, a sharded model never gathered on one rank. Both write into a temporary folder renamed into
 place when complete, so a crash mid-save never leaves a half-written ``final/``.
+
+Where a family stacks tensors that Hugging Face stores one by one (the experts of a mixture-of-experts layer, see
+``toolkit.models._expert_keys``), each HF tensor read fills its slice of ours, and exports write the slices again.
 """
 
 import importlib
+import itertools
 import json
 import math
 import pkgutil
@@ -31,7 +35,8 @@ from torch.distributed.tensor import DTensor
 
 import toolkit.models
 from toolkit.errors import UserError, read_json
-from toolkit.modules._dtensor import local_part
+from toolkit.models._expert_keys import Part
+from toolkit.modules._dtensor import local_region
 from toolkit.training.distributed import shared_filesystem
 from toolkit.parallel import unwrap
 from toolkit.training.step_checkpoint import (
@@ -116,6 +121,9 @@ class HFCheckpointer:
             model_family = toolkit.models.read_hf_config(self.checkpoint_dir)[1]
         self.family_name = model_family
         self.family = load_model_family(model_family)
+        # A family with stacked tensors (experts) also maps HF tensors to their parts (toolkit.models._expert_keys).
+        self._hf_key_to_parts = getattr(self.family, "hf_key_to_parts", None)
+        self._tune_key_to_hf_slices = getattr(self.family, "tune_key_to_hf_slices", None)
         # Where an export takes the source's config.json (token ids, context length... where the model agrees) and
         # tokenizer files from, the first folder holding each: a step checkpoint's copy of its base's, or the folder.
         self.source_dirs: tuple[Path, ...] = ()
@@ -150,26 +158,36 @@ class HFCheckpointer:
                 (``toolkit.modules.peft.is_adapter_key``: a base checkpoint has no adapters).
 
         Raises:
-            UserError: a corrupt or truncated file, an unknown or missing key, or a shape mismatch; the message
-                names the file and the key.
+            UserError: a corrupt or truncated file, an unknown or missing key (or expert), a shape mismatch, or
+                another number of experts than the model's; the message names the file and the key.
         """
         assert self.checkpoint_dir is not None, "load() needs a checkpoint_dir"
         targets = model.state_dict()
         loaded: set[str] = set()
+        slices: dict[str, set[int]] = {}  # of a stacked tensor: the indices along dim 0 read so far
         if (self.checkpoint_dir / ".metadata").is_file():
             self._load_step_checkpoint(targets, loaded)
-        for file in _weight_files(self.checkpoint_dir) if not loaded else ():
+        files = _weight_files(self.checkpoint_dir) if not loaded else []
+        if self._hf_key_to_parts is not None:
+            self._check_slice_counts(files, targets)
+        for file in files:
             try:
                 with safe_open(str(file), framework="pt", device="cpu") as reader:
                     for hf_key in reader.keys():
-                        self._load_tensor(file, reader, hf_key, targets, loaded)
+                        self._load_tensor(file, reader, hf_key, targets, loaded, slices)
             except SafetensorError as e:
-                raise UserError(f"{file}: cannot read safetensors ({e}); the file may be truncated or corrupt") from None
+                raise UserError(_unreadable(file, e)) from None
+        loaded.update(key for key, indices in slices.items() if len(indices) == targets[key].shape[0])
         missing = sorted(key for key in set(targets) - loaded if ignore_missing is None or not ignore_missing(key))
         if missing:
+            key = missing[0]
+            hf_key = next(
+                (hf for hf, source in self._hf_sources({key: _TensorSpec.of(targets[key])}).items()
+                 if source.index not in slices.get(key, ())),
+            )
             raise UserError(
                 f"{self.checkpoint_dir}: checkpoint lacks {len(missing)} weight(s) the model needs, e.g. "
-                f"{self.family.tune_key_to_hf(missing[0])!r}; is it a checkpoint of this model?"
+                f"{hf_key!r}; is it a checkpoint of this model?"
             )
 
     def _load_step_checkpoint(self, targets: dict[str, torch.Tensor], loaded: set[str]) -> None:
@@ -195,27 +213,87 @@ class HFCheckpointer:
         load_dcp(wanted, self.checkpoint_dir, no_dist=not sharded)
         loaded.update(name[len("model."):] for name in wanted)
 
-    def _load_tensor(self, file: Path, reader, hf_key: str, targets: dict[str, torch.Tensor], loaded: set[str]) -> None:
+    def _parts(self, hf_key: str) -> list[Part]:
+        """Where an HF tensor goes: parts of our stacked tensors, or one whole tensor (``KeyError``: neither)."""
+        parts = self._hf_key_to_parts(hf_key) if self._hf_key_to_parts is not None else None
+        return parts if parts is not None else [Part(self.family.hf_key_to_tune(hf_key))]
+
+    def _hf_sources(self, specs: dict[str, "_TensorSpec"], *, prefix: str = "") -> dict[str, "_Source"]:
+        """The HF tensors that our tensors (``specs``, by our key) are written as, in order, each with where its
+        values are (our key after ``prefix``): a tensor whole, or one slice along dim 0 of a stacked one."""
+        sources = {}
+        for key, spec in specs.items():
+            slices = None
+            if self._tune_key_to_hf_slices is not None and spec.shape:
+                slices = self._tune_key_to_hf_slices(key, spec.shape[0])
+            if slices is None:
+                sources[self.family.tune_key_to_hf(key)] = _Source(prefix + key, spec)
+            else:
+                sources.update({hf_key: _Source(prefix + key, spec, index) for index, hf_key in enumerate(slices)})
+        return sources
+
+    def _check_slice_counts(self, files: list[Path], targets: dict[str, torch.Tensor]) -> None:
+        """Before any tensor is read, from the files' headers: the slices (experts) of each stacked tensor the
+        checkpoint holds against the model's, so that a checkpoint with another number of experts is refused in one
+        line naming both numbers, not at the first tensor that does not fit.
+
+        More slices than the model's in any tensor, or the same other number in all of them, is another expert
+        count; fewer in some only are missing tensors, which :meth:`load` names at the end.
+        """
+        counts: dict[str, tuple[int, str]] = {}  # our stacked key -> (slices held, the HF key showing the most)
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as reader:
+                    for hf_key in reader.keys():
+                        for part in self._hf_key_to_parts(hf_key) or ():
+                            held = part.index + 1 if part.index is not None else reader.get_slice(hf_key).get_shape()[0]
+                            if part.key in targets and held > counts.get(part.key, (0, ""))[0]:
+                                counts[part.key] = (held, hf_key)
+            except SafetensorError as e:
+                raise UserError(_unreadable(file, e)) from None
+        wrong = {key: (held, hf_key) for key, (held, hf_key) in counts.items() if held != targets[key].shape[0]}
+        more = [key for key, (held, _) in wrong.items() if held > targets[key].shape[0]]
+        same_in_all = wrong.keys() == counts.keys() and len({held for held, _ in wrong.values()}) == 1
+        if more or (wrong and same_in_all):
+            key = more[0] if more else min(wrong)
+            held, hf_key = wrong[key]
+            raise UserError(
+                f"{self.checkpoint_dir}: the checkpoint has {held} experts per layer but the model has "
+                f"{targets[key].shape[0]} (counted from {hf_key!r}); is it a checkpoint of this model?"
+            )
+
+    def _load_tensor(
+        self, file: Path, reader, hf_key: str, targets: dict[str, torch.Tensor], loaded: set[str],
+        slices: dict[str, set[int]],
+    ) -> None:
         if hf_key.endswith("rotary_emb.inv_freq"):
             return
         try:
-            key = self.family.hf_key_to_tune(hf_key)
+            parts = self._parts(hf_key)
         except KeyError:
             raise UserError(f"{file}: unexpected key {hf_key!r} for this model family") from None
-        if key == "output.weight" and key not in targets and "embed_tokens.weight" in targets:
-            return  # a tied model: some exporters still write the (shared) lm_head; the embedding is the weight
-        if key not in targets:
-            raise UserError(f"{file}: key {hf_key!r} has no counterpart in the model; is it a checkpoint of this model?")
-        target = targets[key]
         source = reader.get_slice(hf_key)
         shape = tuple(source.get_shape())
-        if shape != tuple(target.shape):
-            raise UserError(f"{file}: {hf_key!r} has shape {shape} but the model expects {tuple(target.shape)}")
-        if isinstance(target, DTensor):  # a sharded model: read only this rank's rows
-            target.to_local().copy_(local_part(source, target))
-        else:
-            target.copy_(source[:] if shape else reader.get_tensor(hf_key))
-        loaded.add(key)
+        for part in parts:
+            key = part.key
+            if key == "output.weight" and key not in targets and "embed_tokens.weight" in targets:
+                return  # a tied model: some exporters still write the (shared) lm_head; the embedding is the weight
+            if key not in targets:
+                raise UserError(
+                    f"{file}: key {hf_key!r} has no counterpart in the model; is it a checkpoint of this model?"
+                )
+            target = targets[key]
+            expected = _part_shape(tuple(target.shape), part)
+            if shape != expected:
+                raise UserError(f"{file}: {hf_key!r} has shape {shape} but the model expects {expected}")
+            if shape:
+                _copy_part(target, part, source, shape)
+            else:
+                target.copy_(reader.get_tensor(hf_key))
+            if part.index is None:
+                loaded.add(key)
+            else:
+                slices.setdefault(key, set()).add(part.index)
 
     def save(
         self,
@@ -235,9 +313,9 @@ class HFCheckpointer:
         """
         if state_dict is None:
             state_dict = model.state_dict()
-        state = {self.family.tune_key_to_hf(k): v for k, v in state_dict.items()}
-        specs = {key: _TensorSpec.of(tensor) for key, tensor in state.items()}
-        return self._write_folder(output_dir, model, specs, lambda tmp_dir: _memory_reader(state), max_shard_bytes)
+        sources = self._hf_sources({key: _TensorSpec.of(tensor) for key, tensor in state_dict.items()})
+        read = _memory_reader(state_dict, sources)
+        return self._write_folder(output_dir, model, _part_specs(sources), lambda tmp_dir: read, max_shard_bytes)
 
     def export(
         self,
@@ -275,17 +353,18 @@ class HFCheckpointer:
                 whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 if rank_zero:
                     full[key] = whole.cpu()
-        state = {self.family.tune_key_to_hf(k): v for k, v in full.items()}
-        specs = {key: _TensorSpec.of(tensor) for key, tensor in state.items()}
-        sharded = any(isinstance(tensor, DTensor) for tensor in state.values())
+        sources = self._hf_sources({key: _TensorSpec.of(tensor) for key, tensor in full.items()})
+        sharded = any(isinstance(tensor, DTensor) for tensor in full.values())
 
         def source(tmp_dir: Path) -> TensorReader:
             if not sharded:
-                return _memory_reader(state)  # every rank holds every tensor
-            dcp.save(state, checkpoint_id=str(tmp_dir / _SHARDS_DIR))
-            return dcp_tensor_reader(tmp_dir / _SHARDS_DIR, specs)
+                return _memory_reader(full, sources)  # every rank holds every tensor
+            dcp.save(full, checkpoint_id=str(tmp_dir / _SHARDS_DIR))
+            return dcp_tensor_reader(tmp_dir / _SHARDS_DIR, sources)
 
-        return self._write_folder(output_dir, model, specs, source, max_shard_bytes, collective=True, all_ranks=shared)
+        return self._write_folder(
+            output_dir, model, _part_specs(sources), source, max_shard_bytes, collective=True, all_ranks=shared
+        )
 
     def save_from_dcp(
         self,
@@ -304,7 +383,7 @@ class HFCheckpointer:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         saved = check_step_checkpoint(Path(checkpoint_dir)).state_dict_metadata
-        specs, names = {}, {}
+        specs = {}
         for key, tensor in model.state_dict().items():
             entry = saved.get(prefix + key)
             if not isinstance(entry, TensorStorageMetadata):
@@ -314,11 +393,10 @@ class HFCheckpointer:
                     f"{checkpoint_dir}: {prefix + key!r} has shape {tuple(entry.size)} but the model expects "
                     f"{tuple(tensor.shape)}; is it a checkpoint of this model?"
                 )
-            hf_key = self.family.tune_key_to_hf(key)
-            specs[hf_key] = _TensorSpec(tuple(entry.size), entry.properties.dtype)
-            names[hf_key] = prefix + key
-        read = dcp_tensor_reader(Path(checkpoint_dir), specs, names=names)
-        return self._write_folder(output_dir, model, specs, lambda tmp_dir: read, max_shard_bytes)
+            specs[key] = _TensorSpec(tuple(entry.size), entry.properties.dtype)
+        sources = self._hf_sources(specs, prefix=prefix)
+        read = dcp_tensor_reader(Path(checkpoint_dir), sources)
+        return self._write_folder(output_dir, model, _part_specs(sources), lambda tmp_dir: read, max_shard_bytes)
 
     def _write_folder(
         self,
@@ -414,6 +492,10 @@ class HFCheckpointer:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _unreadable(file: Path, error: SafetensorError) -> str:
+    return f"{file}: cannot read safetensors ({error}); the file may be truncated or corrupt"
+
+
 def export_config(source: dict | None, ours: dict[str, Any]) -> dict[str, Any]:
     """The ``config.json`` of an export: the family's ``hf_config`` of the model (``ours``) laid over the source
     checkpoint's, so that what the model cannot tell (token ids, generation and tokenizer settings...) is kept.
@@ -449,6 +531,55 @@ class _TensorSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where the values of an HF tensor being written are: our tensor ``name`` (of ``spec``) whole, or its slice
+    ``index`` along dim 0 (one expert of a stacked tensor)."""
+
+    name: str
+    spec: _TensorSpec
+    index: int | None = None
+
+    @property
+    def part_spec(self) -> _TensorSpec:
+        return self.spec if self.index is None else _TensorSpec(self.spec.shape[1:], self.spec.dtype)
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.index is None else tensor[self.index]
+
+
+def _part_specs(sources: dict[str, _Source]) -> dict[str, _TensorSpec]:
+    return {key: source.part_spec for key, source in sources.items()}
+
+
+def _part_shape(shape: tuple[int, ...], part: Part) -> tuple[int, ...]:
+    """The shape of the HF tensor that fills ``part`` of our tensor of ``shape``."""
+    if part.index is not None:
+        shape = shape[1:]
+    if part.rows is not None:
+        shape = (*shape[:-2], shape[-2] * part.rows[1], shape[-1])
+    return shape
+
+
+def _copy_part(target: torch.Tensor, part: Part, source: Any, shape: tuple[int, ...]) -> None:
+    """Copy the HF tensor ``source`` (a safetensors slice of ``shape``) into its ``part`` of ``target``; into a
+    sharded target, only what lies in this rank's shard is read (nothing for an expert of another rank)."""
+    if isinstance(target, DTensor):
+        local, region = target.to_local(), local_region(target)
+    else:
+        local, region = target, tuple(slice(0, size) for size in target.shape)
+    if part.index is not None:
+        first = region[0]
+        if not first.start <= part.index < first.stop:
+            return
+        local, region = local[part.index - first.start], region[1:]
+    if part.rows is not None:
+        offset = part.rows[0] * (shape[-2] // part.rows[1])
+        rows = region[-2]
+        region = (*region[:-2], slice(rows.start + offset, rows.stop + offset), region[-1])
+    local.copy_(source[region])
 
 
 def _plan_files(specs: dict[str, _TensorSpec], max_shard_bytes: int) -> dict[str, list[str]]:
@@ -513,27 +644,30 @@ def _write_safetensors(
 TensorReader = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
 
 
-def _memory_reader(state: dict[str, torch.Tensor]) -> TensorReader:
-    return lambda keys: ((key, state[key]) for key in keys)
+def _memory_reader(state: dict[str, torch.Tensor], sources: dict[str, _Source]) -> TensorReader:
+    return lambda keys: ((key, sources[key].take(state[sources[key].name])) for key in keys)
 
 
-def dcp_tensor_reader(
-    checkpoint_dir: Path, specs: dict[str, _TensorSpec], *, names: dict[str, str] | None = None, batch_bytes: int = 2**28
-) -> TensorReader:
-    """Reads full tensors out of a ``torch.distributed.checkpoint`` folder, about ``batch_bytes`` at a time,
-    whatever the sharding it was written with (``names`` maps a key to its name there, by default the key). Runs
-    in this process alone."""
-    names = names or {}
+def dcp_tensor_reader(checkpoint_dir: Path, sources: dict[str, _Source], *, batch_bytes: int = 2**28) -> TensorReader:
+    """Reads full tensors out of a ``torch.distributed.checkpoint`` folder, whatever the sharding it was written
+    with: each key's values from its source there (``sources``: a saved tensor whole, or one slice of it). Saved
+    tensors are loaded about ``batch_bytes`` at a time, a stacked one once for the run of its slices the keys ask
+    in a row. Runs in this process alone."""
 
     def read(keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        batch: list[str] = []
-        for i, key in enumerate(keys):
-            batch.append(key)
-            if i + 1 < len(keys) and sum(specs[k].nbytes for k in batch) + specs[keys[i + 1]].nbytes <= batch_bytes:
+        runs = [list(run) for _, run in itertools.groupby(keys, key=lambda k: sources[k].name)]
+        batch: list[list[str]] = []
+        for i, run in enumerate(runs):
+            batch.append(run)
+            size = sum(sources[r[0]].spec.nbytes for r in batch)
+            if i + 1 < len(runs) and size + sources[runs[i + 1][0]].spec.nbytes <= batch_bytes:
                 continue
-            wanted = {names.get(k, k): torch.empty(specs[k].shape, dtype=specs[k].dtype) for k in batch}
+            wanted = {
+                sources[r[0]].name: torch.empty(sources[r[0]].spec.shape, dtype=sources[r[0]].spec.dtype) for r in batch
+            }
             load_dcp(wanted, checkpoint_dir, no_dist=True)
-            yield from ((k, wanted.pop(names.get(k, k))) for k in batch)
+            for run_keys in batch:
+                yield from ((k, sources[k].take(wanted[sources[k].name])) for k in run_keys)
             batch = []
 
     return read

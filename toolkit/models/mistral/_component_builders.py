@@ -2,9 +2,26 @@
 https://arxiv.org/abs/2310.06825): Llama's decoder with grouped-query attention, an explicit head_dim, and
 optional sliding-window attention on every layer (v0.1 only; v0.2 and v0.3 attend to the full context)."""
 
-from toolkit.models._decoder import LinearFactory, attention_projections, plain_linear, prenorm_decoder
+from toolkit.models._decoder import LinearFactory, grouped_query_attention, plain_linear, prenorm_decoder
 from toolkit.models.llama3 import llama3_mlp
 from toolkit.modules import GroupedQueryAttention, RotaryPositionalEmbeddings, TransformerDecoder
+
+
+def mistral_attention(
+    *,
+    embed_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope: RotaryPositionalEmbeddings,
+    sliding_window: int | None,
+    linear: LinearFactory = plain_linear,
+) -> GroupedQueryAttention:
+    """Mistral's attention (also Mixtral's): grouped-query, bias-free, over a sliding window if one is given."""
+    return grouped_query_attention(
+        linear, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope=rope,
+        sliding_window=sliding_window,
+    )
 
 
 def mistral(
@@ -41,26 +58,16 @@ def mistral(
         linear: makes each projection (plain ``nn.Linear`` by default; the LoRA builders pass adapter layers).
     """
     rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
-
-    def attention() -> GroupedQueryAttention:
-        return GroupedQueryAttention(
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            **attention_projections(
-                linear, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
-            ),
-            pos_embeddings=rope,
-            sliding_window=sliding_window,
-        )
-
     return prenorm_decoder(
         vocab_size=vocab_size,
         embed_dim=embed_dim,
         num_layers=num_layers,
         max_seq_len=max_seq_len,
         norm_eps=norm_eps,
-        attention=attention,
+        attention=lambda: mistral_attention(
+            embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope=rope,
+            sliding_window=sliding_window, linear=linear,
+        ),
         mlp=lambda: llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim, linear=linear),
         output=None if tie_word_embeddings else lambda: linear("output", embed_dim, vocab_size),
     )

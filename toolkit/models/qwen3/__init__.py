@@ -1,6 +1,6 @@
 """Qwen3 (dense): builders, plain and with adapters (LoRA, DoRA, QLoRA), sizes and checkpoint conversion."""
 
-from toolkit.models.qwen3._component_builders import qwen3
+from toolkit.models.qwen3._component_builders import qwen3, qwen3_attention
 from toolkit.models.qwen3._convert_weights import hf_config, hf_key_to_tune, tune_key_to_hf
 from toolkit.models.qwen3._lora_builders import (
     lora_qwen3,
@@ -47,6 +47,7 @@ __all__ = [
     "qlora_qwen3_4b",
     "qlora_qwen3_8b",
     "qwen3",
+    "qwen3_attention",
     "qwen3_0_6b",
     "qwen3_14b",
     "qwen3_1_7b",

@@ -2,9 +2,26 @@
 and key head before the rotary embedding, and a head_dim set independently of the width (Qwen Team, 2025,
 https://arxiv.org/abs/2505.09388)."""
 
-from toolkit.models._decoder import LinearFactory, attention_projections, plain_linear, prenorm_decoder
+from toolkit.models._decoder import LinearFactory, grouped_query_attention, plain_linear, prenorm_decoder
 from toolkit.models.llama3 import llama3_mlp
 from toolkit.modules import GroupedQueryAttention, RMSNorm, RotaryPositionalEmbeddings, TransformerDecoder
+
+
+def qwen3_attention(
+    *,
+    embed_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope: RotaryPositionalEmbeddings,
+    norm_eps: float,
+    linear: LinearFactory = plain_linear,
+) -> GroupedQueryAttention:
+    """Qwen3's attention (dense and MoE): grouped-query, bias-free, with an RMSNorm on each query and key head."""
+    return grouped_query_attention(
+        linear, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope=rope,
+        q_norm=RMSNorm(head_dim, eps=norm_eps), k_norm=RMSNorm(head_dim, eps=norm_eps),
+    )
 
 
 def qwen3(
@@ -39,27 +56,16 @@ def qwen3(
         linear: makes each projection (plain ``nn.Linear`` by default; the LoRA builders pass adapter layers).
     """
     rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
-
-    def attention() -> GroupedQueryAttention:
-        return GroupedQueryAttention(
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            **attention_projections(
-                linear, embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
-            ),
-            pos_embeddings=rope,
-            q_norm=RMSNorm(head_dim, eps=norm_eps),
-            k_norm=RMSNorm(head_dim, eps=norm_eps),
-        )
-
     return prenorm_decoder(
         vocab_size=vocab_size,
         embed_dim=embed_dim,
         num_layers=num_layers,
         max_seq_len=max_seq_len,
         norm_eps=norm_eps,
-        attention=attention,
+        attention=lambda: qwen3_attention(
+            embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rope=rope,
+            norm_eps=norm_eps, linear=linear,
+        ),
         mlp=lambda: llama3_mlp(embed_dim=embed_dim, intermediate_dim=intermediate_dim, linear=linear),
         output=None if tie_word_embeddings else lambda: linear("output", embed_dim, vocab_size),
     )
