@@ -6,8 +6,10 @@ tokenizer the test trains), through the `any_model` configs.
   CPU: the layouts differ only in the order of float sums, so 1e-5 relative (the counts are integers: exact).
 - A run killed by SIGKILL and resumed ends bitwise where the uninterrupted run does.
 - The export loads in `transformers` with our model's logits (1e-4: fp32, other kernels).
-- LoRA with adapters on every expert: each expert's adapters train, and the merged model is written in the
-  per-expert Hugging Face layout and loads in `transformers`.
+- Expert parallelism (2 ranks sharing out the experts, ZeRO-3 on the rest) too, and its export and step checkpoint
+  are the one-process run's (the checkpoint resumed on one process).
+- LoRA with adapters on every expert, under expert parallelism: each expert's adapters train, and the merged model
+  is written in the per-expert Hugging Face layout and loads in `transformers`.
 """
 
 import json
@@ -27,7 +29,7 @@ tune = partial(run_tune_here, "run")
 STEPS = 5
 FAST = [
     f"max_steps={STEPS}", "dataset.num_samples=64", "batch_size=8", "micro_batch_size=2", "progress_bar=false",
-    "~eval_tasks", "dtype=fp32", "max_seq_len=64", "shuffle=true",
+    "~eval_tasks", "dtype=fp32", "max_seq_len=64", "shuffle=true", "data_parallel=ddp",
 ]
 
 
@@ -68,25 +70,31 @@ def one_process(moe_folder, tmp_path_factory) -> Path:
     return out
 
 
+# The 2-process runs, in one launch: (recipe, config, overrides). ep2: the experts shared out over the 2 ranks
+# (expert_parallel), ZeRO-3 on the rest; its step checkpoints resume on one process.
+TWO_PROCESS_RUNS = {
+    "ddp": ("full_finetune", "any_model", ["data_parallel=ddp", "save_every_n_steps=null"]),
+    "zero3": ("full_finetune", "any_model", ["data_parallel=zero3", "save_every_n_steps=null"]),
+    "ep2": ("full_finetune", "any_model", ["data_parallel=zero3", "expert_parallel=2", "save_every_n_steps=2",
+                                           "keep_last_n=null"]),
+    "lora": ("lora_finetune", "any_model_lora", ["data_parallel=zero3", "expert_parallel=2", "save_every_n_steps=null",
+                                                 "model.apply_lora_to_experts=true", "optimizer.lr=1e-2"]),
+}
+
+
 @pytest.fixture(scope="module")
 def two_processes(moe_folder, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe_two")
     runs = {
-        strategy: RecipeRun("full_finetune", root / strategy, *_overrides(moe_folder, f"data_parallel={strategy}",
-                                                                            "save_every_n_steps=null"),
-                            config="any_model")
-        for strategy in ("ddp", "zero3")
+        name: RecipeRun(recipe, root / name, *_overrides(moe_folder, *overrides), config=config)
+        for name, (recipe, config, overrides) in TWO_PROCESS_RUNS.items()
     }
-    lora = RecipeRun("lora_finetune", root / "lora", *_overrides(
-        moe_folder, "data_parallel=zero3", "save_every_n_steps=null", "model.apply_lora_to_experts=true",
-        "optimizer.lr=1e-2",
-    ), config="any_model_lora")
-    result = run_recipes([*runs.values(), lora], nproc=2, timeout_s=600)
+    result = run_recipes(list(runs.values()), nproc=2, timeout_s=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    return {name: run.output_dir for name, run in {**runs, "lora": lora}.items()}
+    return {name: run.output_dir for name, run in runs.items()}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "ep2"])
 def test_two_processes_train_like_one(strategy, one_process, two_processes):
     ours, reference = _records(two_processes[strategy]), _records(one_process)
     assert len(ours) == len(reference) == STEPS
@@ -96,6 +104,25 @@ def test_two_processes_train_like_one(strategy, one_process, two_processes):
         assert [r[key] for r in ours] == [r[key] for r in reference], key
     assert all(r["router_aux_loss"] > 0 for r in reference)  # the load-balancing loss is in the training loss
     assert all(1 / 8 <= r["expert_load_busiest_share"] <= 1 for r in reference)
+
+
+def test_the_expert_parallel_export_and_checkpoint_are_the_one_process_runs(moe_folder, one_process, two_processes,
+                                                                           tmp_path):
+    assert "zero3 x expert_parallel 2" in two_processes["ep2"].with_name("ep2.stdout").read_text()
+    # The export, written from each rank's experts: the one-process run's weights (another layout sums in another
+    # order: float rounding, 1e-5).
+    ours = load_file(two_processes["ep2"] / "final" / "model.safetensors")
+    expected = load_file(one_process / "final" / "model.safetensors")
+    assert ours.keys() == expected.keys()
+    for key, weight in expected.items():
+        torch.testing.assert_close(ours[key], weight, rtol=1e-5, atol=1e-6, msg=key)
+    # Its step checkpoint (each expert weight whole in DCP) resumes on one process, without expert parallelism.
+    checkpoint = two_processes["ep2"] / "checkpoints" / "step_2"
+    resumed = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={tmp_path}",
+                   *_overrides(moe_folder, f"resume_from={checkpoint}", "save_every_n_steps=null"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    torch.testing.assert_close([r["loss"] for r in _records(tmp_path)], [r["loss"] for r in _records(one_process)][2:],
+                               rtol=1e-5, atol=0)
 
 
 def test_the_export_loads_in_transformers_with_the_models_logits(one_process):
@@ -128,6 +155,7 @@ def test_a_killed_run_resumes_bitwise(moe_folder, one_process, tmp_path):
 
 def test_lora_on_the_experts_trains_every_expert_and_writes_the_merged_model(moe_folder, two_processes):
     out = two_processes["lora"]
+    assert "zero3 x expert_parallel 2" in out.with_name("lora.stdout").read_text()
     assert "the experts' adapters have no PEFT layout" in out.with_name("lora.stdout").read_text()
     assert not (out / "final" / "adapter").exists()
     merged = out / "final" / "merged"
