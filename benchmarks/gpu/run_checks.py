@@ -18,6 +18,8 @@ Before: ``bash benchmarks/gpu/fetch_wheels.sh`` where PyPI is reachable (README.
    ``benchmarks/attention.py``: packed rows on SDPA with a dense mask against FlexAttention block masks, in Llama 3.1
    8B's attention layer. Where the machine has several GPUs, ``benchmarks/tensor_parallel.py --device cuda``:
    bytes and step time of data- and tensor-parallel layouts of Llama 3.2 1B over all of them (skipped on one).
+   Then ``benchmarks/moe.py --device cuda``: our grouped experts against ``transformers``' experts implementations
+   and an equal-active dense model, on a Qwen3-MoE of 8 layers of 64 experts (bf16).
 4. ``results.md`` (and ``results.json``) in ``--results``: one row per tool, the ratio lines and the attention
    table.
 
@@ -47,6 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPARE = REPO / "benchmarks" / "compare.py"
 ATTENTION = REPO / "benchmarks" / "attention.py"
 TENSOR_PARALLEL = REPO / "benchmarks" / "tensor_parallel.py"
+MOE = REPO / "benchmarks" / "moe.py"
 OURS_WHEEL = "tunekit"
 # Wheels of packages ours needs too: added to ours' folder when this interpreter cannot import them.
 SHARED = {"omegaconf": "omegaconf", "torchao": "torchao"}
@@ -148,7 +151,7 @@ def device_name(dry_run: bool) -> str:
 
 def write_table(
     results: Path, runs: list[dict], versions: dict[str, str], *, device: str, pytest_status: str, attention: list[str],
-    tensor_parallel: list[str],
+    tensor_parallel: list[str], moe: list[str],
 ) -> str:
     """Markdown: the setup, one row per tool and method, then the ratio lines."""
     lines = [
@@ -184,6 +187,7 @@ def write_table(
     lines += ["", *(f"    {run['shape']}: {line}" for run in runs for line in run.get("ratio_lines", []))]
     lines += ["", "## Packed rows: attention kernels (benchmarks/attention.py)", "", *attention]
     lines += ["", "## Data- and tensor-parallel layouts (benchmarks/tensor_parallel.py)", "", *tensor_parallel]
+    lines += ["", "## Mixture of experts (benchmarks/moe.py)", "", *moe]
     text = "\n".join(lines) + "\n"
     (results / "results.md").write_text(text)
     (results / "results.json").write_text(json.dumps({"versions": versions, "runs": runs}, indent=1))
@@ -296,8 +300,21 @@ def main() -> None:
             if code != 0:
                 tensor_parallel = [f"FAILED (exit {code})"]
 
+    moe = [f"not run: {left()} s of --budget left"]
+    moe_args = (["--steps", "2", "--warmup", "1", "--seq_len", "128", "--num_layers", "2"] if args.dry_run else
+                ["--device", "cuda", "--dtype", "bfloat16", "--embed_dim", "2048", "--num_layers", "8", "--num_heads",
+                 "16", "--num_kv_heads", "4", "--head_dim", "128", "--num_experts", "64", "--top_k", "8",
+                 "--expert_dim", "768", "--vocab_size", "32768", "--seq_len", "4096", "--micro_batch_size", "2"])
+    if left() >= 60:
+        code = run_logged([sys.executable, str(MOE), *moe_args], log_path=args.results / "moe.log",
+                          timeout=min(120, left()), env={**os.environ, "PYTHONPATH": str(ours)})
+        moe = [line for line in (args.results / "moe.log").read_text().splitlines()
+               if line.startswith(("variant", "ours", "transformers", "dense", "cpu ", "cuda "))]
+        if code != 0:
+            moe = [f"FAILED (exit {code})"]
+
     table = write_table(args.results, runs, versions, device=device_name(args.dry_run), pytest_status=pytest_status,
-                        attention=attention, tensor_parallel=tensor_parallel)
+                        attention=attention, tensor_parallel=tensor_parallel, moe=moe)
     print("\n" + table)
     log(f"done in {time.monotonic() - started:.0f} s; {args.results / 'results.md'}")
     if any(run["status"] != "ok" for run in runs):
