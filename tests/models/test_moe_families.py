@@ -16,7 +16,7 @@ from toolkit.models import build_from_hf
 from toolkit.models.mixtral import lora_mixtral, mixtral, mixtral_8x7b, mixtral_8x22b
 from toolkit.models.qwen3_moe import qwen3_moe, qwen3_moe_30b_a3b, qwen3_moe_235b_a22b, sparse_layers
 from toolkit.modules.moe import MoEFeedForward
-from toolkit.modules.peft import LoRALinear, init_adapters, is_adapter_key
+from toolkit.modules.peft import LoRAGroupedExperts, LoRALinear, adapter_modules, init_adapters, is_adapter_key
 from toolkit.pretrained import from_pretrained
 from toolkit.training import HFCheckpointer
 
@@ -134,6 +134,18 @@ def test_a_missing_expert_is_named(family, tmp_path):
         HFCheckpointer(str(out), model_family=family).load(tiny(family))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_another_top_k_in_the_checkpoints_config_is_refused_in_one_line(family, tmp_path):
+    out = HFCheckpointer(model_family=family).save(tiny(family), tmp_path / "ckpt")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 3}))
+    with pytest.raises(UserError) as e:
+        HFCheckpointer(str(out), model_family=family).load(tiny(family))
+    message = str(e.value)
+    assert "routes each token to num_experts_per_tok=3 experts but the model to 2" in message
+    assert str(out) in message and "\n" not in message
+
+
 def test_qwen3_moe_dense_layers_are_where_the_config_says():
     # Every decoder_sparse_step-th layer is sparse, unless listed in mlp_only_layers (transformers' rule).
     assert sparse_layers(num_layers=6, mlp_only_layers=[3], decoder_sparse_step=2) == [
@@ -169,6 +181,16 @@ def test_lora_adapts_attention_and_refuses_the_experts():
                 intermediate_dim=24, num_experts=4, num_experts_per_tok=2, max_seq_len=64,
                 lora_attn_modules=["q_proj"], apply_lora_to_mlp=True,
             )
+
+
+def test_apply_lora_to_experts_adapts_every_experts_block_and_nothing_else():
+    with torch.device("meta"):
+        model = lora_mixtral(
+            vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, embed_dim=32, intermediate_dim=24,
+            num_experts=4, num_experts_per_tok=2, max_seq_len=64, lora_attn_modules=[], apply_lora_to_experts=True,
+        )
+    assert sorted(adapter_modules(model)) == [f"layers.{i}.mlp.experts" for i in range(2)]
+    assert all(isinstance(m, LoRAGroupedExperts) for m in adapter_modules(model).values())
 
 
 # --- Against transformers --------------------------------------------------------------------------------------

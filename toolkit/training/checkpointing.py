@@ -37,6 +37,7 @@ import toolkit.models
 from toolkit.errors import UserError, read_json
 from toolkit.models._expert_keys import Part
 from toolkit.modules._dtensor import local_region
+from toolkit.modules.moe import MoEFeedForward
 from toolkit.training.distributed import shared_filesystem
 from toolkit.parallel import unwrap
 from toolkit.training.step_checkpoint import (
@@ -162,6 +163,7 @@ class HFCheckpointer:
                 another number of experts than the model's; the message names the file and the key.
         """
         assert self.checkpoint_dir is not None, "load() needs a checkpoint_dir"
+        self._check_routing(model)
         targets = model.state_dict()
         loaded: set[str] = set()
         slices: dict[str, set[int]] = {}  # of a stacked tensor: the indices along dim 0 read so far
@@ -212,6 +214,18 @@ class HFCheckpointer:
         sharded = any(isinstance(t, DTensor) for t in wanted.values())
         load_dcp(wanted, self.checkpoint_dir, no_dist=not sharded)
         loaded.update(name[len("model."):] for name in wanted)
+
+    def _check_routing(self, model: nn.Module) -> None:
+        """Refuse a checkpoint whose ``config.json`` routes each token to another number of experts than the model's
+        routers do (the weights cannot tell: a router scores every expert whatever its top-k)."""
+        config = self.source_config or {}
+        top_k = config.get("num_experts_per_tok")
+        blocks = [m for m in unwrap(model).modules() if isinstance(m, MoEFeedForward)]
+        if top_k is not None and blocks and blocks[0].top_k != top_k:
+            raise UserError(
+                f"{self.checkpoint_dir}: the checkpoint's config.json routes each token to num_experts_per_tok={top_k} "
+                f"experts but the model to {blocks[0].top_k}; is it a checkpoint of this model?"
+            )
 
     def _parts(self, hf_key: str) -> list[Part]:
         """Where an HF tensor goes: parts of our stacked tensors, or one whole tensor (``KeyError``: neither)."""
