@@ -6,7 +6,9 @@ The layouts, all from one 4-rank mesh:
 - ``tp2``: two independent tensor-parallel pairs, each training on the whole batch (no data parallelism);
 - ``tp4``: the 4 ranks split each layer;
 - ``ddp_tp2``, ``zero3_tp2``, ``hsdp_tp2``: 2 data-parallel ranks (DDP semantics, ZeRO-3, HSDP on a 2-D FSDP mesh)
-  of tensor-parallel pairs.
+  of tensor-parallel pairs;
+- ``hsdp_r2_tp2``: HSDP with shard groups of one rank (``hsdp_shard_size: 1``), so that its replicate dimension is
+  the real one: 2 replicas of a tensor-parallel pair (``hsdp_tp2`` shards over the 2 instead, a replica of one).
 
 Then the full fine-tune recipe runs on the demo, zero3 x tensor_parallel 2 with sequence parallelism, into
 ``sys.argv[2]``, saving step checkpoints, and again into ``sys.argv[2]_resumed``, resumed from its step 2; then the
@@ -72,7 +74,7 @@ ADAPTERS = {
 # name: (data_parallel, tensor_parallel, hsdp_shard_size, micro-batches per rank and step)
 LAYOUTS = {
     "tp2": ("ddp", 2, None, 2), "tp4": ("ddp", 4, None, 1), "ddp_tp2": ("ddp", 2, None, 1),
-    "zero3_tp2": ("zero3", 2, None, 2), "hsdp_tp2": ("hsdp", 2, 2, 1),
+    "zero3_tp2": ("zero3", 2, None, 2), "hsdp_tp2": ("hsdp", 2, 2, 1), "hsdp_r2_tp2": ("hsdp", 2, 1, 2),
 }
 # Each case on one split of the heads alone (tp2 or tp4) or with data parallelism, so that every model, mode and
 # layout is covered in one launch of about a minute: each run costs seconds here, where 4 processes on 2 cores wait
@@ -82,7 +84,8 @@ LAYOUTS = {
 SEQUENCE_PARALLEL = {"tp2_sp": "tp2", "tp4_sp": "tp4", "zero3_tp2_sp": "zero3_tp2"}
 RUNS = [
     ("llama", "full", "tp2"), ("llama", "full", "tp4"), ("llama", "full", "ddp_tp2"), ("llama", "full", "hsdp_tp2"),
-    ("qwen", "full", "zero3_tp2"), ("gemma", "full", "ddp_tp2"), ("qwen", "lora", "tp4"),
+    ("qwen", "full", "zero3_tp2"), ("qwen", "full", "hsdp_r2_tp2"), ("gemma", "full", "ddp_tp2"),
+    ("qwen", "lora", "tp4"),
     ("llama", "lora", "zero3_tp2"), ("gemma", "dora", "tp2"),
     ("llama", "full", "tp2_sp"), ("gemma", "full", "zero3_tp2_sp"), ("qwen", "lora", "tp4_sp"),
 ]
@@ -260,7 +263,7 @@ def main(out: str, recipe_out: str) -> None:
             dims = ParallelDims("ddp", dp_replicate=1, dp_shard=1, tp=2, rank=rank % 2)
         result = train(name, mode, dims, mesh, micro_steps=micro_steps, sequence_parallel=layout in SEQUENCE_PARALLEL)
         if rank == 0:
-            results[f"{name}/{mode}/{layout}"] = result
+            results[f"{name}/{mode}/{layout}"] = {**result, "dims": (dims.dp_replicate, dims.dp_shard, dims.tp)}
     if rank == 0:
         torch.save(results, out)
     # Last, the recipe itself, with no second launch: its sampler, loss normalization, step checkpoints and export

@@ -1,10 +1,11 @@
-"""Promise 1 across tensor-parallel layouts: one process, tp=2, tp=4, ddp x tp=2, zero3 x tp=2 and hsdp x tp=2
-train the same model from the same global batches and then generate the same tokens; so does the recipe, and its
-step checkpoints resume on the same layout (bitwise) and on one process; the generate and eval recipes on one model
-split over 2 processes give what they give on one. On 2 processes (one launch of recipe runs): step checkpoints
-resumed across tp=2, dp=2 (zero3) and one process; the LoRA recipe on tp=2 (and, in the 4-process launch, on zero3 x
-tp=2) trains like one process, and its PEFT adapter and merged model, written from each rank's shards, load in
-`peft` and `transformers`; `tune export` of a TP run's step checkpoint gives its final export.
+"""Promise 1 across tensor-parallel layouts: one process, tp=2, tp=4, ddp x tp=2, zero3 x tp=2 and hsdp x tp=2 (as one
+replica sharded over 2 pairs, and as 2 replicas) train the same model from the same global batches and then generate
+the same tokens; so does the recipe, and its step checkpoints resume on the same layout (bitwise) and on one process;
+the generate and eval recipes on one model split over 2 processes give what they give on one. On 2 processes (one
+launch of recipe runs): step checkpoints resumed across tp=2, dp=2 (zero3) and one process; the LoRA recipe on tp=2
+(and, in the 4-process launch, on zero3 x tp=2) trains like one process, and its PEFT adapter and merged model,
+written from each rank's shards, load in `peft` and `transformers`; `tune export` of a TP run's step checkpoint gives
+its final export.
 
 One torchrun launch of 4 processes (tests/training/_tp_worker.py) runs every layout of a tiny Llama 3 (rope
 scaling), Qwen 2.5 (q/k/v biases, tied embeddings) and Gemma 2 (soft-caps, sliding window, tied), full fine-tune,
@@ -66,6 +67,14 @@ def test_every_layout_trains_like_one_process(run, layouts, references):
     # Each rank's embedding gradient is its part of the table (a whole one on every rank would also train alike).
     rows, grad_rows = ours["embedding_rows"]
     assert rows <= worker.VOCAB // 2 and grad_rows in (rows, None if mode != "full" else rows)
+
+
+def test_the_hsdp_layouts_shard_or_replicate_over_the_pairs_as_their_shard_size_says(layouts):
+    # (dp_replicate, dp_shard, tp) of each: hsdp_shard_size 2 shards over both pairs (a degenerate replicate
+    # dimension), 1 replicates over them (a degenerate shard dimension), so that between them both dimensions of
+    # HSDP's 2-D mesh carry 2 ranks once. Both at once (2 x 2 x tp 2) would take 8 processes.
+    assert layouts["llama/full/hsdp_tp2"]["dims"] == (1, 2, 2)
+    assert layouts["qwen/full/hsdp_r2_tp2"]["dims"] == (2, 1, 2)
 
 
 @pytest.mark.parametrize("run", [r for r in worker.RUNS if r[2] in worker.SEQUENCE_PARALLEL], ids="/".join)
