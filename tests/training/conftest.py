@@ -1,0 +1,18 @@
+"""What the training tests share: the one 4-process launch of :mod:`tests.training._tp_worker`, whose results
+test_tensor_parallel.py, test_memory_tp.py and test_parallel_parity.py read (starting 4 processes on this 2-core
+machine costs more than most of what they run, so they run once for all three)."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.launch import run_workers
+
+
+@pytest.fixture(scope="session")
+def four_processes(tmp_path_factory) -> Path:
+    """The folder the 4-process launch of :mod:`tests.training._tp_worker` wrote (its docstring lists what)."""
+    out = tmp_path_factory.mktemp("four_processes")
+    result = run_workers(Path(__file__).with_name("_tp_worker.py"), str(out), nproc=4, timeout_s=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
