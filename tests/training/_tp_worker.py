@@ -1,7 +1,6 @@
 """Worker for test_tensor_parallel.py, run under torchrun on 4 processes (gloo, CPU) into the folder
 ``sys.argv[1]``: every case (a tiny model and a fine-tuning mode) trained on every tensor-parallel layout of the 4
-ranks, one after the other, in one launch; with ``sys.argv[2] == "3d"``, on 8 processes, the one case of
-:data:`RUNS_3D` only.
+ranks, one after the other, in one launch.
 
 The layouts, all from one 4-rank mesh:
 
@@ -89,7 +88,6 @@ ADAPTERS = {
 LAYOUTS = {
     "tp2": ("ddp", 2, None, 2), "tp4": ("ddp", 4, None, 1), "ddp_tp2": ("ddp", 2, None, 1),
     "zero3_tp2": ("zero3", 2, None, 2), "hsdp_tp2": ("hsdp", 2, 2, 1), "hsdp_r2_tp2": ("hsdp", 2, 1, 2),
-    "hsdp_2x2_tp2": ("hsdp", 2, 2, 1),  # hsdp_tp2's settings, on 8 processes (RUNS_3D): 2 replicas of it
 }
 # Each case on one split of the heads alone (tp2 or tp4) or with data parallelism, so that every model, mode and
 # layout is covered in one launch of about a minute: each run costs seconds here, where 4 processes on 2 cores wait
@@ -104,10 +102,6 @@ RUNS = [
     ("llama", "lora", "zero3_tp2"), ("gemma", "dora", "tp2"),
     ("llama", "full", "tp2_sp"), ("gemma", "full", "zero3_tp2_sp"), ("qwen", "lora", "tp4_sp"),
 ]
-# On 8 processes (a launch of its own): HSDP with both data-parallel dimensions real, 2 replicas of 2 shards of
-# tensor-parallel pairs (dp_replicate x dp_shard x tp = 2 x 2 x 2; its data-parallel group is the flattened pair of
-# dimensions), on the smallest case.
-RUNS_3D = [("qwen", "full", "hsdp_2x2_tp2")]
 
 
 def build(name: str, mode: str, *, models: dict = MODELS) -> torch.nn.Module:
@@ -306,25 +300,24 @@ def measure_memory(out: Path) -> None:
         torch.save(results, out)
 
 
-def main(out: Path, *, only_3d: bool) -> None:
+def main(out: Path) -> None:
     dist.init_process_group("gloo")
-    train_layouts(RUNS_3D if only_3d else RUNS, out / "results.pt")
-    if not only_3d:
-        measure_memory(out / "memory.pt")
-        # The recipe itself, with no second launch: its sampler, loss normalization, step checkpoints and export
-        # under TP. A run saving every 2 steps, then a run resuming from its step 2 checkpoint on the same layout.
-        recipe = out / "recipe"
-        run_recipe(*RECIPE, *RECIPE_TP, "save_every_n_steps=2", "keep_last_n=null", f"output_dir={recipe}")
-        run_recipe(*RECIPE, *RECIPE_TP, f"resume_from={recipe}/checkpoints/step_{RESUMED_AT}",
-                   f"output_dir={out / 'recipe_resumed'}")
-        # The LoRA recipe on the same layout, its base the model just trained: the PEFT adapter and the merged model
-        # exported from each rank's shards.
-        run_recipe(*RECIPE, *RECIPE_TP, *LORA, f"checkpointer.checkpoint_dir={recipe}/final",
-                   f"output_dir={out / 'recipe_lora'}", recipe_name="lora_finetune")
-        run_recipe(*memory.AUTO_RECIPE, f"output_dir={out / 'auto'}", stdout=out / "auto.stdout")
-        run_recipe(*RECIPE, "data_parallel=hsdp", "hsdp_shard_size=2", f"output_dir={out / 'hsdp'}")
+    train_layouts(RUNS, out / "results.pt")
+    measure_memory(out / "memory.pt")
+    # The recipe itself, with no second launch: its sampler, loss normalization, step checkpoints and export
+    # under TP. A run saving every 2 steps, then a run resuming from its step 2 checkpoint on the same layout.
+    recipe = out / "recipe"
+    run_recipe(*RECIPE, *RECIPE_TP, "save_every_n_steps=2", "keep_last_n=null", f"output_dir={recipe}")
+    run_recipe(*RECIPE, *RECIPE_TP, f"resume_from={recipe}/checkpoints/step_{RESUMED_AT}",
+               f"output_dir={out / 'recipe_resumed'}")
+    # The LoRA recipe on the same layout, its base the model just trained: the PEFT adapter and the merged model
+    # exported from each rank's shards.
+    run_recipe(*RECIPE, *RECIPE_TP, *LORA, f"checkpointer.checkpoint_dir={recipe}/final",
+               f"output_dir={out / 'recipe_lora'}", recipe_name="lora_finetune")
+    run_recipe(*memory.AUTO_RECIPE, f"output_dir={out / 'auto'}", stdout=out / "auto.stdout")
+    run_recipe(*RECIPE, "data_parallel=hsdp", "hsdp_shard_size=2", f"output_dir={out / 'hsdp'}")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), only_3d=sys.argv[2:] == ["3d"])
+    main(Path(sys.argv[1]))
