@@ -246,6 +246,8 @@ RECIPE = [
 # With sequence parallelism: the recipe pads every batch to a multiple of 2 and splits the norms' positions.
 RECIPE_TP = ["tensor_parallel=2", "data_parallel=zero3", "sequence_parallel=true"]
 RESUMED_AT = 2
+# Step checkpoints at steps 2, 4 and 5 (the last).
+SAVES = ["save_every_n_steps=2", "keep_last_n=null"]
 # The LoRA recipe's runs (its demo: rank-16 adapters on every projection and the vocabulary-split output projection),
 # writing the merged model too.
 LORA = ["save_merged=true"]
@@ -307,7 +309,7 @@ def main(out: Path) -> None:
     # The recipe itself, with no second launch: its sampler, loss normalization, step checkpoints and export
     # under TP. A run saving every 2 steps, then a run resuming from its step 2 checkpoint on the same layout.
     recipe = out / "recipe"
-    run_recipe(*RECIPE, *RECIPE_TP, "save_every_n_steps=2", "keep_last_n=null", f"output_dir={recipe}")
+    run_recipe(*RECIPE, *RECIPE_TP, *SAVES, f"output_dir={recipe}")
     run_recipe(*RECIPE, *RECIPE_TP, f"resume_from={recipe}/checkpoints/step_{RESUMED_AT}",
                f"output_dir={out / 'recipe_resumed'}")
     # The LoRA recipe on the same layout, its base the model just trained: the PEFT adapter and the merged model

@@ -43,10 +43,10 @@ def run(out: Path, *args: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[list[float], dict]:
-    """One process, 4 micro-steps of 2 per optimizer step."""
-    out = tmp_path_factory.mktemp("reference")
-    return run(out), load_file(out / "final" / "model.safetensors")
+def reference(one_process) -> tuple[list[float], dict]:
+    """One process, 4 micro-steps of 2 per optimizer step (conftest.py's run, shared with the tensor-parallel
+    tests): its losses and final weights."""
+    return losses(one_process), load_file(one_process / "final" / "model.safetensors")
 
 
 # The 2-process runs (2 processes x 2 micro-steps of 2), by name: their overrides.

@@ -204,17 +204,9 @@ def test_the_eval_recipe_split_over_two_processes_scores_as_one_does(four_proces
 # Step checkpoints written on one layout and resumed on another: tp=2 (one pair, no data parallelism), dp=2 (zero3, no
 # TP) and one process, each way. DCP reshards the model and optimizer state; the sampler's position and the RNG state
 # carry over, so the resumed run reads the same rows in the same micro-batches (the layouts cut the global batch into
-# the same rows). Every run saves at steps 2, 4 and 5 (the last).
-SAVES = ["save_every_n_steps=2", "keep_last_n=null"]
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> Path:
-    """The demo recipe on one process, uninterrupted, saving step checkpoints (saving changes nothing of the
-    training): the reference of the 4-process recipe run and of the 2-process runs, and its step 2 resumed on tp=2."""
-    out = tmp_path_factory.mktemp("one_process")
-    run_recipe_here("full_finetune", "demo", *worker.RECIPE, *SAVES, f"output_dir={out}")
-    return out
+# the same rows). Every run saves at steps 2, 4 and 5 (the last), as conftest.py's one_process does (the reference of
+# the 4-process recipe run and of the 2-process runs; its step 2 is resumed on tp=2).
+SAVES = worker.SAVES
 
 
 def _checkpoint(out: Path) -> Path:
