@@ -4,6 +4,8 @@ Every run is the CPU demo in fp32 on a small slice of its data: deterministic, s
 equal weights and losses on the same number of processes. On a different number of processes the gradient sums are
 rounded in another order, so there the losses agree to fp32 rounding (rtol 1e-5, as in the parity tests).
 
+The same holds under tensor parallelism (``tensor_parallel=2``: each rank checkpoints its halves of the layers).
+
 What costs time here is starting processes, not training (a demo run is a second or two of it): the uninterrupted
 2-process runs share one launch (``two_process_runs``), the resumes of the killed 2-process runs another
 (``killed_then_resumed``), and 1-process runs go through `tune run` in the test's own process (``run_here``). Only
@@ -103,6 +105,7 @@ def two_process_runs(reference_single, tmp_path_factory) -> dict[str, Path]:
     - ``one_process_step_3``: ``reference_single``'s step 3 resumed on 2 processes.
     - ``lora_reference``: LoRA with adapter dropout (the reference of the LoRA kill below).
     - ``dora_zero3``: DoRA under ZeRO-3, whose step 3 is resumed on 1 process.
+    - ``tp2``: ``tensor_parallel=2`` (one pair splitting each layer; the reference of the tensor-parallel kill).
     """
     root = tmp_path_factory.mktemp("two_processes")
     runs = {
@@ -115,6 +118,7 @@ def two_process_runs(reference_single, tmp_path_factory) -> dict[str, Path]:
         ),
         "lora_reference": together(root / "lora_reference", LORA_DROPOUT, recipe="lora_finetune"),
         "dora_zero3": together(root / "dora_zero3", *DORA, "data_parallel=zero3", recipe="lora_finetune"),
+        "tp2": together(root / "tp2", *TP2),
     }
     run_together(*runs.values())
     return {name: r.output_dir for name, r in runs.items()}
@@ -132,12 +136,18 @@ def reference(two_process_runs) -> Path:
 # loader's iterator once drew from the global RNG, which the resumed run then drew once more).
 LORA_DROPOUT = "model.lora_dropout=0.1"
 DORA = ["save_merged=false", "model.use_dora=true"]
+# Both processes split each layer and read the same rows: every rank's checkpoint holds its halves of the model
+# and of the optimizer state, which the resume (or another layout, through DCP) must put back. 5 steps (saved at 3
+# and 5): a tp=2 step costs about twice a DDP one here, and one checkpoint before the kill is all the test needs.
+TP2_STEPS = "max_steps=5"
+TP2 = ["tensor_parallel=2", TP2_STEPS]
 # The 2-process runs killed by SIGKILL: the fault, the overrides, the recipe.
 KILLED = {
     "two_processes": ("after_step:7:1", [], "full_finetune"),  # rank 1 dies after step 7; the last checkpoint: 6
     "while_saving": ("save:6", [], "full_finetune"),  # step 6's files are all written, its marker is not
     "async_save": ("after_step:7:1", ["async_save=true"], "full_finetune"),
     "lora": ("after_step:7:1", [LORA_DROPOUT, "save_merged=false"], "lora_finetune"),
+    "tp2": ("after_step:4:1", TP2, "full_finetune"),  # the last checkpoint: 3
 }
 
 
@@ -175,7 +185,7 @@ def assert_same_run(output_dir: Path, reference: Path) -> None:
     assert_bitwise_equal(weights(output_dir), weights(reference))
 
 
-@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
+@pytest.mark.slow  # killed_then_resumed: five killed launches and the launch of their resumes
 def test_sigkill_then_resume_is_bitwise_exact_on_two_processes(killed_then_resumed, reference):
     # Rank 1 died after step 7; the last checkpoint is step 6.
     killed = killed_then_resumed["two_processes"]
@@ -191,6 +201,29 @@ def test_sigkill_then_resume_is_bitwise_exact_on_one_process(reference_single, t
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed at step 3" in resumed.stdout
     assert_same_run(tmp_path, reference_single)
+
+
+@pytest.mark.slow  # killed_then_resumed: five killed launches and the launch of their resumes
+def test_sigkill_then_resume_is_bitwise_exact_under_tensor_parallelism(
+    killed_then_resumed, two_process_runs, tmp_path
+):
+    # tensor_parallel=2, rank 1 (the second half of every layer) died after step 4; the last checkpoint is step 3.
+    # Resumed on the same layout, the run is the uninterrupted tp=2 run's, bitwise.
+    killed, reference = killed_then_resumed["tp2"], two_process_runs["tp2"]
+    assert killed.complete_steps == [3] and not killed.has_final
+    assert "resumed at step 3" in killed.resumed_stdout
+    assert_same_run(killed.output_dir, reference)
+    # The killed run's step 3 on one process: DCP joins each rank's halves; the whole matmuls sum in another order,
+    # so the losses and, 2 AdamW steps on, the weights agree to fp32 rounding (measured: the losses equal, the
+    # weights within 3e-6: AdamW's 1/sqrt(v), still small this early, enlarges rounding-level gradient differences on
+    # entries with near-zero gradients; 1e-5 as for the layouts in test_tensor_parallel.py).
+    resumed = run_here(tmp_path, TP2_STEPS, f"resume_from={killed.output_dir / 'checkpoints' / 'step_3'}")
+    assert resumed.returncode == 0, resumed.stderr
+    torch.testing.assert_close(losses(tmp_path), losses(reference)[3:], rtol=1e-5, atol=0)
+    ours, expected = weights(tmp_path), weights(reference)
+    assert ours.keys() == expected.keys()
+    for key, weight in expected.items():
+        torch.testing.assert_close(ours[key], weight, rtol=1e-5, atol=1e-5, msg=key)
 
 
 def test_two_process_checkpoint_resumes_on_one_process(reference, tmp_path):
@@ -217,7 +250,7 @@ def test_sharded_checkpoint_reshards_to_another_world_size_and_strategy(strategy
     torch.testing.assert_close(losses(tmp_path / "resumed"), losses(reference)[3:], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
+@pytest.mark.slow  # killed_then_resumed: five killed launches and the launch of their resumes
 def test_kill_while_saving_leaves_the_previous_checkpoint_for_auto(killed_then_resumed, reference):
     # Step 6's files are all written, its marker is not.
     killed = killed_then_resumed["while_saving"]
@@ -263,7 +296,7 @@ def test_keep_last_n_prunes_old_checkpoints(two_process_runs):
     assert complete_steps(out) == [6, 8]
 
 
-@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
+@pytest.mark.slow  # killed_then_resumed: five killed launches and the launch of their resumes
 def test_async_save_resumes_exactly(killed_then_resumed, reference):
     assert_same_run(killed_then_resumed["async_save"].output_dir, reference)
 
@@ -275,7 +308,7 @@ def adapter(output_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(output_dir / "final" / "adapter" / "adapter_model.safetensors")
 
 
-@pytest.mark.slow  # killed_then_resumed: four killed launches and the launch of their resumes
+@pytest.mark.slow  # killed_then_resumed: five killed launches and the launch of their resumes
 def test_lora_sigkill_then_resume_is_bitwise_exact(two_process_runs, killed_then_resumed, tmp_path):
     # With adapter dropout (LORA_DROPOUT): every random draw between the checkpoint and the kill must repeat on
     # resume. The reference is two_process_runs' uninterrupted LoRA run; the kill, after step 7 on rank 1.

@@ -1,34 +1,49 @@
-"""Worker for test_tensor_parallel.py, run under torchrun on 4 processes (gloo, CPU): every case (a tiny model
-and a fine-tuning mode) trained on every tensor-parallel layout of the 4 ranks, one after the other, in one launch.
+"""Worker for test_tensor_parallel.py, run under torchrun on 4 processes (gloo, CPU) into the folder
+``sys.argv[1]``: every case (a tiny model and a fine-tuning mode) trained on every tensor-parallel layout of the 4
+ranks, one after the other, in one launch.
 
 The layouts, all from one 4-rank mesh:
 
 - ``tp2``: two independent tensor-parallel pairs, each training on the whole batch (no data parallelism);
 - ``tp4``: the 4 ranks split each layer;
 - ``ddp_tp2``, ``zero3_tp2``, ``hsdp_tp2``: 2 data-parallel ranks (DDP semantics, ZeRO-3, HSDP on a 2-D FSDP mesh)
-  of tensor-parallel pairs.
-
-Then the full fine-tune recipe runs on the demo, zero3 x tensor_parallel 2 with sequence parallelism, into
-``sys.argv[2]``, saving step checkpoints, and again into ``sys.argv[2]_resumed``, resumed from its step 2; then the
-LoRA recipe on that layout into ``sys.argv[2]_lora``, on the model the first run trained.
+  of tensor-parallel pairs;
+- ``hsdp_r2_tp2``: HSDP with shard groups of one rank (``hsdp_shard_size: 1``), so that its replicate dimension is
+  the real one: 2 replicas of a tensor-parallel pair (``hsdp_tp2`` shards over the 2 instead, a replica of one).
 
 After training, each run generates from a fixed prompt with the trained model (greedy, and sampled with top-k and
 top-p from a seeded generator: the logits are gathered whole, so every rank draws the same token), and scores the
 prompt's logits.
 
-Every run trains 5 steps of a global batch of 4 rows of different lengths (prompt positions and padding ignored),
-with AdamW and the gradient norm clipped; the layouts differ in how a rank's share is cut into micro-batches too. Rank zero saves, per case and layout, the losses, the
-gradient norms, the final weights (gathered whole) and the generations to ``sys.argv[1]`` (``torch.save``); the test computes the
-one-process references itself (:func:`train`, and the recipe) and compares.
+Every run trains 3 steps of a global batch of 4 rows of different lengths (prompt positions and padding ignored),
+with AdamW and the gradient norm clipped; the layouts differ in how a rank's share is cut into micro-batches too.
+Rank zero saves, per case and layout, the losses, the gradient norms, the final weights (gathered whole) and the
+generations to ``results.pt`` (``torch.save``); the test computes the one-process references itself
+(:func:`train`, and the recipe) and compares.
+
+Then, on 4 processes, the same launch serves the tests that need 4 processes (starting them is most of a launch's
+cost; tests/training/conftest.py shares it):
+
+- the memory plan's measures of a real TP model on each pair of ranks (:mod:`tests.training._tp_memory`), into
+  ``memory.pt``;
+- the full fine-tune recipe on the demo, zero3 x tensor_parallel 2 with sequence parallelism, into ``recipe/``,
+  saving step checkpoints, and again into ``recipe_resumed/``, resumed from its step 2; then the LoRA recipe on that
+  layout into ``recipe_lora/``, on the model the first run trained;
+- the recipe with ``tensor_parallel: auto`` where only the split fits, into ``auto/`` (its stdout in
+  ``auto.stdout``), and on HSDP's 2 x 2 mesh without TP (test_parallel_parity.py) into ``hsdp/``.
 """
 
+import contextlib
+import os
 import runpy
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tests.training import _tp_memory as memory
 from toolkit.cli._catalog import recipe_schema
 from toolkit.config import apply_overrides, load_config, validate
 from toolkit.generation import generate
@@ -43,7 +58,9 @@ from toolkit.parallel import ParallelDims, parallel_dims
 from toolkit.paths import configs_dir, recipes_dir
 from toolkit.training import forward_backward, init_weights, optimizer_step, parallelize
 
-STEPS, BATCH, VOCAB = 5, 4, 96
+# 3 steps: the second and third update with AdamW's state (each rank's shard of it), each step's batch of other
+# lengths; a fourth and fifth (9 s of the launch, measured) exercise nothing the third does not.
+STEPS, BATCH, VOCAB = 3, 4, 96
 # 8 query and 4 key/value heads: grouped-query attention that tensor_parallel=4 still splits.
 SIZES = dict(vocab_size=VOCAB, num_heads=8, num_kv_heads=4, intermediate_dim=128, max_seq_len=32)
 MODELS = {
@@ -72,7 +89,7 @@ ADAPTERS = {
 # name: (data_parallel, tensor_parallel, hsdp_shard_size, micro-batches per rank and step)
 LAYOUTS = {
     "tp2": ("ddp", 2, None, 2), "tp4": ("ddp", 4, None, 1), "ddp_tp2": ("ddp", 2, None, 1),
-    "zero3_tp2": ("zero3", 2, None, 2), "hsdp_tp2": ("hsdp", 2, 2, 1),
+    "zero3_tp2": ("zero3", 2, None, 2), "hsdp_tp2": ("hsdp", 2, 2, 1), "hsdp_r2_tp2": ("hsdp", 2, 1, 2),
 }
 # Each case on one split of the heads alone (tp2 or tp4) or with data parallelism, so that every model, mode and
 # layout is covered in one launch of about a minute: each run costs seconds here, where 4 processes on 2 cores wait
@@ -82,7 +99,8 @@ LAYOUTS = {
 SEQUENCE_PARALLEL = {"tp2_sp": "tp2", "tp4_sp": "tp4", "zero3_tp2_sp": "zero3_tp2"}
 RUNS = [
     ("llama", "full", "tp2"), ("llama", "full", "tp4"), ("llama", "full", "ddp_tp2"), ("llama", "full", "hsdp_tp2"),
-    ("qwen", "full", "zero3_tp2"), ("gemma", "full", "ddp_tp2"), ("qwen", "lora", "tp4"),
+    ("qwen", "full", "zero3_tp2"), ("qwen", "full", "hsdp_r2_tp2"), ("gemma", "full", "ddp_tp2"),
+    ("qwen", "lora", "tp4"),
     ("llama", "lora", "zero3_tp2"), ("gemma", "dora", "tp2"),
     ("llama", "full", "tp2_sp"), ("gemma", "full", "zero3_tp2_sp"), ("qwen", "lora", "tp4_sp"),
 ]
@@ -220,8 +238,9 @@ def merged(model: torch.nn.Module) -> dict:
     }
 
 
-# The demo recipe as test_parallel_parity.py runs it (variable-length words, 5 steps of 8 sequences in micro-batches
-# of 2), here on zero3 x tensor_parallel 2: each TP pair reads its 4 sequences of a step in 2 micro-steps.
+# The demo recipe as test_parallel_parity.py runs it (its COMMON: variable-length words, 5 steps of 8 sequences in
+# micro-batches of 2), here on zero3 x tensor_parallel 2: each TP pair reads its 4 sequences of a step in 2
+# micro-steps.
 RECIPE = [
     "dataset.word_len=[2,8]", "max_steps=5", "dataset.num_samples=256", "progress_bar=false", "~eval_tasks",
     "batch_size=8", "micro_batch_size=2",
@@ -229,27 +248,33 @@ RECIPE = [
 # With sequence parallelism: the recipe pads every batch to a multiple of 2 and splits the norms' positions.
 RECIPE_TP = ["tensor_parallel=2", "data_parallel=zero3", "sequence_parallel=true"]
 RESUMED_AT = 2
+# Step checkpoints at steps 2, 4 and 5 (the last).
+SAVES = ["save_every_n_steps=2", "keep_last_n=null"]
 # The LoRA recipe's runs (its demo: rank-16 adapters on every projection and the vocabulary-split output projection),
 # writing the merged model too.
 LORA = ["save_merged=true"]
 
 
-def run_recipe(*overrides: str, recipe_name: str = "full_finetune") -> None:
-    """The full fine-tune recipe (or ``recipe_name``) on the demo, checked as `tune run` checks it, in this process
-    group (the recipe's ``main`` would leave the group when done; its ``train`` does not)."""
+def run_recipe(*overrides: str, recipe_name: str = "full_finetune", stdout: Path | None = None) -> None:
+    """The full fine-tune recipe (or ``recipe_name``) on the demo with ``overrides``, checked as `tune run` checks
+    it, in this process group (the recipe's ``main`` would leave the group when done; its ``train`` does not); rank
+    zero's stdout into the file ``stdout`` if given."""
     cfg = load_config(configs_dir() / recipe_name / "demo.yaml")
-    apply_overrides(cfg, [*RECIPE, *overrides])
+    apply_overrides(cfg, list(overrides))
     validate(cfg, schema=recipe_schema(recipes_dir() / f"{recipe_name}.py"), world_size=dist.get_world_size())
     recipe = runpy.run_path(str(recipes_dir() / f"{recipe_name}.py"))
-    with recipe["sdpa_preference"](cfg.get("sdpa_backend")):
+    output = contextlib.nullcontext(sys.stdout)
+    if stdout is not None:
+        output = open(stdout if dist.get_rank() == 0 else os.devnull, "w")
+    with output as out, contextlib.redirect_stdout(out), recipe["sdpa_preference"](cfg.get("sdpa_backend")):
         recipe["train"](cfg)
 
 
-def main(out: str, recipe_out: str) -> None:
-    dist.init_process_group("gloo")
+def train_layouts(runs: list[tuple[str, str, str]], out: Path) -> None:
+    """Train each of ``runs`` on its layout of this launch's ranks; rank zero saves the results to ``out``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
-    for name, mode, layout in RUNS:
+    for name, mode, layout in runs:
         strategy, tp, shard, micro_steps = LAYOUTS[SEQUENCE_PARALLEL.get(layout, layout)]
         dims = parallel_dims(strategy=strategy, world_size=world, local_world_size=world, shard_size=shard,
                              device_type="cpu", tensor_parallel=tp, rank=rank)
@@ -260,19 +285,43 @@ def main(out: str, recipe_out: str) -> None:
             dims = ParallelDims("ddp", dp_replicate=1, dp_shard=1, tp=2, rank=rank % 2)
         result = train(name, mode, dims, mesh, micro_steps=micro_steps, sequence_parallel=layout in SEQUENCE_PARALLEL)
         if rank == 0:
-            results[f"{name}/{mode}/{layout}"] = result
+            results[f"{name}/{mode}/{layout}"] = {**result, "dims": (dims.dp_replicate, dims.dp_shard, dims.tp)}
     if rank == 0:
         torch.save(results, out)
-    # Last, the recipe itself, with no second launch: its sampler, loss normalization, step checkpoints and export
+
+
+def measure_memory(out: Path) -> None:
+    """Each pair of ranks measures what every case of :data:`tests.training._tp_memory.CASES` holds split over
+    the pair; rank zero saves every rank's numbers to ``out``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp_mesh = ParallelDims("ddp", dp_replicate=world // 2, dp_shard=1, tp=2, rank=rank).build_mesh("cpu")["tp"]
+    results = {}
+    for name, mode in memory.CASES:
+        every = [None] * world
+        dist.all_gather_object(every, memory.measure(build(name, mode, models=memory.MODELS), tp_mesh))
+        results[f"{name} {mode}"] = every
+    if rank == 0:
+        torch.save(results, out)
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    train_layouts(RUNS, out / "results.pt")
+    measure_memory(out / "memory.pt")
+    # The recipe itself, with no second launch: its sampler, loss normalization, step checkpoints and export
     # under TP. A run saving every 2 steps, then a run resuming from its step 2 checkpoint on the same layout.
-    run_recipe(*RECIPE_TP, "save_every_n_steps=2", "keep_last_n=null", f"output_dir={recipe_out}")
-    run_recipe(*RECIPE_TP, f"resume_from={recipe_out}/checkpoints/step_{RESUMED_AT}", f"output_dir={recipe_out}_resumed")
+    recipe = out / "recipe"
+    run_recipe(*RECIPE, *RECIPE_TP, *SAVES, f"output_dir={recipe}")
+    run_recipe(*RECIPE, *RECIPE_TP, f"resume_from={recipe}/checkpoints/step_{RESUMED_AT}",
+               f"output_dir={out / 'recipe_resumed'}")
     # The LoRA recipe on the same layout, its base the model just trained: the PEFT adapter and the merged model
     # exported from each rank's shards.
-    run_recipe(*RECIPE_TP, *LORA, f"checkpointer.checkpoint_dir={recipe_out}/final", f"output_dir={recipe_out}_lora",
-               recipe_name="lora_finetune")
+    run_recipe(*RECIPE, *RECIPE_TP, *LORA, f"checkpointer.checkpoint_dir={recipe}/final",
+               f"output_dir={out / 'recipe_lora'}", recipe_name="lora_finetune")
+    run_recipe(*memory.AUTO_RECIPE, f"output_dir={out / 'auto'}", stdout=out / "auto.stdout")
+    run_recipe(*RECIPE, "data_parallel=hsdp", "hsdp_shard_size=2", f"output_dir={out / 'hsdp'}")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(Path(sys.argv[1]))

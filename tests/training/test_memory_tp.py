@@ -1,6 +1,7 @@
 """The memory plan under tensor parallelism: per-rank parameter, gradient and optimizer bytes against a real
-``apply_tp`` model on 2 processes (one launch, :mod:`tests.training._memory_tp_worker`), the activation and logits
-scaling rules, and ``tensor_parallel: auto``'s choice."""
+``apply_tp`` model on pairs of processes (:mod:`tests.training._tp_memory`, measured in the 4-process launch the
+training tests share: conftest.py's ``four_processes``), the activation and logits scaling rules, and
+``tensor_parallel: auto``'s choice."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import run_workers
-from tests.training import _memory_tp_worker as worker
+from tests.training import _tp_memory as memory
+from tests.training._tp_worker import build
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3, llama3_1_8b, llama3_1_70b
 from toolkit.training.activation_memory import activation_bytes, logits_bytes
@@ -25,42 +26,34 @@ GIB = 1024**3
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    out = tmp_path_factory.mktemp("memory_tp")
-    result = run_workers(worker.__file__, str(out / "results.pt"), str(out / "run"), nproc=2, timeout_s=180)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return out, result.stdout
+def measured(four_processes) -> dict:
+    return torch.load(four_processes / "memory.pt", weights_only=True)
 
 
-@pytest.fixture(scope="module")
-def measured(launch) -> dict:
-    return torch.load(launch[0] / "results.pt", weights_only=True)
-
-
-def test_the_recipe_picks_tp2_where_only_the_split_fits_and_says_why(launch) -> None:
-    out, stdout = launch
+def test_the_recipe_picks_tp2_where_only_the_split_fits_and_says_why(four_processes) -> None:
+    stdout = (four_processes / "auto.stdout").read_text()  # the run of memory.AUTO_RECIPE on 4 processes
     (line,) = [line for line in stdout.splitlines() if "tensor_parallel: auto ->" in line]
     assert line.startswith("data_parallel, tensor_parallel: auto -> ddp, tensor_parallel 2 (ddp x tp2 needs ")
     assert "without tensor parallelism the smallest, zero3, would need" in line
     assert "ddp x tensor_parallel 2" in stdout  # the run's summary line: the layout it built
-    assert (out / "run" / "final").is_dir()
+    assert (four_processes / "auto" / "final").is_dir()
 
 
-@pytest.mark.parametrize(("name", "mode"), worker.CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize(("name", "mode"), memory.CASES, ids=lambda v: str(v))
 def test_state_bytes_equal_the_local_shards_of_a_real_tp_model(measured, name: str, mode: str) -> None:
     # Exact: the plan's parameters, gradients and AdamW state (fp32, no data parallelism) are the bytes of the
-    # shards apply_tp leaves on each rank, for every rank (the 2 ranks hold the same sizes here).
-    model = worker.build(name, mode)
+    # shards apply_tp leaves on each rank, for every rank (the ranks of a pair hold the same sizes here).
+    model = build(name, mode, models=memory.MODELS)
     estimate = estimate_memory(
-        model, strategy="ddp", world_size=1, micro_batch_size=worker.BATCH, max_seq_len=worker.SEQ, dtype="fp32",
+        model, strategy="ddp", world_size=1, micro_batch_size=memory.BATCH, max_seq_len=memory.SEQ, dtype="fp32",
         tensor_parallel=2,
     )
     for rank in measured[f"{name} {mode}"]:
         assert (estimate.params, estimate.grads, estimate.optimizer_state) == (
             rank["params"], rank["grads"], rank["optimizer_state"]
         )
-    whole = estimate_memory(model, strategy="ddp", world_size=1, micro_batch_size=worker.BATCH,
-                            max_seq_len=worker.SEQ, dtype="fp32")
+    whole = estimate_memory(model, strategy="ddp", world_size=1, micro_batch_size=memory.BATCH,
+                            max_seq_len=memory.SEQ, dtype="fp32")
     assert estimate.params < whole.params  # the premise: something was split
 
 
@@ -70,11 +63,11 @@ def test_state_bytes_equal_the_local_shards_of_a_real_tp_model(measured, name: s
 ACTIVATION_TOLERANCE = {"llama": 1e-3, "qwen": 1e-3, "gemma": 0.05}
 
 
-@pytest.mark.parametrize(("name", "mode"), [c for c in worker.CASES if c[1] == "full"], ids=lambda v: str(v))
+@pytest.mark.parametrize(("name", "mode"), [c for c in memory.CASES if c[1] == "full"], ids=lambda v: str(v))
 def test_layer_activations_match_a_real_tp_model(measured, name: str, mode: str) -> None:
-    model = worker.build(name, mode)
-    tokens = worker.BATCH * worker.SEQ
-    args = dict(micro_batch_size=worker.BATCH, seq_len=worker.SEQ, dtype="fp32")
+    model = build(name, mode, models=memory.MODELS)
+    tokens = memory.BATCH * memory.SEQ
+    args = dict(micro_batch_size=memory.BATCH, seq_len=memory.SEQ, dtype="fp32")
     # The model's own terms (token ids, final norm, the hidden states before the head) are whole on every rank.
     head = activation_bytes(model, **args) - _layers_only(model, tensor_parallel=1, tokens=tokens)
     expected = activation_bytes(model, tensor_parallel=2, **args) - head
@@ -87,7 +80,7 @@ def _layers_only(model, *, tensor_parallel: int, tokens: int) -> int:
 
     d = model.embed_tokens.embedding_dim
     return tokens * sum(
-        _layer_activation_bytes_per_token(layer, embed_dim=d, seq_len=worker.SEQ, compute=4, autocast=False,
+        _layer_activation_bytes_per_token(layer, embed_dim=d, seq_len=memory.SEQ, compute=4, autocast=False,
                                           tensor_parallel=tensor_parallel)
         for layer in model.layers
     )

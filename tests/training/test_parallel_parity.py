@@ -6,7 +6,8 @@ runs differ only in the order in which gradient sums are reduced, so losses agre
 gradient differences on tiny-gradient entries into larger relative update differences.
 
 The 1-process runs go through `tune run` in the test's own process; the 2-process runs share one launch
-(``two_process_runs``); HSDP on 4 processes is a `tune run` of its own.
+(``two_process_runs``); HSDP on 4 processes is a run in the 4-process launch the training tests share (conftest.py's
+``four_processes``, tests/training/_tp_worker.py).
 """
 
 import json
@@ -17,39 +18,35 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tests.launch import RecipeRun, run_recipes, run_tune, run_tune_here
+from tests.launch import RecipeRun, run_recipes, run_tune_here
+from tests.training import _tp_worker as tp_worker
 from toolkit.data import GlobalBatchSampler, demo_dataset, padded_collate
 from toolkit.models.llama3 import llama3_demo
 from toolkit.tokenizers import byte_tokenizer
 from toolkit.training import init_weights, materialize, set_seed
 
-# Words of 2 to 8 letters: samples hold different numbers of trained tokens, so normalization matters.
-COMMON = [
-    "dataset.word_len=[2,8]", "max_steps=5", "dataset.num_samples=256", "progress_bar=false", "~eval_tasks", "batch_size=8", "micro_batch_size=2",
-]
+# Words of 2 to 8 letters: samples hold different numbers of trained tokens, so normalization matters. One list
+# with the tensor-parallel tests, whose shared 4-process launch runs the HSDP case below with it.
+COMMON = tp_worker.RECIPE
 
 
 def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def run(out: Path, *args: str, nproc: int | None = None) -> list[float]:
-    """`tune run`: on one process in this process, on ``nproc`` in new ones."""
-    if nproc:
-        run_tune("run", "--nproc_per_node", str(nproc), "full_finetune_distributed", "--config", "demo",
-                 f"output_dir={out}", *COMMON, *args, timeout_s=300, check=True)
-    else:
-        result = run_tune_here("run", "full_finetune_single_device", "--config", "demo", f"output_dir={out}", *COMMON,
-                               *args)
-        assert result.returncode == 0, result.stderr[-3000:]
+def run(out: Path, *args: str) -> list[float]:
+    """`tune run` on one process, in this process."""
+    result = run_tune_here("run", "full_finetune_single_device", "--config", "demo", f"output_dir={out}", *COMMON,
+                           *args)
+    assert result.returncode == 0, result.stderr[-3000:]
     return losses(out)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[list[float], dict]:
-    """One process, 4 micro-steps of 2 per optimizer step."""
-    out = tmp_path_factory.mktemp("reference")
-    return run(out), load_file(out / "final" / "model.safetensors")
+def reference(one_process) -> tuple[list[float], dict]:
+    """One process, 4 micro-steps of 2 per optimizer step (conftest.py's run, shared with the tensor-parallel
+    tests): its losses and final weights."""
+    return losses(one_process), load_file(one_process / "final" / "model.safetensors")
 
 
 # The 2-process runs (2 processes x 2 micro-steps of 2), by name: their overrides.
@@ -87,10 +84,10 @@ def test_two_processes_each_strategy(strategy, reference, two_process_runs):
     assert_same_training(out, reference)
 
 
-def test_hsdp_on_a_2x2_mesh(reference, tmp_path):
-    # 4 processes x 1 micro-step: shard over pairs, replicate across the two pairs.
-    run(tmp_path, "data_parallel=hsdp", "hsdp_shard_size=2", nproc=4)
-    assert_same_training(tmp_path, reference)
+def test_hsdp_on_a_2x2_mesh(reference, four_processes):
+    # 4 processes x 1 micro-step: shard over pairs, replicate across the two pairs (COMMON, data_parallel=hsdp and
+    # hsdp_shard_size=2, in the shared launch).
+    assert_same_training(four_processes / "hsdp", reference)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
