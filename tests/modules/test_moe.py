@@ -18,6 +18,7 @@ from toolkit.modules.moe import (
     TopKRouter,
     active_parameter_count,
     grouped_mm,
+    permute_rows,
     routing_statistics,
 )
 from toolkit.modules.peft import (
@@ -205,3 +206,13 @@ def test_a_token_goes_through_top_k_of_the_experts_parameters():
     adapted, _ = _adapted()
     adapters = 3 * (3 * DIM + 3 * HIDDEN)  # per expert: A and B of rank 3 on each projection
     assert active_parameter_count(adapted) == E * DIM + K * (3 * HIDDEN * DIM + adapters)
+
+
+def test_permuting_rows_has_indexings_values_and_gradients():
+    x = torch.randn(12, DIM, requires_grad=True)
+    order = torch.randperm(12)
+    grad = torch.randn(12, DIM)
+    permute_rows(x, order).backward(grad)
+    ours, x.grad = x.grad, None
+    x[order].backward(grad)
+    assert torch.equal(ours, x.grad)

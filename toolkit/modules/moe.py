@@ -144,10 +144,31 @@ class GroupedExperts(nn.Module):
         flat = experts.reshape(-1)  # assignment i belongs to token i // k
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        routed = x.repeat_interleave(top_k, dim=0)[order]  # [t * k, dim], grouped by expert
+        routed = permute_rows(x.repeat_interleave(top_k, dim=0), order)  # [t * k, dim], grouped by expert
         out = self.compute(routed, counts)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to token-major order
         return (unsorted.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class _Permute(torch.autograd.Function):
+    """``x[order]`` for a permutation ``order`` of the rows, whose backward is the inverse permutation, a gather too:
+    indexing's own backward is a scatter-add (``index_put_`` accumulating), several times slower on CPU, and
+    atomic, so not bitwise reproducible, on GPUs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        return x[order]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (order,) = ctx.saved_tensors
+        return torch.empty_like(grad).index_copy_(0, order, grad), None
+
+
+def permute_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``x[order]`` for ``order`` a permutation of ``x``'s rows, with a gather for backward (see :class:`_Permute`)."""
+    return _Permute.apply(x, order)
 
 
 def local(weight: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from toolkit.errors import UserError
-from toolkit.modules.moe import GroupedExperts, MoEFeedForward
+from toolkit.modules.moe import GroupedExperts, MoEFeedForward, permute_rows
 
 
 def check_expert_parallel(model: nn.Module, *, ep: int) -> None:
@@ -81,6 +81,6 @@ def _exchange(
     local_experts = received.shape[1]
     expert_of_row = torch.arange(local_experts, device=counts.device).repeat(ep).repeat_interleave(received.flatten())
     order = torch.argsort(expert_of_row, stable=True)
-    out = compute(rows[order], received.sum(dim=0))
+    out = compute(permute_rows(rows, order), received.sum(dim=0))
     back = torch.empty_like(out).index_copy_(0, order, out)
     return all_to_all_single_autograd(back, send_splits, receive_splits, group)
