@@ -330,7 +330,7 @@ def test_tensor_parallel_auto_that_fits_nowhere_is_one_line_and_touches_no_folde
     ("config", "override"),
     [
         ("full_finetune/qwen3_moe_30b_a3b", "model.router_aux_loss_coef=-0.1"),
-        ("lora_finetune/mixtral_8x7b_qlora", "model.router_aux_loss_coef=abc"),
+        ("lora_finetune/mixtral_8x7b_lora", "model.router_aux_loss_coef=abc"),
     ],
 )
 def test_a_bad_router_aux_loss_coef_is_refused_in_one_line(config, override, capsys):
