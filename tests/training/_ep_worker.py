@@ -19,8 +19,8 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from tests.training._tp_worker import full
 from toolkit.models._decoder import attention_projections, grouped_experts, plain_linear, prenorm_decoder
 from toolkit.models._lora import lora_linear
 from toolkit.modules import GroupedQueryAttention, RotaryPositionalEmbeddings
@@ -85,10 +85,6 @@ def global_batch(step: int) -> list[dict[str, torch.Tensor]]:
         labels[:2] = -100
         rows.append({"tokens": tokens[None, :-1], "labels": labels[None], "lengths": torch.tensor([length])})
     return rows
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def train(mode: str, dims: ParallelDims, mesh=None, *, activation_checkpointing: bool = False) -> dict:

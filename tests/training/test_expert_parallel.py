@@ -10,7 +10,7 @@ weights after 4 AdamW steps to about 1e-6; we allow 1e-5. The per-expert token c
 import pytest
 import torch
 
-from tests.launch import run_workers
+from tests.launch import as_in_a_subprocess, run_workers
 from tests.training import _ep_worker as worker
 from toolkit.parallel import ParallelDims
 from toolkit.training import materialize
@@ -26,13 +26,9 @@ def layouts(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with as_in_a_subprocess():  # one thread, as each worker has
         one_process = ParallelDims("ddp", dp_replicate=1, dp_shard=1)
         return {mode: worker.train(mode, one_process) for mode in sorted({m for m, _ in worker.RUNS})}
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("run", worker.RUNS, ids=lambda run: "/".join(run))

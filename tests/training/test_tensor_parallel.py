@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.launch import RecipeRun, run_recipe_here, run_recipes, run_tune_here
+from tests.launch import RecipeRun, as_in_a_subprocess, run_recipe_here, run_recipes, run_tune_here
 from tests.training import _tp_worker as worker
 from toolkit.parallel import ParallelDims
 
@@ -37,13 +37,9 @@ def layouts(four_processes) -> dict:
 def references() -> dict:
     # One thread, as each worker has: these tiny matmuls run 30x slower on a pool of threads that another process
     # keeps busy.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with as_in_a_subprocess():
         one_process = ParallelDims("ddp", dp_replicate=1, dp_shard=1)
         return {case: worker.train(*case, one_process) for case in sorted({(n, m) for n, m, _ in worker.RUNS})}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _assert_trains_like_one_process(ours: dict, reference: dict, mode: str) -> None:

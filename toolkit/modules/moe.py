@@ -269,12 +269,18 @@ def routing_statistics(routings: list[Routing], *, num_experts: int, lengths: to
     return RoutingStatistics(aux_loss=aux, tokens_per_expert=torch.stack(per_layer))
 
 
+def active_shares(model: nn.Module) -> dict[int, float]:
+    """By ``id``, every stacked expert parameter of ``model`` (and its adapters') with the ``top_k / num_experts``
+    share of it that one token goes through; a parameter not listed is used whole by every token."""
+    return {
+        id(param): block.top_k / block.num_experts
+        for block in model.modules() if isinstance(block, MoEFeedForward)
+        for param in block.experts.parameters()
+    }
+
+
 def active_parameter_count(model: nn.Module) -> int:
-    """Parameters one token goes through: all, but of each mixture-of-experts block's experts (and their adapters)
-    only the ``top_k / num_experts`` share it is routed to."""
-    routed = 0.0
-    for block in model.modules():
-        if isinstance(block, MoEFeedForward):
-            experts = sum(p.numel() for p in block.experts.parameters())
-            routed += experts * (1 - block.top_k / block.num_experts)
-    return sum(p.numel() for p in model.parameters()) - round(routed)
+    """Parameters one token goes through (:func:`active_shares`): all, but of each mixture-of-experts block's experts
+    (and their adapters) only the ``top_k / num_experts`` share it is routed to."""
+    shares = active_shares(model)
+    return round(sum(p.numel() * shares.get(id(p), 1) for p in model.parameters()))

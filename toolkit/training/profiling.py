@@ -13,7 +13,7 @@ from torch import nn
 
 from toolkit.config import did_you_mean
 from toolkit.errors import UserError
-from toolkit.modules.moe import MoEFeedForward
+from toolkit.modules.moe import active_shares
 
 
 class StepProfiler:
@@ -130,11 +130,7 @@ def _matmul_weights(model: nn.Module) -> tuple[int, int]:
     token goes through."""
     embedding = getattr(model, "embed_tokens", None)
     tied = getattr(model, "output", "untied") is None
-    active_share = {
-        id(param): block.top_k / block.num_experts
-        for block in model.modules() if isinstance(block, MoEFeedForward)
-        for param in block.experts.parameters()
-    }
+    active_share = active_shares(model)
     trainable = frozen = 0
     for name, param in model.named_parameters():
         if param.dim() != 2 and id(param) not in active_share:
