@@ -67,6 +67,7 @@ from toolkit.training import (
     sdpa_preference,
     set_seed,
     start_run,
+    static_lengths,
     step_metrics,
     validation_loss,
 )
@@ -205,8 +206,9 @@ def train(cfg: DictConfig) -> None:
         float8_layers = apply_float8(model, fsdp_float8_all_gather=dims.is_sharded)
     # torch.compile per layer and for the fused loss's kernel (before parallelize, which wraps the compiled layers in
     # activation checkpointing and offloading).
+    # Tensor-parallel layers compile for static shapes (torch 2.13 cannot trace DTensor layers for dynamic ones).
     if cfg.get("compile"):
-        compile_model(model, device=env.device)
+        compile_model(model, device=env.device, dynamic=False if dims.tp > 1 else None)
     # Sharded strategies shard before allocating: each rank only ever holds (and loads) its shard of the base.
     model = parallelize(
         model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
@@ -224,9 +226,13 @@ def train(cfg: DictConfig) -> None:
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer)
     # Masks are made on the device (FlexAttention's or SDPA's); packed batches all get the pack's shape.
-    # Under sequence parallelism every batch's length is a multiple of the TP degree: each rank then holds its part.
+    # Under sequence parallelism every batch's length is a multiple of the TP degree: each rank then holds its part;
+    # compiled for static shapes, it is one of 8 lengths, each compiled once.
+    multiple = dims.tp if cfg.get("sequence_parallel", False) else 1
     collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.max_seq_len,
-                      pad_to_multiple_of=dims.tp if cfg.get("sequence_parallel", False) else 1)
+                      pad_to_multiple_of=multiple,
+                      lengths=static_lengths(cfg.max_seq_len, multiple=multiple) if cfg.get("compile") and dims.tp > 1
+                      else None)
     sampler = GlobalBatchSampler(
         len(dataset), global_batch_size=cfg.batch_size, rank=dims.dp_rank, world_size=dims.dp_size, seed=cfg.seed,
         shuffle=cfg.get("shuffle", True),  # false: the dataset's own order (curricula, comparing with another tool)

@@ -46,3 +46,13 @@ def test_packed_batches_are_padded_to_the_pack_size_and_unpacked_ones_are_not() 
     assert packed["input_pos"].tolist() == [[0, 1, 0, 0, 1, 2]]  # the padding is a document of its own
     unpacked = padded_collate([{"tokens": [5, 6, 7], "labels": [6, 7, -100]}], pad_id=0, pack_to=6)
     assert unpacked["tokens"].shape == (1, 3)
+
+
+def test_batches_pad_to_the_shortest_given_length_that_holds_them() -> None:
+    # A model compiled for static shapes (tensor parallelism) sees only the lengths static_lengths gives.
+    assert padded_collate(_batch(), pad_id=0, lengths=[4, 6, 8])["tokens"].shape == (2, 6)
+    assert padded_collate(_batch(), pad_id=0, lengths=[5, 8])["tokens"].shape == (2, 5)
+    # Longer than every length: its own, rounded up to the multiple.
+    assert padded_collate(_batch(), pad_id=0, lengths=[2, 4], pad_to_multiple_of=2)["tokens"].shape == (2, 6)
+    out = padded_collate(_batch(), pad_id=0, lengths=[8])
+    assert out["labels"][0].tolist() == [2, 3] + [-100] * 6 and out["lengths"].tolist() == [3, 5]

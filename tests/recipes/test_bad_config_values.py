@@ -210,13 +210,11 @@ TP_CASES = [
     ("full_finetune", ["tensor_parallel=2", "data_parallel=zero3", "cpu_offload=true"], 4,
      "cpu_offload"),
     ("full_finetune", ["tensor_parallel=2", "float8=true"], 2, "float8"),
-    ("full_finetune", ["tensor_parallel=2", "compile=true"], 2, "compile"),
     ("full_finetune", ["tensor_parallel=2", "fused_loss=false"], 2, "fused_loss"),
     ("full_finetune", ["tensor_parallel=8"], 4, "tensor_parallel"),  # more than the launch's (one node's) 4
     ("full_finetune", ["tensor_parallel=abc"], 2, "tensor_parallel"),
     ("full_finetune", ["tensor_parallel=Auto"], 2, "tensor_parallel"),
     ("full_finetune", ["tensor_parallel=auto", "float8=true"], 2, "float8"),  # auto may split: refused as TP is
-    ("lora_finetune", ["tensor_parallel=auto", "compile=true"], 2, "compile"),
     ("eval", ["tensor_parallel=auto"], 2, "tensor_parallel"),  # evaluation plans no memory: a number
     ("lora_finetune", ["tensor_parallel=2", "model.quantize_base=true"], 2, "tensor_parallel"),
     ("lora_finetune", ["tensor_parallel=2", "model.use_dora=true"], 2, "tensor_parallel"),

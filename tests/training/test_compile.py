@@ -10,7 +10,7 @@ from torch._dynamo.testing import CompileCounter
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3
 from toolkit.training import apply_activation_checkpointing
-from toolkit.training.compile import _missing_compiler, compile_model
+from toolkit.training.compile import STATIC_LENGTHS, _missing_compiler, compile_model, static_lengths
 from toolkit.modules.loss import logit_loss_and_grad
 from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum
 
@@ -164,3 +164,32 @@ def test_inductor_compiled_loss_kernel_matches_eager(dtype, softcap):
     assert abs(loss.item() - exact_loss.item()) <= 2**-9 * exact_loss.item()  # half a bfloat16 ulp of the sum
     grad_error = (grad.double() - exact_grad).abs().max().item()
     assert grad_error <= max((eager_grad.double() - exact_grad).abs().max().item(), 2**-8)
+
+
+@pytest.mark.parametrize("max_seq_len,multiple,expected", [
+    (4096, 1, [512, 1024, 1536, 2048, 2560, 3072, 3584, 4096]),
+    (100, 1, [13, 26, 39, 52, 65, 78, 91, 100]),  # the last capped at max_seq_len
+    (100, 4, [16, 32, 48, 64, 80, 96, 100]),  # multiples of 4 (sequence parallelism), 100 reached by the 7th
+    (6, 1, [1, 2, 3, 4, 5, 6]),
+    (7, 2, [2, 4, 6, 8]),  # 7 rounded up to the multiple
+])
+def test_static_lengths_are_at_most_eight_multiples_reaching_max_seq_len(max_seq_len, multiple, expected):
+    lengths = static_lengths(max_seq_len, multiple=multiple)
+    assert lengths == expected
+    assert len(lengths) <= STATIC_LENGTHS and all(n % multiple == 0 for n in lengths) and lengths[-1] >= max_seq_len
+
+
+def test_static_shapes_compile_each_length_once_and_raise_the_recompile_limit(monkeypatch):
+    # dynamic=False (tensor-parallel models): every new length compiles once, and again without grad; the limit
+    # leaves room for STATIC_LENGTHS of each.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    counter = CompileCounter()
+    model = tiny_model(num_layers=3)
+    compile_model(model, device=CPU, backend=counter, dynamic=False)
+    assert torch._dynamo.config.recompile_limit == 2 * STATIC_LENGTHS
+    for seq_len in (8, 16, 8, 24):
+        model(torch.zeros(1, seq_len, dtype=torch.long))
+    assert counter.frame_count == 3  # 8, 16 and 24; the layers share each
+    with torch.no_grad():
+        model(torch.zeros(1, 8, dtype=torch.long))
+    assert counter.frame_count == 4

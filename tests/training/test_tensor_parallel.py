@@ -403,3 +403,21 @@ def test_a_tensor_parallel_checkpoint_of_the_other_recipe_is_refused_in_one_line
     line, = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and "model._component_" in line and f"llama3.{wanted}'" in line
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# --- torch.compile over tensor-parallel layers ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_compiled_tensor_parallel_recipes_train_like_their_eager_runs(four_processes, one_process, two_processes,
+                                                                      tmp_path):
+    # compile: true on tp=2 with sequence parallelism (inductor, CPU): the layers compiled for static shapes, every
+    # batch padded to one of 8 lengths (static_lengths: multiples of 2 up to the demo's max_seq_len), so the loss is
+    # the same and only its float sums run in another order (1e-5, as for the other layouts); the LoRA recipe too.
+    compiled = ["tensor_parallel=2", "sequence_parallel=true", "compile=true"]
+    runs = [RecipeRun("full_finetune", tmp_path / "full", *worker.RECIPE, *compiled),
+            RecipeRun("lora_finetune", tmp_path / "lora", *_lora(four_processes), *compiled)]
+    result = run_recipes(runs, nproc=2, timeout_s=500)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for run, eager in zip(runs, (one_process, two_processes["lora_tp2"])):
+        ours, theirs = _records(run.output_dir), _records(eager)
+        assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in theirs]
+        torch.testing.assert_close([r["loss"] for r in ours], [r["loss"] for r in theirs], rtol=1e-5, atol=0)

@@ -16,6 +16,7 @@ def padded_collate(
     pad_to_multiple_of: int = 1,
     attention_mask: bool = True,
     pack_to: int | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Right-pads ``{"tokens", "labels"}`` samples into tensors; packed samples also get their attention mask.
 
@@ -33,6 +34,9 @@ def padded_collate(
             same shape: compiled kernels (FlexAttention's among them) are then compiled once, where each new
             length would compile again, and past torch's recompile limit run unfused. Unpacked batches keep
             their own length.
+        lengths: pad to the shortest of these that holds the longest sample, so that batches take only these
+            shapes (a model compiled for static shapes compiles once per length:
+            :func:`toolkit.training.compile.static_lengths`); a longer sample keeps its own length.
 
     Returns:
         ``{"tokens": LongTensor[b, s], "labels": LongTensor[b, s], "lengths": LongTensor[b]}`` with ``s`` the
@@ -60,6 +64,7 @@ def padded_collate(
     packed = any("input_pos" in sample for sample in batch)
     if packed and pack_to is not None:
         longest = max(longest, pack_to)
+    longest = min((n for n in lengths or () if n >= longest), default=longest)
     seq_len = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     out = {
         "tokens": _pad([s["tokens"] for s in batch], seq_len, pad_id),  # [b, s]

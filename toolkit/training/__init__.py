@@ -24,7 +24,7 @@ from toolkit.training.distributed import (
 )
 from toolkit.training.float8 import apply_float8, check_float8_device
 from toolkit.training.init import init_weights, materialize, set_seed
-from toolkit.training.compile import compile_model
+from toolkit.training.compile import compile_model, static_lengths
 from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum, global_token_count, gradient_scale
 from toolkit.training.lr_schedulers import cosine_with_warmup
 from toolkit.training.memory import (
@@ -100,6 +100,7 @@ __all__ = [
     "chunked_cross_entropy_sum",
     "clip_grad_norm",
     "compile_model",
+    "static_lengths",
     "cosine_with_warmup",
     "cross_entropy_sum",
     "destroy_distributed",

@@ -3,6 +3,12 @@
 Compiling each layer rather than the whole model keeps compile time to that of one layer (every layer runs the
 same graph, so it is traced and compiled once), leaves the data-parallel hooks (FSDP2's all-gathers, DDP's
 gradient buckets) outside the compiled code, and composes with activation checkpointing.
+
+Tensor-parallel layers are compiled for static shapes: with dynamic shapes, tracing a layer whose weights are
+DTensors fails in torch 2.13 (a RecursionError in AOT autograd's proxy tracing, already for one column-wise
+``nn.Linear`` under ``parallelize_module``; static shapes trace it). Each new sequence length then compiles
+again, so the batches of a compiled TP run are padded to one of :data:`STATIC_LENGTHS` lengths
+(:func:`static_lengths`), and each length compiles once.
 """
 
 import importlib.util
@@ -14,6 +20,21 @@ import torch
 import torch.nn as nn
 
 from toolkit.errors import UserError
+
+# The most sequence lengths a run compiled for static shapes pads its batches to (dynamo's default recompile
+# limit is 8 too; compile_model raises it for these lengths in training and in evaluation, without grad).
+STATIC_LENGTHS = 8
+
+
+def static_lengths(max_seq_len: int, *, multiple: int = 1) -> list[int]:
+    """The lengths a run compiled for static shapes pads each batch to (the shortest that holds it): at most
+    :data:`STATIC_LENGTHS`, evenly spaced up to ``max_seq_len`` (rounded up to ``multiple``), each a multiple of
+    ``multiple``. A batch pads by less than ``max_seq_len / 8`` (rounded up to ``multiple``) tokens per row; padding
+    is never a target, so the loss is the same."""
+    step = -(-max_seq_len // STATIC_LENGTHS)
+    step = -(-step // multiple) * multiple
+    top = -(-max_seq_len // multiple) * multiple
+    return sorted({min(k * step, top) for k in range(1, STATIC_LENGTHS + 1)})
 
 
 def _missing_compiler(device_type: str, switch: str = "compile") -> str | None:
@@ -46,6 +67,7 @@ def compile_model(
     device: torch.device,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     backend: str | Callable = "inductor",
+    dynamic: bool | None = None,
 ) -> Callable[..., torch.Tensor] | None:
     """Compile every decoder layer of ``model`` in place, the work between the matmuls of its fused loss, and
     optionally a loss function.
@@ -66,6 +88,11 @@ def compile_model(
         device: where training runs (checks that the code generator for it is installed).
         loss_fn: a loss to compile too; returned compiled.
         backend: the ``torch.compile`` backend.
+        dynamic: ``torch.compile``'s: None compiles the first length statically and then for any length; False
+            (tensor-parallel models, see the module docstring) compiles the layers once per length, and raises
+            dynamo's recompile limit (a global setting) to :data:`STATIC_LENGTHS` lengths with grad and without:
+            pad batches to :func:`static_lengths`, or lengths past the limit run eagerly. The fused loss's kernel,
+            on plain tensors, stays dynamic.
 
     Returns:
         ``loss_fn`` compiled, or None when none was given.
@@ -78,8 +105,11 @@ def compile_model(
         problem = _missing_compiler(device.type)
         if problem is not None:
             raise UserError(problem)
+    if dynamic is False:
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 2 * STATIC_LENGTHS)
     for layer in model.layers:
-        layer.forward = torch.compile(layer.forward, backend=backend)
+        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=dynamic)
     if hasattr(model, "output_loss_kernel"):
         model.output_loss_kernel = torch.compile(model.output_loss_kernel, backend=backend)
     return torch.compile(loss_fn, backend=backend) if loss_fn is not None else None

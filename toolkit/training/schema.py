@@ -200,7 +200,7 @@ def sequence_parallel_needs_tensor_parallel(ctx: Context) -> Iterator[tuple[str,
         )
 
 
-@rule("tensor_parallel", "float8", "compile", "fused_loss")
+@rule("tensor_parallel", "float8", "fused_loss")
 def tensor_parallel_combines(ctx: Context) -> Iterator[tuple[str, str]]:
     """What tensor parallelism does not combine with (yet), refused by name."""
     tp = ctx.get("tensor_parallel", 1)
@@ -210,8 +210,6 @@ def tensor_parallel_combines(ctx: Context) -> Iterator[tuple[str, str]]:
     with_tp = f"tensor_parallel={tp}"
     if ctx.get("float8"):
         yield "float8", f"cannot combine with {with_tp} yet (float8 matmuls on split layers); remove one of them"
-    if ctx.get("compile"):
-        yield "compile", f"cannot combine with {with_tp} yet (tracing the split layers fails); remove one of them"
     if ctx.get("fused_loss") is False:
         yield "fused_loss", (
             f"{with_tp} needs the fused projection and loss, which computes the loss vocabulary-parallel (no rank "
