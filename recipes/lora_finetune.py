@@ -26,11 +26,12 @@ from toolkit.config import Bool, instantiate, recipe_main
 from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import exact_match_accuracy
 from toolkit.training.schema import TRAINING_SCHEMA
-from toolkit.modules.peft import get_adapter_params, get_merged_state_dict
-from toolkit.modules.peft import LoRAGroupedExperts, NF4Linear, set_trainable_params
+from toolkit.modules.peft import adapter_modules, get_adapter_params, get_merged_state_dict
+from toolkit.modules.peft import NF4Linear, set_trainable_params
 
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.peft import export_peft_adapter, fill_adapter_model, save_peft_adapter
+from toolkit.training.peft_experts import no_peft_form
 from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
 from toolkit.training import (
     MetricsLogger,
@@ -89,7 +90,7 @@ def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogge
 
 def save_adapter_and_merged(model, checkpointer, *, cfg: DictConfig, env, output_dir: Path, log: MetricsLogger) -> None:
     """Write the PEFT adapter and, if asked, the merged model (collectives: every rank calls this); with adapters on
-    a mixture-of-experts model's experts, the merged model alone.
+    a mixture-of-experts model's experts that PEFT cannot load (trained with dropout), the merged model alone.
 
     Sharded (FSDP2 or tensor-parallel) adapters are gathered one tensor at a time (they are small) and rank zero
     writes them; the merged model is computed from each rank's shards of the base and the adapters and exported as
@@ -100,11 +101,11 @@ def save_adapter_and_merged(model, checkpointer, *, cfg: DictConfig, env, output
     base = str(checkpointer.checkpoint_dir) if checkpointer.checkpoint_dir is not None else None
     sharded = any(isinstance(p, DTensor) for p in plain.parameters())
     nf4 = any(isinstance(m, NF4Linear) or getattr(m, "quantize_base", False) for m in plain.modules())
-    # Adapters on stacked experts have no PEFT layout here: such a run writes the merged model in its place.
-    experts = any(isinstance(m, LoRAGroupedExperts) for m in plain.modules())
-    if experts:
-        log.print("apply_lora_to_experts: the experts' adapters have no PEFT layout; writing the merged model instead")
-    save_merged = cfg.save_merged or experts
+    # Adapters PEFT cannot load (on experts, with dropout): such a run writes the merged model in their place.
+    no_adapter = no_peft_form(adapter_modules(plain))
+    if no_adapter:
+        log.print(f"{no_adapter}: writing the merged model instead of the adapter")
+    save_merged = cfg.save_merged or bool(no_adapter)
     if sharded and nf4:
         full_state = gather_full_state_dict(model)
         if not env.is_rank_zero:
@@ -120,7 +121,7 @@ def save_adapter_and_merged(model, checkpointer, *, cfg: DictConfig, env, output
             merged_dir = checkpointer.save(plain, output_dir / "final" / "merged", state_dict=get_merged_state_dict(plain))
             log.print(f"saved {merged_dir}")
         return
-    if not experts:
+    if not no_adapter:
         adapter_dir = export_peft_adapter(
             plain, output_dir / "final" / "adapter", model_family=checkpointer.family_name, base_model_name_or_path=base
         )

@@ -290,26 +290,75 @@ def test_the_fused_in_memory_layout_of_transformers_5_loads_too(family, tmp_path
 
 
 @pytest.mark.interop
+@pytest.mark.parametrize("experts", [False, True], ids=["attention", "attention_and_experts"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_peft_loads_the_attention_adapters_onto_transformers(family, tmp_path):
+def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(family, experts, tmp_path):
+    # With adapters on the experts too: PEFT's target_parameters on transformers' fused gate_up_proj and down_proj
+    # (toolkit.training.peft_experts), and tune merge writes them into the per-expert checkpoint.
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from toolkit.models import lora_build_from_hf
-    from toolkit.training.peft import save_peft_adapter
+    from toolkit.training.peft import merge_adapter_into_checkpoint, save_peft_adapter
 
     hf_model(family).save_pretrained(tmp_path / "base")
-    model = lora_build_from_hf(path=tmp_path / "base", lora_attn_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    model = lora_build_from_hf(path=tmp_path / "base", lora_attn_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                               apply_lora_to_experts=experts)
     HFCheckpointer(str(tmp_path / "base"), model_family=family).load(model, ignore_missing=is_adapter_key)
     init_adapters(model)
+    generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_b" in name:
-                param.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
+                param.normal_(0.0, 0.3 if ".experts." in name else 0.1, generator=generator)
     model.eval()
     adapter = save_peft_adapter(model, tmp_path / "adapter", model_family=family)
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
     theirs = peft.PeftModel.from_pretrained(base, adapter).eval()
     tokens = torch.randint(0, 96, (2, 16))
     with torch.no_grad():
+        ours = model(tokens)
         # fp32, the same math in a different order: 1e-4 on logits of magnitude ~1.
-        torch.testing.assert_close(theirs(tokens).logits, model(tokens), atol=1e-4, rtol=0)
+        torch.testing.assert_close(theirs(tokens).logits, ours, atol=1e-4, rtol=0)
+        with theirs.disable_adapter():  # the adapters count: without them the logits differ
+            assert (theirs(tokens).logits - ours).abs().max() > 1e-2
+        if experts:  # so do the experts' alone
+            for module in model.modules():
+                if isinstance(module, LoRAGroupedExperts):
+                    module.disabled = True
+            assert (model(tokens) - ours).abs().max() > 1e-2
+    merged = merge_adapter_into_checkpoint(tmp_path / "base", adapter, tmp_path / "merged")
+    with torch.no_grad():
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+        torch.testing.assert_close(reloaded(tokens).logits, ours, atol=1e-4, rtol=0)
+
+
+def test_expert_adapters_with_dropout_have_no_peft_form_and_say_so(tmp_path):
+    # PEFT's adapters on parameters refuse dropout: written without it, the adapter would not be what trained.
+    from toolkit.training.peft import save_peft_adapter
+
+    with torch.device("meta"):
+        model = lora_mixtral(
+            vocab_size=96, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, embed_dim=32, intermediate_dim=24,
+            num_experts=4, num_experts_per_tok=2, max_seq_len=64, lora_attn_modules=["q_proj"],
+            apply_lora_to_experts=True, lora_dropout=0.1,
+        )
+    with pytest.raises(UserError, match=r"^apply_lora_to_experts: .*lora_dropout=0.1; export the merged model$"):
+        save_peft_adapter(model, tmp_path / "adapter", model_family="mixtral")
+    assert not (tmp_path / "adapter").exists()
+
+
+@pytest.mark.interop
+def test_tune_merge_of_an_expert_adapter_onto_a_model_without_experts_names_the_missing_weight(tmp_path):
+    from tests.training.test_peft_export import save_base
+    from toolkit.models import lora_build_from_hf
+    from toolkit.training.peft import merge_adapter_into_checkpoint, save_peft_adapter
+
+    hf_model("mixtral").save_pretrained(tmp_path / "moe")
+    model = lora_build_from_hf(path=tmp_path / "moe", lora_attn_modules=["q_proj"], apply_lora_to_experts=True)
+    HFCheckpointer(str(tmp_path / "moe"), model_family="mixtral").load(model, ignore_missing=is_adapter_key)
+    init_adapters(model)
+    adapter = save_peft_adapter(model, tmp_path / "adapter", model_family="mixtral")
+    dense = save_base(tmp_path / "dense")
+    with pytest.raises(UserError, match=r"no base weight 'model\.layers\.0\.mlp\.experts\.(down|gate_up)_proj'"):
+        merge_adapter_into_checkpoint(dense, adapter, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -8,8 +8,9 @@ tokenizer the test trains), through the `any_model` configs.
 - The export loads in `transformers` with our model's logits (1e-4: fp32, other kernels).
 - Expert parallelism (2 ranks sharing out the experts, ZeRO-3 on the rest) too, and its export and step checkpoint
   are the one-process run's (the checkpoint resumed on one process).
-- LoRA with adapters on every expert, under expert parallelism: each expert's adapters train, and the merged model
-  is written in the per-expert Hugging Face layout and loads in `transformers`.
+- LoRA with adapters on every expert, under expert parallelism: each expert's adapters train, the merged model is
+  written in the per-expert Hugging Face layout and loads in `transformers`, and the PEFT adapter (written from each
+  rank's experts) on the base in `peft` gives the merged model's logits.
 """
 
 import json
@@ -78,7 +79,8 @@ TWO_PROCESS_RUNS = {
     "ep2": ("full_finetune", "any_model", ["data_parallel=zero3", "expert_parallel=2", "save_every_n_steps=2",
                                            "keep_last_n=null"]),
     "lora": ("lora_finetune", "any_model_lora", ["data_parallel=zero3", "expert_parallel=2", "save_every_n_steps=null",
-                                                 "model.apply_lora_to_experts=true", "optimizer.lr=1e-2"]),
+                                                 "model.apply_lora_to_experts=true", "optimizer.lr=1e-2",
+                                                 "save_merged=true"]),
 }
 
 
@@ -153,11 +155,9 @@ def test_a_killed_run_resumes_bitwise(moe_folder, one_process, tmp_path):
         assert torch.equal(weights[key], weight), key
 
 
-def test_lora_on_the_experts_trains_every_expert_and_writes_the_merged_model(moe_folder, two_processes):
+def test_lora_on_the_experts_trains_every_expert_and_writes_the_adapter_and_merged_model(moe_folder, two_processes):
     out = two_processes["lora"]
     assert "zero3 x expert_parallel 2" in out.with_name("lora.stdout").read_text()
-    assert "the experts' adapters have no PEFT layout" in out.with_name("lora.stdout").read_text()
-    assert not (out / "final" / "adapter").exists()
     merged = out / "final" / "merged"
     weights, base = load_file(merged / "model.safetensors"), load_file(moe_folder / "model.safetensors")
     for layer in range(2):
@@ -166,7 +166,14 @@ def test_lora_on_the_experts_trains_every_expert_and_writes_the_merged_model(moe
             assert not torch.equal(weights[key], base[key]), f"{key}: its adapter did not train"
         key = f"model.layers.{layer}.mlp.gate.weight"
         assert torch.equal(weights[key], base[key]), "the router stays frozen"
-    transformers.AutoModelForCausalLM.from_pretrained(merged)  # loads back
+    # The PEFT adapter, written from each rank's experts (expert parallelism), is the merged model on the base.
+    peft = pytest.importorskip("peft")
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(tokens).logits
+        hf_base = transformers.AutoModelForCausalLM.from_pretrained(moe_folder)
+        adapted = peft.PeftModel.from_pretrained(hf_base, out / "final" / "adapter").eval()
+        torch.testing.assert_close(adapted(tokens).logits, expected, atol=1e-4, rtol=0)
 
 
 def test_expert_adapters_on_a_model_without_experts_are_refused_in_one_line(tmp_path):
@@ -175,3 +182,26 @@ def test_expert_adapters_on_a_model_without_experts_are_refused_in_one_line(tmp_
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].endswith("has no mixture-of-experts layers; set it false")
     assert not (tmp_path / "out").exists()
+
+
+def test_expert_adapters_trained_with_dropout_are_exported_merged_and_say_why(moe_folder, tmp_path):
+    # PEFT's adapters on parameters take no dropout: the run writes the merged model in the adapter's place, and tune
+    # export of its step checkpoint wants --merged.
+    out = tmp_path / "run"
+    result = tune("lora_finetune_single_device", "--config", "any_model_lora", f"output_dir={out}",
+                  *_overrides(moe_folder, "model.apply_lora_to_experts=true", "model.lora_dropout=0.1", "max_steps=2",
+                              "save_every_n_steps=2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "lora_dropout=0.1: writing the merged model instead of the adapter" in result.stdout
+    assert (out / "final" / "merged" / "model.safetensors").is_file() and not (out / "final" / "adapter").exists()
+    checkpoint = out / "checkpoints" / "step_2"
+    refused = run_tune_here("export", str(checkpoint), "--output", str(tmp_path / "export"))
+    assert refused.returncode == 2 and not (tmp_path / "export").exists()
+    line, = refused.stderr.strip().splitlines()
+    assert "lora_dropout=0.1" in line and "--merged" in line
+    exported = run_tune_here("export", str(checkpoint), "--output", str(tmp_path / "export"), "--merged")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    ours, final = load_file(tmp_path / "export" / "merged" / "model.safetensors"), load_file(
+        out / "final" / "merged" / "model.safetensors")
+    assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in final)
+    assert not (tmp_path / "export" / "adapter").exists()

@@ -135,6 +135,11 @@ def test_merge_refuses_an_adapter_for_another_model(tmp_path: Path):
     ({"target_modules": r".*\.(q_proj|v_proj)"}, r"target_modules.*pattern"),
     ({"layers_to_transform": [0]}, r"layers_to_transform=\[0\]"),
     ({"use_rslora": True}, r"use_rslora"),
+    ({"rank_pattern": {"q_proj": 8}}, r"rank_pattern=\{'q_proj': 8\} is not supported"),
+    ({"target_parameters": ["mlp.experts.w1"]}, r"target_parameters=\['mlp.experts.w1'\] is not supported"),
+    ({"target_parameters": ["mlp.experts.down_proj"], "alpha_pattern": {"down_proj": 0}}, r"alpha_pattern="),
+    # Adapters on the experts (PEFT's form, as ours are written) merge offline, but do not load into a model here.
+    ({"target_parameters": ["mlp.experts.down_proj"]}, r"adapters on the experts.*tune merge"),
 ])
 def test_adapter_targets_our_builders_cannot_express_are_refused(tmp_path: Path, change: dict, refused: str):
     base_dir = save_base(tmp_path / "base")

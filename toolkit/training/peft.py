@@ -23,12 +23,24 @@ from torch.distributed.tensor import DTensor
 
 from toolkit.errors import UserError, read_json
 from toolkit.models._decoder import LinearFactory
+from toolkit.models import read_hf_config
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES, lora_linear
 from toolkit.modules._dtensor import copy_full_
 from toolkit.modules.peft import DoRALinear, LoRAGroupedExperts, adapter_modules, init_adapters, is_adapter_key
 from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _weight_files, load_model_family
 from toolkit.training.step_checkpoint import TOKENIZER_FILES
 from toolkit.training.init import init_weights
+from toolkit.training.peft_experts import (
+    TARGET_PARAMETERS,
+    fused_delta,
+    fused_target,
+    is_fused,
+    hf_experts_name,
+    no_peft_form,
+    part_of_fused,
+    peft_patterns,
+    peft_tensors,
+)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -127,11 +139,17 @@ def _save_adapter(
     modules = adapter_modules(model)
     if not modules:
         raise ValueError("the model has no LoRA/DoRA layers to save")
-    experts = [name for name, module in modules.items() if isinstance(module, LoRAGroupedExperts)]
-    if experts:  # written without them, the adapter would silently lose the experts' training
-        raise UserError(f"{experts[0]}: adapters on stacked experts have no PEFT layout here; export the merged model")
+    problem = no_peft_form(modules)
+    if problem:  # written without them, the adapter would silently lose the experts' training
+        raise UserError(f"{problem}; export the merged model")
+    experts = {name: module for name, module in modules.items() if isinstance(module, LoRAGroupedExperts)}
     tensors = {}
-    for name, module in modules.items():
+    for name, module in experts.items():  # the experts' adapters on transformers' fused parameters
+        for key, tensor in peft_tensors(module).items():
+            if write:
+                tensors[f"{_PEFT_PREFIX}{hf_experts_name(name)}.{key}"] = tensor.cpu()
+    linear = {name: module for name, module in modules.items() if name not in experts}
+    for name, module in linear.items():
         hf_name = _hf_module_name(family, name)
         for param_name in module.adapter_params():
             key = f"{_PEFT_PREFIX}{hf_name}.{_TO_PEFT[param_name]}"
@@ -140,15 +158,19 @@ def _save_adapter(
             if write:
                 tensors[key] = whole.contiguous().cpu()
     use_dora = _uniform({n: isinstance(m, DoRALinear) for n, m in modules.items()}, "adapter kind (LoRA or DoRA)")
+    rank, alpha = _uniform({n: m.rank for n, m in modules.items()}, "rank"), _uniform(
+        {n: m.alpha for n, m in modules.items()}, "alpha"
+    )
+    rank_pattern, alpha_pattern = peft_patterns(rank, alpha) if experts else ({}, {})
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
-        "r": _uniform({n: m.rank for n, m in modules.items()}, "rank"),
-        "lora_alpha": _uniform({n: m.alpha for n, m in modules.items()}, "alpha"),
+        "r": rank,
+        "lora_alpha": alpha,
         "lora_dropout": _uniform({n: m.dropout_p for n, m in modules.items()}, "dropout"),
         # PEFT matches target_modules against the end of each module's name.
-        "target_modules": sorted({_hf_module_name(family, n).rpartition(".")[2] for n in modules}),
+        "target_modules": sorted({_hf_module_name(family, n).rpartition(".")[2] for n in linear}) or None,
         "use_dora": use_dora,
         "use_rslora": False,
         "bias": "none",
@@ -156,9 +178,11 @@ def _save_adapter(
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
     }
+    if experts:
+        config["target_parameters"] = TARGET_PARAMETERS
 
     if not write:  # every rank checked the config above: a bad one fails on all of them
         return Path(output_dir)
@@ -193,8 +217,6 @@ def _read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
         "bias": (config.get("bias", "none"), "none"),
         "use_rslora": (config.get("use_rslora", False), False),
         "fan_in_fan_out": (config.get("fan_in_fan_out", False), False),
-        "rank_pattern": (config.get("rank_pattern") or {}, {}),
-        "alpha_pattern": (config.get("alpha_pattern") or {}, {}),
     }
     for key, (value, expected) in unsupported.items():
         if value != expected:
@@ -202,6 +224,23 @@ def _read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
     for key in ("r", "lora_alpha"):
         if not isinstance(config.get(key), (int, float)) or config[key] <= 0:
             raise UserError(f"{config_file}: {key} must be a positive number, got {config.get(key)!r}")
+    # Parameters adapted directly: only the fused experts', whose ranks and alphas alone may differ from r's.
+    targets = config.get("target_parameters") or []
+    if not isinstance(targets, list) or not set(targets) <= set(TARGET_PARAMETERS):
+        raise UserError(
+            f"{config_file}: target_parameters={targets!r} is not supported (only {TARGET_PARAMETERS}, the experts "
+            "of transformers' mixture-of-experts blocks)"
+        )
+    fused = {name.rpartition(".")[2] for name in targets}
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(key) or {}
+        if not isinstance(pattern, dict) or not set(pattern) <= fused or not all(
+            isinstance(v, (int, float)) and v > 0 for v in pattern.values()
+        ):
+            raise UserError(
+                f"{config_file}: {key}={pattern!r} is not supported (only positive numbers for the experts' "
+                f"{sorted(fused) or 'target_parameters, which are none here'})"
+            )
     return config
 
 
@@ -228,13 +267,28 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, di
                 module, param = key[len(_PEFT_PREFIX): -len(peft_name) - 1], peft_name
         if module is None:
             raise UserError(f"{weights_file}: unexpected key {key!r} (not a LoRA/DoRA weight)")
+        if config.get("target_parameters"):  # an experts block's adapters, by the fused parameter they adapt
+            module = fused_target(module) or module
         by_module.setdefault(module, {})[param] = tensor
     for module, params in by_module.items():
         if not {"lora_A.weight", "lora_B.weight"} <= params.keys():
             raise UserError(f"{weights_file}: {module} lacks lora_A or lora_B")
         if ("lora_magnitude_vector" in params) != bool(config.get("use_dora", False)):
             raise UserError(f"{weights_file}: {module}: a DoRA magnitude is present iff use_dora in {ADAPTER_CONFIG}")
+        rank = _rank_and_scale(config, module)[0]
+        if is_fused(module) and params["lora_A.weight"].shape[0] % rank:
+            raise UserError(
+                f"{weights_file}: {module}.lora_A.weight has {params['lora_A.weight'].shape[0]} rows, not a multiple "
+                f"of its rank {rank} (one block per expert)"
+            )
     return config, by_module, config["lora_alpha"] / config["r"]
+
+
+def _rank_and_scale(config: dict[str, Any], module: str) -> tuple[int, float]:
+    # The experts' fused parameters may have their own rank and alpha (rank_pattern, alpha_pattern); the rest r's.
+    name = module.rpartition(".")[2]
+    rank = (config.get("rank_pattern") or {}).get(name, config["r"])
+    return rank, (config.get("alpha_pattern") or {}).get(name, config["lora_alpha"]) / rank
 
 
 def adapter_linear(adapter_dir: str | Path, *, model_family: str) -> LinearFactory:
@@ -259,6 +313,7 @@ def adapter_linear(adapter_dir: str | Path, *, model_family: str) -> LinearFacto
     """
     config = _read_adapter_config(adapter_dir)
     config_file = Path(adapter_dir) / ADAPTER_CONFIG
+    _refuse_expert_adapters(config, config_file)
     for key in ("layers_to_transform", "layers_pattern", "exclude_modules"):
         if config.get(key):
             raise UserError(
@@ -303,6 +358,14 @@ def adapter_linear(adapter_dir: str | Path, *, model_family: str) -> LinearFacto
     )
 
 
+def _refuse_expert_adapters(config: dict[str, Any], config_file: Path) -> None:
+    if config.get("target_parameters"):
+        raise UserError(
+            f"{config_file}: target_parameters={config['target_parameters']} (adapters on the experts) cannot be "
+            "loaded into a model here; merge the adapter into its base (tune merge) and use the merged model"
+        )
+
+
 def fill_adapter_model(
     model: nn.Module, checkpointer: Any, *, adapter_dir: str | Path | None = None
 ) -> None:
@@ -335,6 +398,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, *, model_family
     """
     family = load_model_family(model_family)
     config, by_module, _ = _read_adapter(adapter_dir)
+    _refuse_expert_adapters(config, Path(adapter_dir) / ADAPTER_CONFIG)
     weights_file = Path(adapter_dir) / ADAPTER_WEIGHTS
     modules = {_hf_module_name(family, name): module for name, module in adapter_modules(model).items()}
     if by_module.keys() != modules.keys():
@@ -402,17 +466,31 @@ def merge_adapter_into_checkpoint(
         raise UserError(f"--output: {output_dir} already exists; choose another folder or pass --overwrite")
     if output_dir.resolve() in (base_dir.resolve(), Path(adapter_dir).resolve()):
         raise UserError(f"--output: {output_dir} is an input folder; choose another folder")
-    config, by_module, scale = _read_adapter(adapter_dir)
-    targets = {f"{module}.weight": params for module, params in by_module.items()}
+    config, by_module, _ = _read_adapter(adapter_dir)
+    targets = {f"{module}.weight": params for module, params in by_module.items() if not is_fused(module)}
+    scales = {f"{module}.weight": _rank_and_scale(config, module)[1] for module in by_module}
+    # Adapters on the experts: every expert's delta of each fused parameter, applied to the checkpoint's per-expert
+    # (or fused) tensors, which the base's family names.
+    experts = {
+        module: fused_delta(params, rank=_rank_and_scale(config, module)[0], scale=_rank_and_scale(config, module)[1])
+        for module, params in by_module.items() if is_fused(module)
+    }
+    # (A family without experts has none of their tensors: each adapted one is then missing.)
+    family = load_model_family(read_hf_config(base_dir)[1]) if experts else None
+    hf_key_to_parts = getattr(family, "hf_key_to_parts", lambda key: None)
     files = _weight_files(base_dir)
     found: set[str] = set()
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as reader:
-                found.update(key for key in reader.keys() if key in targets)
+                for key in reader.keys():
+                    if key in targets:
+                        found.add(key)
+                    for part in hf_key_to_parts(key) or ():
+                        found.add(part_of_fused(part.key)[0])
         except SafetensorError as e:
             raise UserError(f"{file}: cannot read safetensors ({e}); the file may be truncated or corrupt") from None
-    missing = sorted(targets.keys() - found)
+    missing = sorted((targets.keys() | experts.keys()) - found)
     if missing:
         raise UserError(
             f"{base_dir}: no base weight {missing[0]!r} for the adapter's module (tied embeddings, or another model?)"
@@ -431,7 +509,13 @@ def merge_adapter_into_checkpoint(
                         if tuple(tensor.shape) != shape:
                             got = tuple(tensor.shape)
                             raise UserError(f"{file}: {key} has shape {got}; the adapter expects {shape}")
-                        tensor = _merge(tensor, params, scale)
+                        tensor = _merge(tensor, params, scales[key])
+                    elif parts := hf_key_to_parts(key):
+                        delta = _experts_delta(parts, experts)
+                        if delta.shape != tensor.shape:
+                            got, shape = tuple(tensor.shape), tuple(delta.shape)
+                            raise UserError(f"{file}: {key} has shape {got}; the adapter expects {shape}")
+                        tensor = (tensor.float() + delta).to(tensor.dtype)
                     out[key] = tensor
             save_file(out, str(tmp_dir / file.name), metadata=metadata)
         for name in (_SAFETENSORS_INDEX, "config.json", *TOKENIZER_FILES):
@@ -439,3 +523,18 @@ def merge_adapter_into_checkpoint(
                 shutil.copy2(base_dir / name, tmp_dir / name)
 
     return _write_atomically(output_dir, write)
+
+
+def _experts_delta(parts: list, deltas: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The adapter's delta for one checkpoint tensor of the experts (one expert's projection, or a fused parameter),
+    from the parts of our stacked experts it holds (its family's ``hf_key_to_parts``) and the fused deltas by name."""
+    blocks = []
+    for part in parts:
+        fused, block, count = part_of_fused(part.key)
+        delta = deltas[fused]
+        rows = delta.shape[1] // count
+        delta = delta[:, block * rows : (block + 1) * rows]
+        blocks.append(delta if part.index is None else delta[part.index])
+    # Parts that share one tensor fill its row blocks (``Part.rows``), in order.
+    order = sorted(range(len(parts)), key=lambda i: parts[i].rows[0] if parts[i].rows else 0)
+    return torch.cat([blocks[i] for i in order], dim=-2)

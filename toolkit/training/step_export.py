@@ -198,10 +198,15 @@ def export_step_checkpoint(
 
 
 def _export_adapters(checkpoint, output_dir, cfg, model, checkpointer, *, base, merged: bool, max_shard_bytes: int):
-    from toolkit.modules.peft import get_merged_state_dict, init_adapters, is_adapter_key
+    from toolkit.modules.peft import adapter_modules, get_merged_state_dict, init_adapters, is_adapter_key
     from toolkit.training.init import init_weights, materialize, set_seed
     from toolkit.training.peft import save_peft_adapter
+    from toolkit.training.peft_experts import no_peft_form
 
+    # Adapters PEFT cannot load (on experts, trained with dropout) are exported merged only: said before reading.
+    problem = no_peft_form(adapter_modules(model))
+    if problem and not merged:
+        raise UserError(f"{problem}; export the merged model with --merged")
     saved = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items() if is_adapter_key(k)}
     load_dcp({f"model.{k}": v for k, v in saved.items()}, checkpoint, no_dist=True)
     if merged:
@@ -218,7 +223,7 @@ def _export_adapters(checkpoint, output_dir, cfg, model, checkpointer, *, base, 
         model.load_state_dict(saved, strict=False)
     else:
         model.load_state_dict(saved, strict=False, assign=True)  # the base stays on the meta device, unread
-    written = [
+    written = [] if problem else [
         save_peft_adapter(
             model, output_dir / "adapter", model_family=checkpointer.family_name,
             base_model_name_or_path=str(base) if base else None,
