@@ -236,17 +236,19 @@ def _chunked_projection_loss(
     labels: torch.Tensor,
     scale: float,
     *,
-    num_chunks: int,
+    sizes: Sequence[int],
     softcap: float | None,
     kernel: LogitKernel,
     needs: Sequence[bool],
     shard: VocabShard | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Loss sum of ``h @ weight.T`` (plus, with ``lora_a``, ``scale * (x @ lora_a.T) @ lora_b.T``, ``x`` None
+    """Loss sums of ``h @ weight.T`` (plus, with ``lora_a``, ``scale * (x @ lora_a.T) @ lora_b.T``, ``x`` None
     meaning ``h``) against ``labels`` (``h``, ``x`` ``[t, d]``, ``weight`` ``[vocab, d]``, ``lora_a`` ``[r, d]``,
-    ``lora_b`` ``[vocab, r]``, all in one dtype; ``labels`` ``[t]``, every one a target), chunk by chunk over the
-    rows, with the gradients ``needs`` asks for, in the order ``h, weight, x, lora_a, lora_b``, for a loss of 1, in
-    that dtype (the weights' accumulated over chunks, as autograd accumulates a weight used once per chunk). With
+    ``lora_b`` ``[vocab, r]``, all in one dtype; ``labels`` ``[t]``, every one a target), one per chunk of ``sizes``
+    rows (float32, ``[len(sizes)]``), with the gradients ``needs`` asks for, in the order ``h, weight, x, lora_a,
+    lora_b``, for a loss of 1 (or, with ``weights`` ``[len(sizes)]``, of the chunks' losses weighted by it), in that
+    dtype (the weights' accumulated over chunks, as autograd accumulates a weight used once per chunk). With
     ``x`` None the adapter's input gradient is added into ``h``'s.
 
     With ``shard``, ``weight`` and ``lora_b`` hold this rank's rows of a vocabulary split over ``shard.group``
@@ -261,15 +263,15 @@ def _chunked_projection_loss(
         torch.empty_like(t) if need else None for t, need in ((weight, need_weight), (lora_a, need_a), (lora_b, need_b))
     )
     beta = 0  # the first chunk writes the weights' gradients (no pass filling them with zeros), the others add
-    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    losses = torch.zeros(len(sizes), dtype=torch.float32, device=h.device)
     need_grad = any(needs)
 
     def split(t: torch.Tensor | None) -> Sequence[torch.Tensor | None]:
-        return t.tensor_split(num_chunks) if t is not None else [None] * num_chunks
+        return t.split(list(sizes)) if t is not None else [None] * len(sizes)
 
-    for rows, chunk_labels, adapter_rows, chunk_grad_h, chunk_grad_x in zip(
+    for k, (rows, chunk_labels, adapter_rows, chunk_grad_h, chunk_grad_x) in enumerate(zip(
         split(h), split(labels), split(x), split(grad_h), split(grad_x)
-    ):
+    )):
         if rows.shape[0] == 0:
             continue
         adapter_rows = rows if adapter_rows is None else adapter_rows
@@ -280,7 +282,9 @@ def _chunked_projection_loss(
             rows @ weight.T if u is None else (rows @ weight.T).addmm_(u, lora_b.T, alpha=scale),
             chunk_labels, softcap, need_grad,
         )
-        loss += chunk_loss
+        losses[k] = chunk_loss
+        if weights is not None and grad is not None:
+            grad.mul_(weights[k].to(grad.dtype))
         if need_h:
             torch.mm(grad, weight, out=chunk_grad_h)
         if need_weight:
@@ -305,7 +309,13 @@ def _chunked_projection_loss(
         for grad in (grad_h, grad_x, grad_a):  # (every rank of the group needs the same ones, in the same order)
             if grad is not None:
                 dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=shard.group)
-    return loss, [grad_h, grad_weight, grad_x, grad_a, grad_b]
+    return losses, [grad_h, grad_weight, grad_x, grad_a, grad_b]
+
+
+def _even_sizes(total: int, num_chunks: int) -> list[int]:
+    # As tensor_split cuts ``total`` rows into ``num_chunks``: the first ``total % num_chunks`` one row longer.
+    base, longer = divmod(total, num_chunks)
+    return [base + 1] * longer + [base] * (num_chunks - longer)
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -314,12 +324,12 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, x, lora_a, lora_b, labels, scale, num_chunks, softcap, kernel, shard):
-        loss, grads = _chunked_projection_loss(
-            h, weight, x, lora_a, lora_b, labels, scale, num_chunks=num_chunks, softcap=softcap, kernel=kernel,
-            needs=ctx.needs_input_grad[:5], shard=shard,
+        losses, grads = _chunked_projection_loss(
+            h, weight, x, lora_a, lora_b, labels, scale, sizes=_even_sizes(h.shape[0], num_chunks), softcap=softcap,
+            kernel=kernel, needs=ctx.needs_input_grad[:5], shard=shard,
         )
         ctx.save_for_backward(*grads)
-        return loss
+        return losses.sum()
 
     @staticmethod
     @once_differentiable
@@ -371,6 +381,22 @@ def linear_cross_entropy_sum(
     """
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be at least 1, got {num_chunks}")
+    inputs, labels, _, scale, shard = _projection_inputs(h, weight, labels, adapter, ignore_index)
+    with torch.autocast(h.device.type, enabled=False):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+            return _LinearCrossEntropySum.apply(*inputs, labels, scale, num_chunks, softcap, kernel, shard)
+        losses, _ = _chunked_projection_loss(
+            *inputs, labels, scale, sizes=_even_sizes(labels.shape[0], num_chunks), softcap=softcap, kernel=kernel,
+            needs=[False] * 5, shard=shard,
+        )
+        return losses.sum()
+
+
+def _projection_inputs(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, adapter: LoRAAdapter | None, ignore_index: int
+) -> tuple[list[torch.Tensor | None], torch.Tensor, torch.Tensor, float, VocabShard | None]:
+    """``h``, ``weight``, the adapter's input and factors (local parts, in the compute dtype), the labels, at the
+    non-ignored positions only (which ``kept`` lists, flat), the adapter's scale and the vocabulary shard."""
     width = h.shape[-1]
     x = None if adapter is None or adapter.x is h else adapter.x.reshape(-1, width)
     h, labels = h.reshape(-1, width), labels.reshape(-1)
@@ -385,12 +411,82 @@ def linear_cross_entropy_sum(
         lora = (_replicated_local(adapter.lora_a), _local_vocab_shard(adapter.lora_b)[0])
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     scale = adapter.scale if adapter is not None else 0.0
-    with torch.autocast(device_type, enabled=False):
-        inputs = [t.to(dtype) if t is not None else None for t in (h, weight, x, *lora)]
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-            return _LinearCrossEntropySum.apply(*inputs, labels, scale, num_chunks, softcap, kernel, shard)
-        loss, _ = _chunked_projection_loss(
-            *inputs, labels, scale, num_chunks=num_chunks, softcap=softcap, kernel=kernel, needs=[False] * 5,
-            shard=shard,
+    return [t.to(dtype) if t is not None else None for t in (h, weight, x, *lora)], labels, kept, scale, shard
+
+
+# --- Per-sequence log-probabilities (preference losses) ------------------------------------------------------------
+
+
+class _LinearSequenceLogprobs(torch.autograd.Function):
+    """Per-row summed label log-probabilities of ``h @ weight.T`` (and an adapter's term), chunk by chunk, with the
+    chunks cut at row ends. A loss of the rows' values (a preference loss) weighs each row's tokens differently,
+    which only backward knows: it projects each chunk again and takes its gradient there, weighted by its row's
+    incoming gradient. One projection more than the summed loss, and still no logits outlive their chunk."""
+
+    @staticmethod
+    def forward(ctx, h, weight, x, lora_a, lora_b, labels, scale, sizes, rows, num_rows, softcap, kernel, shard):
+        with torch.no_grad():
+            losses, _ = _chunked_projection_loss(
+                h, weight, x, lora_a, lora_b, labels, scale, sizes=sizes, softcap=softcap, kernel=kernel,
+                needs=[False] * 5, shard=shard,
+            )
+        ctx.save_for_backward(h, weight, x, lora_a, lora_b, labels, rows)
+        ctx.settings = (scale, sizes, softcap, kernel, shard)
+        return torch.zeros(num_rows, dtype=torch.float32, device=h.device).index_add_(0, rows, -losses)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_rows):
+        h, weight, x, lora_a, lora_b, labels, rows = ctx.saved_tensors
+        scale, sizes, softcap, kernel, shard = ctx.settings
+        # A chunk's log-probability is minus its loss: its gradient weighs the loss's by minus its row's.
+        _, grads = _chunked_projection_loss(
+            h, weight, x, lora_a, lora_b, labels, scale, sizes=sizes, softcap=softcap, kernel=kernel,
+            needs=ctx.needs_input_grad[:5], shard=shard, weights=-grad_rows.float()[rows],
         )
-        return loss
+        return *grads, None, None, None, None, None, None, None, None
+
+
+def linear_sequence_logprobs(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    adapter: LoRAAdapter | None = None,
+    chunk_size: int = 1024,
+    softcap: float | None = None,
+    ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
+    kernel: LogitKernel = logit_loss_and_grad,
+) -> torch.Tensor:
+    """The summed float32 log-probability of each row's labels under the logits ``h @ weight.T`` (with a LoRA
+    ``adapter``'s term, optionally soft-capped), ``[b]``, never holding the logits; what preference losses (DPO
+    and kin) compare.
+
+    As :func:`linear_cross_entropy_sum`, with every chunk within one row (at most ``chunk_size`` positions), and the
+    gradients computed in backward, where each row's weight is known, by projecting each chunk once more
+    (:class:`_LinearSequenceLogprobs`). A row without labels gets 0. Tensor parallelism as there.
+
+    Args:
+        h: final hidden states ``[b, s, d]``.
+        weight: the output projection ``[vocab, d]``, or its vocabulary shard as a DTensor.
+        labels: ``[b, s]``, already shifted.
+        adapter, softcap, ignore_index, kernel: as :func:`linear_cross_entropy_sum`'s.
+        chunk_size: the most positions one chunk projects.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    num_rows, seq_len = labels.shape
+    inputs, kept_labels, kept, scale, shard = _projection_inputs(h, weight, labels, adapter, ignore_index)
+    # Chunks within rows: each row's positions cut into pieces of at most chunk_size.
+    counts = torch.bincount(kept // seq_len, minlength=num_rows).tolist()
+    sizes, chunk_rows = [], []
+    for row, count in enumerate(counts):
+        if count:  # (a row without labels has no chunk, and stays 0)
+            pieces = -(-count // chunk_size)
+            sizes += _even_sizes(count, pieces)
+            chunk_rows += [row] * pieces
+    rows = torch.tensor(chunk_rows, dtype=torch.long, device=h.device)
+    with torch.autocast(h.device.type, enabled=False):
+        return _LinearSequenceLogprobs.apply(
+            *inputs, kept_labels, scale, sizes, rows, num_rows, softcap, kernel, shard
+        )
