@@ -5,10 +5,19 @@ whole logits, for a weighted sum of the rows (a preference loss weighs each row 
 import pytest
 import torch
 
-from tests.modules.test_linear_cross_entropy import IGNORE, VOCAB, inputs, lora_inputs, relative_error
+from tests.modules.test_linear_cross_entropy import (
+    IGNORE,
+    VOCAB,
+    _lora_model,
+    _models,
+    inputs,
+    lora_inputs,
+    relative_error,
+)
 from toolkit.modules.loss import linear_sequence_logprobs
 
 ROW_WEIGHTS = torch.tensor([0.7, -1.3, 0.0])
+GEMMA = "gemma2 (soft-capped, tied, scaled embedding)"
 
 
 def _rows(h, weight, labels):
@@ -74,3 +83,31 @@ def test_without_grad_and_bad_chunk_size():
     with pytest.raises(ValueError, match="chunk_size must be at least 1"):
         linear_sequence_logprobs(h, weight, labels, chunk_size=0)
     assert VOCAB == weight.shape[0]
+
+
+def _model(name: str) -> torch.nn.Module:
+    # test_linear_cross_entropy.py's: Gemma 2 soft-capped and tied; Llama 3 with LoRA on its output (B random).
+    return dict(_models())[GEMMA] if name == "gemma2" else _lora_model()
+
+
+@pytest.mark.parametrize("name", ["gemma2", "lora_llama3"])
+def test_the_decoders_per_sequence_path_fused_and_not_is_its_logits_log_probabilities(name):
+    model = _model(name)
+    vocab = model.embed_tokens.weight.shape[0]
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (3, 20), generator=generator)
+    labels = torch.randint(0, vocab, (3, 20), generator=generator)
+    labels[0, :7], labels[2, 15:] = IGNORE, IGNORE
+    with torch.no_grad():
+        expected = reference_logprobs(model(tokens), labels)
+    grads = []
+    for fused in (True, False):
+        model.zero_grad()
+        values = model(tokens, labels=labels, per_sequence=True, fused_loss=fused)
+        (values * ROW_WEIGHTS).sum().backward()
+        # float32 through the model against the float64 softmax of its float32 logits: 2e-6 relative.
+        torch.testing.assert_close(values.double(), expected, rtol=2e-6, atol=0)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for key in grads[0]:  # the fused gradients, taken in backward, are autograd's through the logits
+        assert relative_error(grads[0][key], grads[1][key]) < 1e-5, key

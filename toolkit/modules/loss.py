@@ -1,6 +1,7 @@
 """Token cross-entropy sums over the vocabulary, in float32, without holding the float32 logits of a batch.
 
-Three forms, from the most general to the lightest:
+Three forms, from the most general to the lightest (and, for preference losses, two that give each row's summed
+log-probability instead: :func:`chunked_sequence_logprobs` and :func:`linear_sequence_logprobs`):
 
 - :func:`cross_entropy_sum`: from whole logits ``[b, s, vocab]``.
 - :func:`chunked_cross_entropy_sum`: from logits given in sequence chunks; one chunk at a time is in float32, but
@@ -104,6 +105,24 @@ def chunked_cross_entropy_sum(
         for chunk, chunk_labels in zip(chunks, labels.split(sizes, dim=1))
     ]
     return torch.stack(losses).sum()
+
+
+def chunked_sequence_logprobs(
+    chunks: Sequence[torch.Tensor], labels: torch.Tensor, *, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX
+) -> torch.Tensor:
+    """Each row's summed float32 log-probability of its labels (``[b]``) from logits given as sequence chunks (as
+    :func:`chunked_cross_entropy_sum` takes them; autograd's own backward, one chunk upcast at a time): the path of
+    an output layer the fused :func:`linear_sequence_logprobs` cannot take."""
+    sizes = [chunk.shape[1] for chunk in chunks]
+    if sum(sizes) != labels.shape[1]:
+        raise ValueError(f"logit chunks of lengths {sizes} do not cover labels of sequence length {labels.shape[1]}")
+    total = torch.zeros(labels.shape[0], dtype=torch.float32, device=labels.device)
+    for chunk, chunk_labels in zip(chunks, labels.split(sizes, dim=1)):
+        token_losses = F.cross_entropy(
+            chunk.float().flatten(0, 1), chunk_labels.flatten(), ignore_index=ignore_index, reduction="none"
+        )
+        total = total - token_losses.view(chunk_labels.shape).sum(dim=1)
+    return total
 
 
 # --- The projection and the loss together -------------------------------------------------------------------------

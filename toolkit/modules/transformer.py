@@ -11,7 +11,9 @@ from toolkit.modules.kv_cache import KVCache
 from toolkit.modules.loss import (
     LoRAAdapter,
     chunked_cross_entropy_sum,
+    chunked_sequence_logprobs,
     linear_cross_entropy_sum,
+    linear_sequence_logprobs,
     logit_loss_and_grad,
 )
 from toolkit.modules.moe import MoEFeedForward, routing_statistics
@@ -101,6 +103,7 @@ class TransformerDecoder(nn.Module):
         labels: torch.Tensor | None = None,
         fused_loss: bool = True,
         lengths: torch.Tensor | None = None,
+        per_sequence: bool = False,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Logits ``[b, s, vocab]`` for ``tokens`` ``[b, s]`` (mask and input_pos as in the attention layer), or,
         given ``labels``, the summed float32 cross-entropy against them.
@@ -126,6 +129,10 @@ class TransformerDecoder(nn.Module):
                 or when False, through chunked logits.
             lengths: ``[b]``, each row's length before its padding (``toolkit.data.padded_collate`` gives it). The
                 routers' load statistics of a mixture-of-experts model count only those positions (all without it).
+            per_sequence: with ``labels``, return each row's summed float32 log-probability of its labels, ``[b]``,
+                instead of the loss sum (preference losses compare them): fused as the loss is
+                (:func:`~toolkit.modules.loss.linear_sequence_logprobs`), or from the chunked logits; without the
+                load-balancing loss.
 
         With ``labels``, in training mode, a mixture-of-experts model adds its load-balancing loss to the sum:
         ``router_aux_loss_coef`` times each row's loss (:func:`~toolkit.modules.moe.routing_statistics`) weighted by
@@ -141,8 +148,9 @@ class TransformerDecoder(nn.Module):
         if num_output_chunks is not None and num_output_chunks < 1:
             raise ValueError(f"num_output_chunks must be at least 1, got {num_output_chunks}")
         if labels is not None:
-            loss = self._loss_sum(h, labels, num_chunks=num_output_chunks or 1, fused=fused_loss)
-            if self._moe_blocks and self.training:
+            loss = self._loss_sum(h, labels, num_chunks=num_output_chunks or 1, fused=fused_loss,
+                                  per_sequence=per_sequence)
+            if self._moe_blocks and self.training and not per_sequence:
                 loss = loss + self._router_loss_sum(labels, lengths)
             return loss
         if num_output_chunks is None:
@@ -179,15 +187,22 @@ class TransformerDecoder(nn.Module):
         # batched one per row (measured 10% faster on CPU for the demo's output layer, forward and backward).
         return [self.compute_logits(chunk.contiguous()) for chunk in h.tensor_split(num_chunks, dim=1)]
 
-    def _loss_sum(self, h: torch.Tensor, labels: torch.Tensor, *, num_chunks: int, fused: bool) -> torch.Tensor:
+    def _loss_sum(
+        self, h: torch.Tensor, labels: torch.Tensor, *, num_chunks: int, fused: bool, per_sequence: bool = False
+    ) -> torch.Tensor:
         weight = self.fused_loss_weight() if fused else None
         if weight is None:
-            return chunked_cross_entropy_sum(self._chunked_logits(h, num_chunks), labels)
+            chunks = self._chunked_logits(h, num_chunks)
+            return chunked_sequence_logprobs(chunks, labels) if per_sequence else chunked_cross_entropy_sum(chunks, labels)
         adapter, output = None, self.output
         if isinstance(output, LoRALinear) and not output.disabled:
             # Dropout once over the whole h, as LoRALinear.forward applies it: the same mask for the same seed.
             adapter = LoRAAdapter(
                 lora_a=output.lora_a.weight, lora_b=output.lora_b.weight, scale=output.scale, x=output.dropout(h)
+            )
+        if per_sequence:
+            return linear_sequence_logprobs(
+                h, weight, labels, adapter=adapter, softcap=self.final_logit_softcap, kernel=self.output_loss_kernel
             )
         return linear_cross_entropy_sum(
             h, weight, labels, adapter=adapter, num_chunks=num_chunks, softcap=self.final_logit_softcap,
