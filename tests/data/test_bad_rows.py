@@ -54,6 +54,9 @@ CASES = [
     _case("empty text", text_completion_dataset, {"text": "doc"}, {"text": ""}, "column 'text' is empty"),
     _case("missing rejected", preference_dataset, {"prompt": "p", "chosen": "a", "rejected": "b"},
           {"prompt": "p", "chosen": "a"}, "missing column 'rejected'"),
+    _case("identical answers", preference_dataset, {"prompt": "p", "chosen": "a", "rejected": "b"},
+          {"prompt": "p", "chosen": "a", "rejected": "a"},
+          "columns 'chosen' and 'rejected' are the same; a preference pair needs two answers"),
     _case("too long", instruct_dataset, GOOD_INSTRUCT, {"input": "x" * 100, "output": "y"},
           "tokens, more than max_seq_len 64 (set truncation: true"),
     # Trained on nothing, it would only cost compute; it used to go in silently, all of its labels ignored.
@@ -171,3 +174,10 @@ def test_all_rows_bad_is_an_error_quoting_the_first(tmp_path: Path) -> None:
         f"the dataset has no usable rows: all 2 rows of {path} are bad and were skipped (skip_bad_rows: true); "
         f"the first: {path}, line 1: empty conversation in column 'messages'"
     )
+
+
+def test_a_preference_prompt_truncation_cuts_before_the_answers_is_a_bad_row(tmp_path: Path) -> None:
+    good, bad = {"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "p" * 200, "chosen": "a", "rejected": "b"}
+    source = _jsonl_with_bad_line_4(tmp_path / "data.jsonl", good, bad)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(source))}, line 4: cut to max_seq_len 64, it keeps no token to train on"):
+        preference_dataset(TOK, source=source, max_seq_len=64, truncation=True, cache_dir=None)

@@ -303,6 +303,9 @@ class PreferenceFormat:
     def pair(self, row: Any) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
         """``(chosen, rejected)`` conversations."""
         chosen, rejected = (self._conversation(row, key) for key in ("chosen", "rejected"))
+        if chosen == rejected:  # a pair that prefers nothing: its loss is a constant, and a data error
+            names = (self.column_map.get(key, key) for key in ("chosen", "rejected"))
+            raise BadRowError("columns {!r} and {!r} are the same; a preference pair needs two answers".format(*names))
         return chosen, rejected
 
     def _conversation(self, row: Any, key: str) -> list[dict[str, str]]:
