@@ -103,3 +103,29 @@ def test_chat_dataset_names_bad_sample() -> None:
     assert ds[0]["labels"] == [-100] * len(ds[0]["tokens"])
     with pytest.raises(UserError, match="sample 1: .*robot"):
         ds[1]
+
+
+def test_demo_preference_pairs_prefer_the_right_answer_to_another_tasks():
+    from toolkit.data import demo_preference_dataset, preference_collate
+    from toolkit.data.demo import TASKS
+
+    tok = byte_tokenizer()
+    pairs = demo_preference_dataset(tok, split="heldout", num_samples=40, seed=2)
+    again = demo_preference_dataset(tok, split="heldout", num_samples=40, seed=2)
+    samples = demo_tasks(split="heldout", num_samples=40, seed=2)
+    assert len(pairs) == 40 and [pairs[i] for i in range(40)] == [again[i] for i in range(40)]
+    wrong_tasks = set()
+    for i, sample in enumerate(samples):
+        pair = pairs[i]
+        answers = {name: tok.decode([t for t in pair[f"{name}_labels"] if t != CROSS_ENTROPY_IGNORE_INDEX])
+                   for name in ("chosen", "rejected")}
+        word, rejected = sample["prompt"].split(": ", 1)[1], answers["rejected"]
+        assert answers["chosen"] == sample["answer"]  # (the byte tokenizer decodes its special tokens to nothing)
+        assert rejected != sample["answer"] and rejected in {task(word) for task in TASKS.values()}
+        wrong_tasks |= {name for name, task in TASKS.items() if task(word) == rejected}
+        # The prompts are the same: the pair differs in the answer only.
+        first = next(t for t, label in enumerate(pair["chosen_labels"]) if label != CROSS_ENTROPY_IGNORE_INDEX)
+        assert pair["chosen_tokens"][: first + 1] == pair["rejected_tokens"][: first + 1]
+    assert len(wrong_tasks) >= 3  # the rejected answers come from the other tasks, not one of them
+    batch = preference_collate([pairs[0], pairs[1]], pad_id=0)
+    assert batch["tokens"].shape[0] == 4

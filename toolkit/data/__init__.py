@@ -34,7 +34,7 @@ from toolkit.data.datasets import (
     preference_dataset,
     text_completion_dataset,
 )
-from toolkit.data.demo import demo_dataset, demo_tasks
+from toolkit.data.demo import demo_dataset, demo_preference_dataset, demo_tasks
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX, shifted_labels
 from toolkit.data.packing import document_ids, pack_documents, packed_attention_mask
 from toolkit.data.sampler import GlobalBatchSampler
@@ -48,6 +48,7 @@ __all__ = [
     "TokenizedDataset",
     "chat_dataset",
     "demo_dataset",
+    "demo_preference_dataset",
     "demo_tasks",
     "document_ids",
     "instruct_dataset",

@@ -1,6 +1,7 @@
 """Synthetic instruction tasks that a tiny byte-level model learns within minutes on a CPU.
 
-Each prompt names its task, e.g. ``"reverse: lamp"`` -> ``"pmal"``. Words are random lowercase strings (4 letters
+Each prompt names its task, e.g. ``"reverse: lamp"`` -> ``"pmal"``; as preference pairs
+(:func:`demo_preference_dataset`), the right answer is chosen and another task's answer on the same word rejected. Words are random lowercase strings (4 letters
 by default). Whether a word belongs to ``train`` or ``heldout`` is a fixed property of the word (a hash of it), the
 same for every seed and task, so a held-out prompt never shares its word with any training prompt.
 """
@@ -117,3 +118,52 @@ def demo_dataset(
         for s in demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks, word_len=word_len)
     ]
     return ChatDataset(conversations, tokenizer, train_on=train_on)
+
+
+class _Pairs(Dataset):
+    """Two conversation datasets of equal length as preference pairs: ``{"chosen_tokens", "chosen_labels",
+    "rejected_tokens", "rejected_labels"}`` (what :func:`~toolkit.data.preference_collate` takes)."""
+
+    def __init__(self, chosen: ChatDataset, rejected: ChatDataset) -> None:
+        self.chosen, self.rejected = chosen, rejected
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        chosen, rejected = self.chosen[index], self.rejected[index]
+        return {"chosen_tokens": chosen["tokens"], "chosen_labels": chosen["labels"],
+                "rejected_tokens": rejected["tokens"], "rejected_labels": rejected["labels"]}
+
+
+def demo_preference_dataset(
+    tokenizer: ChatTokenizer,
+    *,
+    split: str = "train",
+    num_samples: int = 20000,
+    seed: int = 0,
+    tasks: list[str] | None = None,
+    word_len: tuple[int, int] = DEFAULT_WORD_LEN,
+    train_on: str = "assistant",
+) -> Dataset:
+    """The demo tasks as preference pairs: the prompt's right answer chosen, and rejected the answer of another task
+    on the same word (``"reverse: lamp"``: ``"pmal"`` over ``"LAMP"``, say), one that differs from the right one,
+    drawn from ``(split, seed)``. A model that prefers the chosen answers has learned to read the task's name.
+
+    Arguments as :func:`demo_dataset`'s.
+    """
+    samples = demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks, word_len=word_len)
+    rng = random.Random(f"tunekit-demo-pairs:{seed}:{split}")
+    rejected = []
+    for sample in samples:
+        word = sample["prompt"].split(": ", 1)[1]
+        wrong = sorted({TASKS[task](word) for task in TASKS} - {sample["answer"]})  # never empty: "repeat" is longer
+        rejected.append(rng.choice(wrong))
+    conversations = {
+        name: [
+            [{"role": "user", "content": s["prompt"]}, {"role": "assistant", "content": answer}]
+            for s, answer in zip(samples, answers)
+        ]
+        for name, answers in (("chosen", [s["answer"] for s in samples]), ("rejected", rejected))
+    }
+    return _Pairs(*(ChatDataset(conversations[name], tokenizer, train_on=train_on) for name in ("chosen", "rejected")))
