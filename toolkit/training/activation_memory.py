@@ -1,9 +1,11 @@
 """Bytes a forward and backward pass hold for their tokens: the tensors autograd saves for backward
 (:func:`activation_bytes`, and :func:`offloaded_activation_bytes` for those activation offloading moves to host
-memory) and the buffers of the logits and the loss (:func:`logits_bytes`).
+memory), the buffers of the logits and the loss (:func:`logits_bytes`) and those of the experts' token exchange
+under expert parallelism (:func:`all_to_all_bytes`).
 
 Everything here grows with the tokens of a micro batch and depends on how the step computes (precision, activation
-checkpointing and offloading, the attention and loss kernels), never on how the parameters are sharded:
+checkpointing and offloading, the attention and loss kernels, the experts' exchange), never on how the parameters
+are sharded:
 :mod:`toolkit.training.memory` adds it to each data-parallel strategy's parameters, gradients and optimizer state.
 The counts are analytic, from the shapes of a :class:`~toolkit.modules.TransformerDecoder` (on the meta device a
 70B model costs nothing), and checked against the tensors PyTorch saves and allocates in
@@ -251,6 +253,28 @@ def offloaded_activation_bytes(model: nn.Module, *, micro_batch_size: int, seq_l
     """
     kept, _, _ = _activations_per_token(model, seq_len=seq_len, **kwargs)
     return micro_batch_size * seq_len * sum(kept)
+
+
+def all_to_all_bytes(
+    model: nn.Module, *, micro_batch_size: int, seq_len: int, dtype: str = "bf16-mixed", expert_parallel: int = 1
+) -> int:
+    """Bytes the experts' token exchange (:mod:`toolkit.parallel.expert_parallel`) holds beyond the saved
+    activations, on one rank, while one mixture-of-experts layer's experts run: 0 without expert parallelism.
+
+    With ``t`` tokens, ``k`` experts per token, width ``d`` and ``c`` bytes per element: ``3 * t * k * d * c``.
+    When the outputs come back (the second all-to-all), three buffers of assignment rows are alive besides the
+    saved tensors: the rows this rank sent (held by the experts' forward until the exchange returns), the rows it
+    received (held by the exchange until it returns) and the outputs it sends back; the outputs it receives are
+    kept for backward and counted with the activations (:func:`activation_bytes`). Backward's two exchanges hold
+    two such buffers each, sent and received, while the layer's saved tensors are being freed; a checkpointed layer
+    runs its forward's exchange again when it is recomputed. One layer exchanges at a time. As for the
+    activations, a rank is counted as receiving as many rows as it sends (balanced routing).
+    """
+    blocks = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if expert_parallel == 1 or not blocks:
+        return 0
+    rows = micro_batch_size * seq_len * max(block.top_k for block in blocks)
+    return 3 * rows * model.embed_tokens.embedding_dim * _precision(dtype).compute
 
 
 def logits_bytes(
