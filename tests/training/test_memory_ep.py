@@ -149,6 +149,7 @@ def test_expert_parallel_degrees_divide_the_experts_and_the_data_parallel_ranks(
         (dict(expert_parallel=3), "expert_parallel: 3 does not divide the 4 data-parallel processes"),
         (dict(world_size=2, tensor_parallel=2), "tensor_parallel: cannot combine with expert_parallel=2"),
         (dict(world_size=16, expert_parallel=16), "expert_parallel: 16 ranks cannot share the model's 8 experts"),
+        (dict(cpu_offload=True), "cpu_offload: cannot combine with expert_parallel=2 (not supported yet)"),
     ],
 )
 def test_what_expert_parallelism_refuses_is_one_user_error(overrides: dict, message: str) -> None:

@@ -311,7 +311,7 @@ def estimate_memory(
       FSDP2 with a shard group of one (``parallel.apply_data_parallel``): it is counted as ``zero2`` sharded over
       one rank, every layer's compute-dtype copy kept from forward to backward. With one data-parallel rank
       nothing wraps the TP model, and mixed precision runs under autocast, as for ``ddp`` without TP.
-    - ``expert_parallel`` ``e`` > 1 (``zero2`` or ``zero3``, without TP): each rank holds ``E/e`` of every
+    - ``expert_parallel`` ``e`` > 1 (``zero2`` or ``zero3``, without TP or ``cpu_offload``): each rank holds ``E/e`` of every
       mixture-of-experts layer's ``E`` experts (:func:`~toolkit.parallel.expert_parallel.
       expert_parallel_local_parameters`, the split of ``apply_ep``), which FSDP2 shards over the ``W/e`` ranks
       holding the same ones (padding dim 0 to a multiple of ``W/e``); the rest of the model is sharded over ``W``
@@ -365,7 +365,8 @@ def estimate_memory(
     for problem in tensor_parallel_problems(
         tensor_parallel=tensor_parallel, world_size=None, strategy=strategy, cpu_offload=cpu_offload
     ) + expert_parallel_problems(
-        expert_parallel=expert_parallel, world_size=world_size, strategy=strategy, tensor_parallel=tensor_parallel
+        expert_parallel=expert_parallel, world_size=world_size, strategy=strategy, tensor_parallel=tensor_parallel,
+        cpu_offload=cpu_offload,
     ):
         raise UserError(": ".join(problem))
     p, c = precision.stored, precision.compute
@@ -548,7 +549,7 @@ def choose_strategy(
     all processes over ``tensor_parallel``). With ``optimizer_in_backward`` on several processes, only the FSDP2
     strategies are candidates (see :mod:`toolkit.training.optim`); with ``cpu_offload=False`` (training on the
     CPU), no offloaded one is; with ``tensor_parallel`` > 1, none that cannot combine with it (``zero1``,
-    ``cpu_offload``); with ``expert_parallel`` > 1, only ``zero2`` and ``zero3``.
+    ``cpu_offload``); with ``expert_parallel`` > 1, only ``zero2`` and ``zero3`` without offloading.
 
     Returns:
         ``(strategy, estimate, reason)``: the ``data_parallel`` value, its estimate (``estimate.cpu_offload`` says
@@ -565,7 +566,9 @@ def choose_strategy(
             continue
         if tensor_parallel_problems(
             tensor_parallel=tensor_parallel, world_size=None, strategy=strategy, cpu_offload=offload
-        ) or expert_parallel_problems(expert_parallel=expert_parallel, world_size=None, strategy=strategy):
+        ) or expert_parallel_problems(
+            expert_parallel=expert_parallel, world_size=None, strategy=strategy, cpu_offload=offload
+        ):
             continue
         estimate = estimate_memory(
             model,
@@ -690,8 +693,8 @@ def choose_layout(
             (``None``: not checked, ``micro_batch_size`` used as it is).
         micro_batch_size: sequences per micro batch, cut to each layout's share of ``batch_size`` as the run cuts
             it; ``auto``: 1, or the whole share with ``optimizer_in_backward`` (which cannot accumulate).
-        expert_parallel: the configured degree (``zero2``/``zero3`` without tensor parallelism only: the layouts
-            that cannot combine with it are not tried).
+        expert_parallel: the configured degree (``zero2``/``zero3`` without tensor parallelism or offloading only:
+            the layouts that cannot combine with it are not tried).
         The others: as in :func:`estimate_memory` (``shard_size`` in data-parallel ranks).
 
     Returns:
@@ -715,7 +718,8 @@ def choose_layout(
         if optimizer_in_backward and dp > 1 and tp == 1 and layout_strategy not in _SHARDED:
             continue  # DDP and ZeRO-1 cannot step inside backward (ddp under TP runs on FSDP2, which can)
         if expert_parallel_problems(
-            expert_parallel=expert_parallel, world_size=dp, strategy=layout_strategy, tensor_parallel=tp
+            expert_parallel=expert_parallel, world_size=dp, strategy=layout_strategy, tensor_parallel=tp,
+            cpu_offload=offload,
         ):
             continue
         if batch_size is not None and (batch_size < 1 or batch_size % dp):
@@ -885,7 +889,7 @@ def plan_parallelism(
             the CPU (``tune plan``, which plans for GPUs from a CPU, says true).
         tensor_parallel: the config's ``tensor_parallel``: a degree, or ``auto``.
         expert_parallel: the config's ``expert_parallel``, which every estimate counts (and which only ``zero2`` and
-            ``zero3`` without tensor parallelism combine with).
+            ``zero3`` without tensor parallelism or offloading combine with).
 
     Raises:
         UserError: ``auto`` without a known device memory, nothing fits, sizes that do not divide, or an invalid
