@@ -18,9 +18,9 @@ from omegaconf import DictConfig
 from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
 from toolkit.config import apply_overrides, instantiate, load_config, recipe_keys, validate
 from toolkit.errors import UserError
-from toolkit.parallel.mesh import EXPERT_PARALLEL_STRATEGIES
 from toolkit.modules.moe import MoEFeedForward, active_parameter_count
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
+from toolkit.parallel.mesh import EXPERT_PARALLEL_STRATEGIES
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.activations import checkpoint_interval
 from toolkit.training.memory import (
@@ -354,6 +354,6 @@ def plan_command(argv: Sequence[str]) -> int:
         model, device_memory_bytes=memory, headroom=args.headroom, **common(run_tp, run_ep)
     )
     offload = " with cpu_offload: true" if estimate.cpu_offload else ""
-    tp_part = f" x tensor_parallel {run_tp}" if run_tp > 1 else f" x expert_parallel {run_ep}" if run_ep > 1 else ""
-    print(f"auto picks: data_parallel={strategy}{offload}{tp_part} ({reason})")
+    degree = f" x tensor_parallel {run_tp}" if run_tp > 1 else f" x expert_parallel {run_ep}" if run_ep > 1 else ""
+    print(f"auto picks: data_parallel={strategy}{offload}{degree} ({reason})")
     return 0

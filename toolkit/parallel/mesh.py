@@ -197,9 +197,9 @@ def expert_parallel_problems(
     cpu_offload: bool = False,
 ) -> list[tuple[str, str]]:
     """``(key, problem)`` for an expert-parallel degree that does not fit the job, the data-parallel strategy,
-    tensor parallelism or offloading (the schema's rule, :func:`parallel_dims` and the memory plan say the same). What it needs of the model (a
-    mixture of experts whose count it divides) :func:`~toolkit.parallel.expert_parallel.check_expert_parallel`
-    checks."""
+    tensor parallelism or offloading (the schema's rule, :func:`parallel_dims` and the memory plan say the same).
+    What it needs of the model (a mixture of experts whose count it divides)
+    :func:`~toolkit.parallel.expert_parallel.check_expert_parallel` checks."""
     if expert_parallel == 1:
         return []
     problems = []

@@ -23,9 +23,9 @@ device (so a 70B model costs nothing to plan):
 The total is the sum. That is the peak at the start of a backward pass with gradient accumulation, when the
 previous micro-steps' gradients, the optimizer state, every saved activation and the loss's buffers coexist; with
 one micro-step it overestimates by at most the gradients, and under expert parallelism by at most the all-to-all
-buffers (they exist while a layer's experts run, not while the loss does). It counts tensors, not the CUDA caching allocator's
-rounding and fragmentation, the CUDA context or NCCL's buffers: :func:`choose_strategy` keeps ``1 - headroom`` of
-the device free for those.
+buffers (they exist while a layer's experts run, not while the loss does). It counts tensors, not the CUDA caching
+allocator's rounding and fragmentation, the CUDA context or NCCL's buffers: :func:`choose_strategy` keeps
+``1 - headroom`` of the device free for those.
 
 The per-token formulas of the activations and logits, which depend on how the step computes (:class:`StepKernels`)
 but not on the strategy, live in :mod:`toolkit.training.activation_memory`; this module adds each strategy's
@@ -311,18 +311,18 @@ def estimate_memory(
       FSDP2 with a shard group of one (``parallel.apply_data_parallel``): it is counted as ``zero2`` sharded over
       one rank, every layer's compute-dtype copy kept from forward to backward. With one data-parallel rank
       nothing wraps the TP model, and mixed precision runs under autocast, as for ``ddp`` without TP.
-    - ``expert_parallel`` ``e`` > 1 (``zero2`` or ``zero3``, without TP or ``cpu_offload``): each rank holds ``E/e`` of every
-      mixture-of-experts layer's ``E`` experts (:func:`~toolkit.parallel.expert_parallel.
-      expert_parallel_local_parameters`, the split of ``apply_ep``), which FSDP2 shards over the ``W/e`` ranks
-      holding the same ones (padding dim 0 to a multiple of ``W/e``); the rest of the model is sharded over ``W``
-      as without EP. So the experts' stored parameters, gradients and optimizer state per rank are those without
-      EP, up to that padding. ``apply_fsdp`` makes each layer's experts a unit of their own: under ``zero3`` the
-      gathered layers are a layer's rest and its ``E/e`` experts in use, and the larger of the two as the next
-      unit's all-gather buffer (experts held whole, ``W/e = 1``, have none): ``rest + experts + max(rest,
-      experts)`` where without EP it is two whole layers of ``E`` experts; under ``zero2`` every unit, with
-      ``E/e`` experts each. The unsharded gradients are a layer's, its rest's and its ``E/e`` experts'. The token
-      exchange keeps more activations (see :func:`activation_bytes`) and holds ``all_to_all`` bytes while a
-      layer's experts run (:func:`~toolkit.training.activation_memory.all_to_all_bytes`).
+    - ``expert_parallel`` ``e`` > 1 (``zero2`` or ``zero3``, without TP or ``cpu_offload``): each rank holds
+      ``E/e`` of every mixture-of-experts layer's ``E`` experts
+      (:func:`~toolkit.parallel.expert_parallel.expert_parallel_local_parameters`, the split of ``apply_ep``),
+      which FSDP2 shards over the ``W/e`` ranks holding the same ones (padding dim 0 to a multiple of ``W/e``);
+      the rest of the model is sharded over ``W`` as without EP. So the experts' stored parameters, gradients and
+      optimizer state per rank are those without EP, up to that padding. ``apply_fsdp`` makes each layer's experts
+      a unit of their own: under ``zero3`` the gathered layers are a layer's rest and its ``E/e`` experts in use,
+      and the larger of the two as the next unit's all-gather buffer (experts held whole, ``W/e = 1``, have none):
+      ``rest + experts + max(rest, experts)`` where without EP it is two whole layers of ``E`` experts; under
+      ``zero2`` every unit, with ``E/e`` experts each. The unsharded gradients are a layer's, its rest's and its
+      ``E/e`` experts'. The token exchange keeps more activations (see :func:`activation_bytes`) and holds
+      ``all_to_all`` bytes while a layer's experts run (:func:`~toolkit.training.activation_memory.all_to_all_bytes`).
 
     Args:
         model: a :class:`~toolkit.modules.TransformerDecoder`, usually on the meta device.
