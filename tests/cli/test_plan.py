@@ -126,6 +126,7 @@ def test_help_lists_plan(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan", "--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "--device-memory-gb" in out and "tune plan full_finetune --config demo" in out
+    assert "expert-parallel degree" in out and "expert_parallel=8" in out
 
 
 @pytest.mark.parametrize("output", [(), ("model.apply_lora_to_output=true",)], ids=["plain output", "lora output"])
@@ -271,3 +272,139 @@ def test_plan_tensor_parallel_auto_picks_tp1_when_it_fits_and_tp2_when_only_that
     assert tight.returncode == 0, tight.stderr
     assert "tensor_parallel auto picks: data_parallel=ddp, tensor_parallel=2 (ddp x tp2 needs" in tight.stdout
     assert "without tensor parallelism the smallest, zero3, would need" in tight.stdout
+
+
+# --- Mixture-of-experts models and expert parallelism ----------------------------------------------------------------
+
+
+_TITLES = ("params", "grads", "optimizer state", "activations", "logits + loss", "gathered", "all-to-all", "total",
+           "fits")
+
+
+def _ep_tables(out: str) -> dict[int, dict[str, list[str]]]:
+    """Each table's rows (title -> cells; ``header``: the strategies) by expert-parallel degree (1: the first)."""
+    tables, degree = {}, 1
+    for line in out.splitlines():
+        if line.startswith("expert_parallel ") and ": each process holds" in line:
+            degree = int(line.split()[1].rstrip(":"))
+        elif line.split()[1:3] == ["per", "device"]:
+            tables[degree] = {"header": line.split()[3:]}
+        elif degree in tables and line[:16].strip() in _TITLES:
+            tables[degree][line[:16].strip()] = line[16:].split()
+    return tables
+
+
+def _column(table: dict[str, list[str]], strategy: str) -> dict[str, str]:
+    """One strategy's column without offloading (the first of that name)."""
+    i = table["header"].index(strategy)
+    return {title: cells[i] for title, cells in table.items() if title != "header"}
+
+
+def _without_offload(table: dict[str, list[str]], title: str) -> list[str]:
+    """A row's cells of the columns without offloading (those before a strategy's name comes again)."""
+    header = table["header"]
+    firsts = [i for i, strategy in enumerate(header) if strategy not in header[:i]]
+    return [table[title][i] for i in firsts]
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_plan_shows_the_expert_parallel_layouts_of_qwen3_30b(plan, nnodes: int) -> None:
+    """Qwen3-30B-A3B (48 layers of width 2048; 128 experts of width 768, top-8; 32 query and 4 key/value heads of
+    128; vocabulary 151,936, untied), bf16, AdamW, 1 x 2048 tokens, every layer checkpointed, on 8 x 80 GB and 2 x 8.
+
+    By hand, in parameters: a layer's experts E = 128 x 3 x 768 x 2048 = 603,979,776, its rest (q and o 4096 x 2048,
+    k and v 512 x 2048, the router 128 x 2048, norms) 19,140,864; the root (embedding, output, final norm)
+    622,331,904; in all 48 x 623,120,640 + 622,331,904 = 30,532,122,624, of which 3,353,032,704 active per token
+    (8/128 of each E). On 8 processes zero3's state is 8 bytes per parameter / 8 = 28.44 GiB, with or without EP
+    (each process's 128/ep experts sharded over the 8/ep holding the same ones). Gathered, 2 bytes each: without
+    EP, the root and two whole layers, plus the root's and a layer's unsharded gradients, 2 x (2 x 622,331,904 + 3 x
+    623,120,640) = 5.80 GiB; at ep 8 a layer's experts are a unit of 16, held whole (no all-gather buffer: the rest's
+    is the larger one), so 2 x (2 x 622,331,904 + 3 x 19,140,864 + 2 x E/8) = 2.71 GiB: the experts' part, 3 copies
+    of E (4.50 GiB each), is 2 copies of E/8 (0.56 GiB each). The exchange's buffers: 3 x 2048 x 8 x 2048 x 2 bytes =
+    0.19 GiB; it keeps 2048 x 8 x (2 x 2048 + 8) bytes more in the recomputed layer: 0.06 GiB.
+    """
+    result = plan("full_finetune", "--config", "qwen3_moe_30b_a3b", "--nproc_per_node", "8", "--nnodes", str(nnodes),
+                  "--device-memory-gb", "80")
+    assert result.returncode == 0, result.stderr
+    assert "30,532.12M parameters (3,353.03M active per token, 30,532.12M trainable)" in result.stdout
+    tables = _ep_tables(result.stdout)
+    world = 8 * nnodes
+    assert sorted(tables) == [d for d in (1, 2, 4, 8, 16) if d <= world]
+    assert all(tables[ep]["header"] == ["zero2", "zero3"] for ep in tables if ep > 1)  # no offloading with EP
+    assert "all-to-all" not in tables[1]
+    plain = _column(tables[1], "zero3")
+    for ep in sorted(tables)[1:]:
+        for strategy in ("zero2", "zero3"):
+            column = _column(tables[ep], strategy)
+            assert [column[t] for t in ("params", "grads", "optimizer state")] == [
+                plain[t] for t in ("params", "grads", "optimizer state")]
+            assert column["all-to-all"] == "0.19"
+            assert float(column["activations"]) == pytest.approx(float(plain["activations"]) + 0.06, abs=0.011)
+    if nnodes == 1:  # (the params row holds the rotary tables too, 0.04 GiB)
+        state = sum(float(plain[t]) for t in ("params", "grads", "optimizer state"))
+        assert state == pytest.approx(28.44 + 0.04, abs=0.011)
+        assert (plain["gathered"], _column(tables[8], "zero3")["gathered"]) == ("5.80", "2.71")
+        assert (plain["total"], _column(tables[8], "zero3")["total"]) == ("35.48", "32.64")
+    # zero2 keeps every layer gathered: without EP that is the whole model's 59 GiB, which does not fit; with the
+    # experts shared out it does, at every degree (and needs an all-gather per layer and step fewer than zero3).
+    assert _column(tables[1], "zero2")["fits"] == "no"
+    assert all(_column(tables[ep], "zero2")["fits"] == "yes" for ep in tables if ep > 1)
+    assert "config: data_parallel=zero3 needs" in result.stdout
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_plan_shows_qwen3_235b_fits_only_with_offloading_on_8_or_16_gpus(plan, nnodes: int) -> None:
+    """Qwen3-235B-A22B (94 layers of width 4096; 128 experts of width 1536, top-8; 64 query and 4 key/value heads of
+    128), the same settings. By hand: E = 128 x 3 x 1536 x 4096 = 2,415,919,104 a layer, the rest 71,835,904, the
+    root 1,244,663,808; 235,093,634,560 in all, 22,190,763,520 active per token. Its state alone, 8 bytes a
+    parameter, is 218.95 GiB per GPU on 8 and 109.47 GiB on 16, whatever the EP degree: beyond the 72 GiB usable, so
+    only offloading (without EP, which cannot combine with it) fits. EP still cuts zero3's gathered part: on 8,
+    2 x (2 x root + 3 x E + 3 x rest) = 18.54 GiB without it, 2 x (2 x root + 2 x E/8 + 3 x rest) = 6.16 GiB at ep 8
+    (experts held whole); on 16 at ep 8 the experts (16, over 2 processes) are the larger all-gather buffer, one
+    E/8 more: 6.59 GiB; at ep 16, 8 experts held whole: 5.60 GiB. The all-to-all buffers: 3 x 2048 x 8 x 4096 x 2
+    bytes = 0.38 GiB.
+    """
+    result = plan("full_finetune", "--config", "qwen3_moe_235b_a22b", "--nproc_per_node", "8", "--nnodes",
+                  str(nnodes), "--device-memory-gb", "80")
+    assert result.returncode == 0, result.stderr
+    assert "235,093.63M parameters (22,190.76M active per token" in result.stdout
+    tables = _ep_tables(result.stdout)
+    zero3 = _column(tables[1], "zero3")
+    state = sum(float(zero3[t]) for t in ("params", "grads", "optimizer state"))
+    assert state == pytest.approx(218.95 / nnodes + 0.04, abs=0.011)  # (and the rotary tables)
+    expected = {1: {1: "18.54", 8: "6.16"}, 2: {1: "18.54", 8: "6.59", 16: "5.60"}}[nnodes]
+    assert {ep: _column(tables[ep], "zero3")["gathered"] for ep in expected} == expected
+    assert all(_column(tables[ep], "zero3")["all-to-all"] == "0.38" for ep in tables if ep > 1)
+    assert all("yes" not in _without_offload(table, "fits") for table in tables.values())
+    assert tables[1]["fits"][-1] == "yes"  # zero3 with cpu_offload
+    assert "config: data_parallel=zero3 needs" in result.stdout and "does NOT fit" in result.stdout
+    assert "with cpu_offload: true" in result.stdout.splitlines()[-1]  # what data_parallel: auto picks
+
+
+def test_plan_with_a_given_expert_parallel_degree_shows_only_it(plan) -> None:
+    # The 30B on 8 x 80 GB at ep 8 (the numbers of test_plan_shows_the_expert_parallel_layouts_of_qwen3_30b): the
+    # config's zero3, and what data_parallel: auto would pick among what combines with EP, zero2 first.
+    result = plan("full_finetune", "--config", "qwen3_moe_30b_a3b", "--nproc_per_node", "8", "--device-memory-gb",
+                  "80", "expert_parallel=8")
+    assert result.returncode == 0, result.stderr
+    tables = _ep_tables(result.stdout)
+    assert list(tables) == [8] and tables[8]["header"] == ["zero2", "zero3"]
+    assert "config: data_parallel=zero3 x ep8 needs 32.64 GiB per device: fits" in result.stdout
+    assert "auto picks: data_parallel=zero2 x expert_parallel 8 (zero2 x ep8 needs 40.89 GiB per device" in (
+        result.stdout
+    )
+
+
+def test_plan_lora_235b_on_8_gpus_fits_under_zero3_at_every_expert_parallel_degree(plan) -> None:
+    # LoRA on attention: 12.71M trainable; the frozen base's bf16 weights sharded over 8 (54.78 GiB) and the
+    # gathered units dominate. zero3 fits with 69.14 GiB of 72 without EP; sharing the experts out gathers fewer.
+    result = plan("lora_finetune", "--config", "qwen3_moe_235b_a22b_lora", "--nproc_per_node", "8",
+                  "--device-memory-gb", "80")
+    assert result.returncode == 0, result.stderr
+    assert "12.71M trainable" in result.stdout
+    tables = _ep_tables(result.stdout)
+    totals = {ep: float(_column(table, "zero3")["total"]) for ep, table in tables.items()}
+    assert list(totals) == [1, 2, 4, 8] and totals[1] == 69.14
+    assert totals[1] > totals[2] > totals[4] > totals[8]
+    assert all(_column(table, "zero3")["fits"] == "yes" for table in tables.values())
+

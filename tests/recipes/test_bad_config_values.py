@@ -229,14 +229,15 @@ TP_CASES = [
     ("eval", ["tensor_parallel=2"], 3, "tensor_parallel"),
     ("eval", ["tensor_parallel=4"], 4, "tensor_parallel"),
     ("eval", ["tensor_parallel=2", "data_parallel=zero1"], 4, "data_parallel"),
-    # expert_parallel: a positive divisor of the data-parallel processes, under zero2/zero3, without TP, on a model
-    # with experts it divides (the demo Llama has none).
+    # expert_parallel: a positive divisor of the data-parallel processes, under zero2/zero3, without TP or offloading,
+    # on a model with experts it divides (the demo Llama has none).
     ("full_finetune", ["expert_parallel=0"], 2, "expert_parallel"),
     ("full_finetune", ["expert_parallel=two"], 2, "expert_parallel"),
     ("full_finetune", ["expert_parallel=2", "data_parallel=zero3", "batch_size=30"], 3, "expert_parallel"),
     ("full_finetune", ["expert_parallel=2", "data_parallel=ddp"], 2, "data_parallel"),
     ("lora_finetune", ["expert_parallel=2", "data_parallel=hsdp"], 2, "data_parallel"),
     ("full_finetune", ["expert_parallel=2", "data_parallel=zero3", "tensor_parallel=2"], 4, "tensor_parallel"),
+    ("full_finetune", ["expert_parallel=2", "data_parallel=zero3", "cpu_offload=true"], 2, "cpu_offload"),
     ("full_finetune", ["expert_parallel=2", "data_parallel=zero3"], 2, "expert_parallel"),  # no experts
 ]
 

@@ -12,14 +12,18 @@ Every run trains 4 steps of a global batch of 8 rows of different lengths (promp
 batch carries each row's length, so the routers' load statistics skip the padding), with AdamW and the gradient
 norm clipped. Rank zero saves, per case and layout, the losses, the routing metrics, the gradient norms and the
 final weights (gathered whole) to ``sys.argv[1]``; the test trains the one-process references itself (:func:`train`).
+Each layout without activation checkpointing also measures, in its first step, what every rank holds
+(:class:`tests.training._ep_memory.Meter`, for test_memory_ep.py); rank zero saves that too, one entry per rank.
 """
 
+import contextlib
 import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.training._ep_memory import Meter
 from tests.training._tp_worker import full
 from toolkit.models._decoder import attention_projections, grouped_experts, plain_linear, prenorm_decoder
 from toolkit.models._lora import lora_linear
@@ -88,21 +92,29 @@ def global_batch(step: int) -> list[dict[str, torch.Tensor]]:
 
 
 def train(mode: str, dims: ParallelDims, mesh=None, *, activation_checkpointing: bool = False) -> dict:
-    """Train the case on the layout ``dims``: losses, routing metrics, gradient norms and whole final weights."""
+    """Train the case on the layout ``dims``: losses, routing metrics, gradient norms, whole final weights and what
+    this rank held in the first step (without activation checkpointing, whose own saved-tensor hooks would hide the
+    layers' from the meter)."""
     model = parallelize(build(mode), dims=dims, device=torch.device("cpu"), dtype=torch.float32, fill=fill, mesh=mesh,
                         activation_checkpointing=activation_checkpointing)
     # lr and eps as test_tensor_parallel.py has them: AdamW divides by sqrt(v), which turns rounding-level gradient
     # differences on entries with near-zero gradients into larger update differences (the gradients agree).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
-    losses, routing, norms = [], [], []
+    losses, routing, norms, meter = [], [], [], Meter(model)
     for step in range(STEPS):
         share = BATCH // dims.dp_size
         mine = global_batch(step)[dims.dp_rank * share : (dims.dp_rank + 1) * share]
-        result = forward_backward(model, mine, device=torch.device("cpu"), data_parallel_size=dims.dp_size)
+        measure = step == 0 and not activation_checkpointing
+        with meter.watch() if measure else contextlib.nullcontext():
+            result = forward_backward(model, mine, device=torch.device("cpu"), data_parallel_size=dims.dp_size)
+        if measure:
+            meter.grads()
         norms.append(optimizer_step(model, optimizer, max_grad_norm=1.0))
+        if measure:
+            meter.state(optimizer)
         losses.append(result.loss)
         routing.append(result.routing)
-    return {"losses": losses, "routing": routing, "norms": norms,
+    return {"losses": losses, "routing": routing, "norms": norms, "memory": meter.numbers,
             "weights": {k: full(v) for k, v in model.state_dict().items()}}
 
 
@@ -116,8 +128,10 @@ def main(out: str) -> None:
         dims = parallel_dims(strategy=strategy, world_size=world, local_world_size=world, device_type="cpu",
                              rank=rank, expert_parallel=ep)
         result = train(mode, dims, dims.build_mesh("cpu"), activation_checkpointing=activation_checkpointing)
+        memory = [None] * world
+        dist.all_gather_object(memory, result["memory"])
         if rank == 0:
-            results[f"{mode}/{layout}"] = result
+            results[f"{mode}/{layout}"] = {**result, "memory": memory}
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()

@@ -45,7 +45,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _nbytes(tensors) -> int:
+def local_bytes(tensors) -> int:
+    """Bytes of the tensors' local shards on this rank (of DTensors, their local tensors)."""
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
@@ -78,13 +79,13 @@ def measure(model: torch.nn.Module, tp_mesh) -> dict[str, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(tokens, labels=tokens)
     loss.backward()
-    grads = _nbytes(p.grad for p in trainable)
+    grads = local_bytes(p.grad for p in trainable)
     optimizer.step()
     states = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and _local(t).dim() > 0]
     return dict(
-        params=_nbytes(model.parameters()) + _nbytes(model.buffers()),
+        params=local_bytes(model.parameters()) + local_bytes(model.buffers()),
         grads=grads,
-        optimizer_state=_nbytes(states),
+        optimizer_state=local_bytes(states),
         layer_activations=sum(saved.values()),
     )
 

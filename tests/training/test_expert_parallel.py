@@ -1,6 +1,7 @@
 """Expert parallelism trains like one process: every layout of tests/training/_ep_worker.py (4 processes, one
-launch: expert-parallel pairs or quads under ZeRO-3 and ZeRO-2, with activation checkpointing, full fine-tune and
-LoRA on every expert) against the same training on one process, which this process runs with the same code.
+launch, conftest.py's ``ep_layouts``: expert-parallel pairs or quads under ZeRO-3 and ZeRO-2, with activation
+checkpointing, full fine-tune and LoRA on every expert) against the same training on one process, which this
+process runs with the same code.
 
 fp32 on CPU: the layouts differ only in the order of float sums (each rank's micro-batches, the gradient
 reductions), so losses, the load-balancing loss's share and gradient norms agree to about 1e-7 relative and the
@@ -10,18 +11,10 @@ weights after 4 AdamW steps to about 1e-6; we allow 1e-5. The per-expert token c
 import pytest
 import torch
 
-from tests.launch import as_in_a_subprocess, run_workers
+from tests.launch import as_in_a_subprocess
 from tests.training import _ep_worker as worker
 from toolkit.parallel import ParallelDims
 from toolkit.training import materialize
-
-
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("ep") / "results.pt"
-    result = run_workers(worker.__file__, str(out), nproc=4, timeout_s=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return torch.load(out, weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +25,9 @@ def references() -> dict:
 
 
 @pytest.mark.parametrize("run", worker.RUNS, ids=lambda run: "/".join(run))
-def test_every_expert_parallel_layout_trains_like_one_process(run, layouts, references):
+def test_every_expert_parallel_layout_trains_like_one_process(run, ep_layouts, references):
     mode, layout = run
-    ours, reference = layouts[f"{mode}/{layout}"], references[mode]
+    ours, reference = ep_layouts[f"{mode}/{layout}"], references[mode]
     torch.testing.assert_close(ours["losses"], reference["losses"], rtol=1e-5, atol=0)
     torch.testing.assert_close(ours["norms"], reference["norms"], rtol=1e-5, atol=0)
     for step, (mine, theirs) in enumerate(zip(ours["routing"], reference["routing"])):

@@ -19,6 +19,7 @@ from toolkit.models.gemma2._component_builders import gemma2
 from toolkit.models.llama3 import llama3, llama3_1_8b, llama3_1_70b, llama3_demo, lora_llama3
 from toolkit.models.qwen2_5._component_builders import qwen2_5
 from toolkit.models.qwen3._component_builders import qwen3
+from toolkit.models.qwen3_moe import qwen3_moe
 from toolkit.training.activations import apply_activation_checkpointing
 from toolkit.training.loss import chunked_cross_entropy_sum
 from toolkit.training.memory import (
@@ -53,11 +54,17 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
         vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, embed_dim=128,
         intermediate_dim=256, max_seq_len=128, query_pre_attn_scalar=32, sliding_window=32,
     ),
+    # Qwen3-MoE: a router and grouped experts (8, top-2) in place of SwiGLU.
+    "qwen3_moe": lambda: qwen3_moe(
+        vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, embed_dim=96,
+        moe_intermediate_dim=64, num_experts=8, num_experts_per_tok=2, max_seq_len=128,
+    ),
 }
 # Llama-style blocks: the formula counts exactly the tensors autograd saves (what is left is a few 0-dim
-# scalars). Gemma 2's explicit attention also saves s x s masks and small per-layer tensors the formula leaves
-# out; it is within 3% here, and the tolerance says so.
-TOLERANCE = {"llama3": 1e-3, "qwen3": 1e-3, "qwen2_5": 1e-3, "gemma2": 0.05}
+# scalars; for the MoE blocks also the grouped matmuls' offsets, 96 bytes per layer here). Gemma 2's explicit
+# attention also saves s x s masks and small per-layer tensors the formula leaves out; it is within 3% here, and the
+# tolerance says so.
+TOLERANCE = {"llama3": 1e-3, "qwen3": 1e-3, "qwen2_5": 1e-3, "gemma2": 0.05, "qwen3_moe": 1e-3}
 
 
 def _model(family: str, dtype: str) -> nn.Module:
@@ -98,6 +105,9 @@ def _saved_bytes(model: nn.Module, tokens: torch.Tensor, *, autocast: bool) -> i
 def test_activation_formula_matches_saved_tensors(family: str, dtype: str) -> None:
     model = _model(family, dtype)
     autocast = dtype == "bf16-mixed"  # mixed precision without FSDP2 runs under autocast (precision.py)
+    if autocast and family == "qwen3_moe":
+        pytest.skip("under autocast the experts' precision is the device's grouped kernel's (not modeled: see "
+                    "activation_memory._moe_bytes_per_token)")
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
     measured = _saved_bytes(model, tokens, autocast=autocast)
 

@@ -1,5 +1,5 @@
-"""``tune plan``: the memory each data-parallel strategy (and tensor-parallel degree) needs for a config, and what
-``auto`` would pick.
+"""``tune plan``: the memory each data-parallel strategy (and tensor- or expert-parallel degree) needs for a config,
+and what ``auto`` would pick.
 
 Nothing is trained or allocated: the model is built on the meta device and counted
 (:mod:`toolkit.training.memory`).
@@ -18,8 +18,9 @@ from omegaconf import DictConfig
 from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
 from toolkit.config import apply_overrides, instantiate, load_config, recipe_keys, validate
 from toolkit.errors import UserError
-from toolkit.modules.moe import active_parameter_count
+from toolkit.modules.moe import MoEFeedForward, active_parameter_count
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
+from toolkit.parallel.mesh import EXPERT_PARALLEL_STRATEGIES
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.activations import checkpoint_interval
 from toolkit.training.memory import (
@@ -29,6 +30,7 @@ from toolkit.training.memory import (
     choose_strategy,
     device_memory_bytes,
     estimate_memory,
+    expert_parallel_degrees,
     format_bytes,
     format_table,
     optimizer_memory_model,
@@ -48,15 +50,22 @@ vocabulary columns of the loss), or only for the configured `tensor_parallel=N`;
 `tensor_parallel: auto` picks: no TP if that fits without offloading, else the smallest degree within a node that
 fits, else offloading.
 
+With a mixture-of-experts model: a further table for each expert-parallel degree that divides the experts and the
+processes, under zero2 and zero3 without offloading, which it combines with (each process holds 1/N of every
+layer's experts, sharded over the processes that hold the same ones, and gathers them as a unit of their own; the
+token exchange adds its all-to-all buffers and a copy of the experts' output rows to the activations), or only for
+the configured `expert_parallel=N`.
+
 Reads the config keys model, micro_batch_size, max_seq_len, dtype (default bf16-mixed), activation_checkpointing,
-activation_offloading, flex_attention, loss_chunks, fused_loss, data_parallel, tensor_parallel, cpu_offload,
-hsdp_shard_size, batch_size, optimizer, optimizer_in_backward and device_memory_gb. Plans are for GPUs:
+activation_offloading, flex_attention, loss_chunks, fused_loss, data_parallel, tensor_parallel, expert_parallel,
+cpu_offload, hsdp_shard_size, batch_size, optimizer, optimizer_in_backward and device_memory_gb. Plans are for GPUs:
 flex_attention auto counts as on.
 
 examples:
   tune plan full_finetune --config demo --device-memory-gb 24
   tune plan full_finetune --config llama3_1_8b --nproc_per_node 8 --device-memory-gb 80 max_seq_len=4096
-  tune plan full_finetune --config llama3_1_70b --nproc_per_node 8 --device-memory-gb 80 tensor_parallel=auto"""
+  tune plan full_finetune --config llama3_1_70b --nproc_per_node 8 --device-memory-gb 80 tensor_parallel=auto
+  tune plan full_finetune --config qwen3_moe_30b_a3b --nproc_per_node 8 --device-memory-gb 80 expert_parallel=8"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -203,6 +212,12 @@ def plan_command(argv: Sequence[str]) -> int:
     if not auto_tp and configured_tp > nproc:
         tp_note = f"note: tensor_parallel {configured_tp} spans nodes (more than the {nproc} processes of one node)"
     run_tp = 1 if configured_tp is None else configured_tp  # what tune run would do with this config
+    # The expert-parallel degrees to show, each a table: the configured one, or (none) every degree that shares out
+    # the experts evenly over the data-parallel processes (a dense model has only 1).
+    run_ep = cfg.get("expert_parallel", 1)
+    ep_degrees = [run_ep] if "expert_parallel" in cfg else expert_parallel_degrees(model, data_parallel_size=world_size)
+    layouts = [(tp, 1) for tp in degrees] if run_ep == 1 else []
+    layouts += [(1, ep) for ep in ep_degrees if ep > 1]
     auto_note = None
     if auto_micro_batch:  # what tune run would pick, for the configured strategy (or the one auto picks)
         if "batch_size" not in cfg:
@@ -215,7 +230,7 @@ def plan_command(argv: Sequence[str]) -> int:
             activation_offloading=activation_offloading, optimizer_in_backward=optimizer_in_backward,
             headroom=args.headroom, kernels=kernels, shard_size=shard_size, optimizer=optimizer,
             offload_candidates=True,  # plans are for GPUs, which may offload; the CPU here has nothing to say
-            tensor_parallel=run_tp,
+            tensor_parallel=run_tp, expert_parallel=run_ep,
         )
         micro_batch_size = chosen.micro_batch_size
         auto_note = "; ".join(chosen.reasons)
@@ -228,7 +243,7 @@ def plan_command(argv: Sequence[str]) -> int:
         micro = micro_batch_within_share(batch_size=cfg.batch_size, micro_batch_size=micro_batch_size, world_size=dp)
         return micro, gradient_accumulation_steps(batch_size=cfg.batch_size, micro_batch_size=micro, world_size=dp)
 
-    def common(tp: int) -> dict[str, Any]:
+    def common(tp: int, ep: int = 1) -> dict[str, Any]:
         micro, accumulation = shape(tp)
         return dict(
             world_size=world_size // tp,
@@ -244,6 +259,7 @@ def plan_command(argv: Sequence[str]) -> int:
             kernels=kernels,
             shard_size=shard_size,
             tensor_parallel=tp,
+            expert_parallel=ep,
         )
 
     n_params = sum(p.numel() for p in model.parameters())
@@ -277,18 +293,25 @@ def plan_command(argv: Sequence[str]) -> int:
         if note:
             print(note)
     print()
-    for tp in degrees:
-        if tp == 1:
-            candidates = candidate_strategies(world_size=world_size, num_nodes=nnodes)
-        else:  # what combines with TP: no zero1, no offloading
-            candidates = [(s, o) for s, o in candidate_strategies(world_size=world_size // tp, num_nodes=nnodes)
-                          if not o and s != "zero1"]
-            micro, steps = shape(tp)
+    for tp, ep in layouts:
+        candidates = candidate_strategies(world_size=world_size // tp, num_nodes=nnodes)
+        micro, steps = shape(tp)
+        if tp > 1:  # what combines with TP: no zero1, no offloading
+            candidates = [(s, o) for s, o in candidates if not o and s != "zero1"]
             print(
                 f"tensor_parallel {tp}: each layer split over {tp} processes, data parallelism over "
                 f"{world_size // tp} rank(s); micro batch {micro}, {steps} accumulation step(s)"
             )
-        estimates = [estimate_memory(model, strategy=s, cpu_offload=o, **common(tp)) for s, o in candidates]
+        if ep > 1:  # what combines with EP: zero2 and zero3, no offloading
+            candidates = [(s, o) for s, o in candidates if not o and s in EXPERT_PARALLEL_STRATEGIES]
+            experts = next(m.num_experts for m in model.modules() if isinstance(m, MoEFeedForward))
+            peers = world_size // ep
+            held = f"sharded over the {peers} processes holding the same ones" if peers > 1 else "whole"
+            print(
+                f"expert_parallel {ep}: each process holds {experts // ep} of every layer's {experts} experts, {held}; "
+                f"tokens go to their experts and back by all-to-all; micro batch {micro}, {steps} accumulation step(s)"
+            )
+        estimates = [estimate_memory(model, strategy=s, cpu_offload=o, **common(tp, ep)) for s, o in candidates]
         print(format_table(estimates, usable_bytes=usable))
         if world_size // tp == 1:
             print(
@@ -300,7 +323,7 @@ def plan_command(argv: Sequence[str]) -> int:
     configured = str(cfg.get("data_parallel", "auto"))
     if configured != "auto" and configured_tp != "auto":
         offload = bool(cfg.get("cpu_offload", False))
-        mine = estimate_memory(model, strategy=configured, cpu_offload=offload, **common(run_tp))
+        mine = estimate_memory(model, strategy=configured, cpu_offload=offload, **common(run_tp, run_ep))
         verdict = "fits" if mine.total <= usable else "does NOT fit"
         print(f"config: data_parallel={mine.label} needs {format_bytes(mine.total)} per device: {verdict}")
     # What tensor_parallel: auto picks (with the configured data_parallel), and, without it, what data_parallel:
@@ -315,7 +338,7 @@ def plan_command(argv: Sequence[str]) -> int:
                 dtype=dtype, activation_checkpointing=activation_checkpointing,
                 activation_offloading=activation_offloading, optimizer=optimizer,
                 optimizer_in_backward=optimizer_in_backward, headroom=args.headroom, kernels=kernels,
-                shard_size=shard_size,
+                shard_size=shard_size, expert_parallel=run_ep,
             )
             offload = " with cpu_offload: true" if estimate.cpu_offload else ""
             print(f"tensor_parallel auto picks: data_parallel={strategy}{offload}, tensor_parallel={tp} ({reason})")
@@ -328,9 +351,9 @@ def plan_command(argv: Sequence[str]) -> int:
             raise layout_error
         return 0
     strategy, estimate, reason = choose_strategy(
-        model, device_memory_bytes=memory, headroom=args.headroom, **common(run_tp)
+        model, device_memory_bytes=memory, headroom=args.headroom, **common(run_tp, run_ep)
     )
     offload = " with cpu_offload: true" if estimate.cpu_offload else ""
-    tp_part = f" x tensor_parallel {run_tp}" if run_tp > 1 else ""
-    print(f"auto picks: data_parallel={strategy}{offload}{tp_part} ({reason})")
+    degree = f" x tensor_parallel {run_tp}" if run_tp > 1 else f" x expert_parallel {run_ep}" if run_ep > 1 else ""
+    print(f"auto picks: data_parallel={strategy}{offload}{degree} ({reason})")
     return 0

@@ -58,12 +58,37 @@ def apply_ep(model: nn.Module, *, ep_mesh: DeviceMesh) -> nn.Module:
     ep = ep_mesh.size()
     check_expert_parallel(model, ep=ep)
     for experts in [m for m in model.modules() if isinstance(m, GroupedExperts)]:
-        for module in experts.modules():  # the stacked weights, and the adapters' (LoRAGroupedExperts)
-            for name, param in list(module.named_parameters(recurse=False)):
-                split = distribute_tensor(param.data, ep_mesh, [Shard(0)])
-                module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
+        for module, name, param in _stacked_parameters(experts):
+            split = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
         experts.compute = partial(_exchange, experts.compute, group=ep_mesh.get_group(), ep=ep)
     return model
+
+
+def _stacked_parameters(experts: GroupedExperts) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """``(module, name, parameter)`` of every parameter of ``experts`` stacked along its experts (dim 0): the
+    weights, and the adapters' (LoRAGroupedExperts)."""
+    return [(module, name, param) for module in experts.modules()
+            for name, param in module.named_parameters(recurse=False)]
+
+
+def expert_parallel_local_parameters(model: nn.Module, *, ep: int) -> dict[int, torch.Tensor]:
+    """``id(parameter) -> a meta tensor of its shape on one rank`` (``requires_grad`` kept) for every parameter
+    :func:`apply_ep` splits over ``ep`` ranks: each rank's ``1/ep`` of the experts (by the same walk, so what
+    ``apply_ep`` splits is what the memory plan counts split); empty for ``ep`` 1. Needs no process group.
+
+    Raises:
+        UserError: see :func:`check_expert_parallel`.
+    """
+    if ep == 1:
+        return {}
+    check_expert_parallel(model, ep=ep)
+    return {
+        id(param): torch.empty((param.shape[0] // ep, *param.shape[1:]), dtype=param.dtype, device="meta")
+        .requires_grad_(param.requires_grad)
+        for experts in model.modules() if isinstance(experts, GroupedExperts)
+        for _, _, param in _stacked_parameters(experts)
+    }
 
 
 def _exchange(

@@ -175,7 +175,8 @@ def parallel_dims(
     ):
         raise UserError(": ".join(problem))
     for problem in expert_parallel_problems(
-        expert_parallel=expert_parallel, world_size=world_size, strategy=strategy, tensor_parallel=tensor_parallel
+        expert_parallel=expert_parallel, world_size=world_size, strategy=strategy, tensor_parallel=tensor_parallel,
+        cpu_offload=cpu_offload,
     ):
         raise UserError(": ".join(problem))
     dp_size = world_size // tensor_parallel
@@ -192,12 +193,13 @@ def parallel_dims(
 
 
 def expert_parallel_problems(
-    *, expert_parallel: int, world_size: int | None, strategy: str | None, tensor_parallel: int | str | None = 1
+    *, expert_parallel: int, world_size: int | None, strategy: str | None, tensor_parallel: int | str | None = 1,
+    cpu_offload: bool = False,
 ) -> list[tuple[str, str]]:
-    """``(key, problem)`` for an expert-parallel degree that does not fit the job, the data-parallel strategy or
-    tensor parallelism (the schema's rule and :func:`parallel_dims` say the same). What it needs of the model (a
-    mixture of experts whose count it divides) :func:`~toolkit.parallel.expert_parallel.check_expert_parallel`
-    checks."""
+    """``(key, problem)`` for an expert-parallel degree that does not fit the job, the data-parallel strategy,
+    tensor parallelism or offloading (the schema's rule, :func:`parallel_dims` and the memory plan say the same).
+    What it needs of the model (a mixture of experts whose count it divides)
+    :func:`~toolkit.parallel.expert_parallel.check_expert_parallel` checks."""
     if expert_parallel == 1:
         return []
     problems = []
@@ -215,6 +217,13 @@ def expert_parallel_problems(
         problems.append((
             "tensor_parallel", f"cannot combine with expert_parallel={expert_parallel} (mixture-of-experts layers are "
             "not split by tensor parallelism); use tensor_parallel=1",
+        ))
+    if cpu_offload:
+        # parallelize shards an expert-parallel model on the meta device and materializes its shards on the GPU,
+        # where FSDP2's offloading refuses them (it wants them on the CPU).
+        problems.append((
+            "cpu_offload", f"cannot combine with expert_parallel={expert_parallel} (not supported yet); use "
+            "expert_parallel=1 with cpu_offload, or expert_parallel without it",
         ))
     return problems
 

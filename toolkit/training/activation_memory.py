@@ -1,9 +1,11 @@
 """Bytes a forward and backward pass hold for their tokens: the tensors autograd saves for backward
 (:func:`activation_bytes`, and :func:`offloaded_activation_bytes` for those activation offloading moves to host
-memory) and the buffers of the logits and the loss (:func:`logits_bytes`).
+memory), the buffers of the logits and the loss (:func:`logits_bytes`) and those of the experts' token exchange
+under expert parallelism (:func:`all_to_all_bytes`).
 
 Everything here grows with the tokens of a micro batch and depends on how the step computes (precision, activation
-checkpointing and offloading, the attention and loss kernels), never on how the parameters are sharded:
+checkpointing and offloading, the attention and loss kernels, the experts' exchange), never on how the parameters
+are sharded:
 :mod:`toolkit.training.memory` adds it to each data-parallel strategy's parameters, gradients and optimizer state.
 The counts are analytic, from the shapes of a :class:`~toolkit.modules.TransformerDecoder` (on the meta device a
 70B model costs nothing), and checked against the tensors PyTorch saves and allocates in
@@ -66,7 +68,7 @@ def _norm_bytes_per_token(norm: nn.Module, *, embed_dim: int, compute: int, auto
 
 def _layer_activation_bytes_per_token(
     layer: nn.Module, *, embed_dim: int, seq_len: int, compute: int, autocast: bool, flex_attention: bool = False,
-    tensor_parallel: int = 1,
+    tensor_parallel: int = 1, expert_parallel: int = 1,
 ) -> int:
     """Bytes one decoder layer saves for backward per token on one rank (the formula of :func:`activation_bytes`).
 
@@ -95,24 +97,57 @@ def _layer_activation_bytes_per_token(
         # the scores' tanh, the fp32 softmax and its cast (masks of size s x s per layer are not counted).
         cast = c if c != 4 else 0  # the softmax's cast back to the compute dtype, a no-op in fp32
         total += 2 * c * q_dim + n_h * seq_len * (c + 4 + cast) - 4 * n_h
-    return total + _mlp_bytes_per_token(mlp, embed_dim=d, compute=c, tensor_parallel=t)
+    return total + _mlp_bytes_per_token(
+        mlp, embed_dim=d, compute=c, tensor_parallel=t, expert_parallel=expert_parallel
+    )
 
 
-def _mlp_bytes_per_token(mlp: nn.Module, *, embed_dim: int, compute: int, tensor_parallel: int) -> int:
+def _mlp_bytes_per_token(
+    mlp: nn.Module, *, embed_dim: int, compute: int, tensor_parallel: int, expert_parallel: int = 1
+) -> int:
     """What a layer's feed-forward saves per token: SwiGLU's gate and up outputs, the activation's output and the
-    product (down_proj's input). A mixture-of-experts block (never split by tensor parallelism) saves that for each
-    of a token's ``top_k`` expert assignments, plus the assignment's copy of the token (the experts' input) and of
-    its output (before the routing weight), and the router's float32 scores (the softmax's output, which the
-    load-balancing loss also keeps)."""
+    product (down_proj's input). A mixture-of-experts block (never split by tensor parallelism) saves per token
+    (:func:`_moe_bytes_per_token`) that for each of its ``top_k`` expert assignments, and the routing's tensors."""
     if isinstance(mlp, MoEFeedForward):
-        hidden = mlp.experts.gate_proj.shape[1]
-        return mlp.top_k * compute * (2 * embed_dim + 4 * hidden) + 4 * mlp.num_experts
+        return _moe_bytes_per_token(mlp, embed_dim=embed_dim, compute=compute, expert_parallel=expert_parallel)
     return 4 * compute * (_out_features(mlp.gate_proj) // tensor_parallel)
+
+
+def _moe_bytes_per_token(mlp: MoEFeedForward, *, embed_dim: int, compute: int, expert_parallel: int) -> int:
+    """What :class:`~toolkit.modules.moe.MoEFeedForward` saves per token, with ``k`` assignments (``top_k``) of
+    width ``d`` and experts of hidden width ``h`` (the block's input is counted with the projections' inputs)::
+
+        k * c * (3d + 4h)   per assignment: the experts' input rows (their first matmuls'), the experts' output rows
+                            (kept by the unsort back to token order: index_copy's backward keeps its source), the
+                            unsorted output (kept by the mix with the routing weights); SwiGLU's four h-wide tensors
+        + k * (16 + c)      the chosen experts (topk's int64 indices), the sort order (int64), the routing weights
+                            in the compute dtype (the mix's other factor)
+        + 4 * E             the router's float32 scores over the ``E`` experts (the softmax's output, which the
+                            load-balancing loss also keeps)
+        + 4 * k + 4         with ``norm_topk_prob``: the top-k scores and their sum (the renormalization's division)
+
+    Under expert parallelism (``expert_parallel`` > 1) the exchange (:mod:`toolkit.parallel.expert_parallel`) keeps
+    per assignment ``c * d + 8`` more: the experts' output rows again (the received rows' own unsort back to source
+    order, before they are sent back) and that sort order. The rows a rank's experts compute are those routed to
+    them from every rank of its group: at balanced routing as many as its own tokens' assignments, which is what
+    is counted; an unbalanced router gives the busiest rank more (``expert_load_busiest_share`` in the metrics).
+    The grouped matmuls' int32 offsets (3 per layer, one per local expert) are not counted. Under autocast (DDP and
+    ZeRO-1 in the mixed modes; never with expert parallelism) the experts run in whatever precision the device's
+    kernels give them (CPU's grouped matmul is not autocast and runs them in float32): not modeled, they are counted
+    in the compute dtype."""
+    k, d, c = mlp.top_k, embed_dim, compute
+    hidden = mlp.experts.gate_proj.shape[1]
+    total = k * c * (3 * d + 4 * hidden) + k * (16 + c) + 4 * mlp.num_experts
+    if mlp.gate.norm_topk_prob:
+        total += 4 * k + 4
+    if expert_parallel > 1:
+        total += k * (c * d + 8)
+    return total
 
 
 def _activations_per_token(
     model: nn.Module, *, seq_len: int, dtype: str = "bf16-mixed", activation_checkpointing: bool | int = False,
-    autocast: bool = False, flex_attention: bool = False, tensor_parallel: int = 1,
+    autocast: bool = False, flex_attention: bool = False, tensor_parallel: int = 1, expert_parallel: int = 1,
 ) -> tuple[list[int], int, int]:
     """Bytes per token that :func:`activation_bytes` and :func:`offloaded_activation_bytes` add up: what each layer
     keeps from its forward to its backward, what a checkpointed layer holds again while it is recomputed (the
@@ -124,7 +159,7 @@ def _activations_per_token(
     full = [
         _layer_activation_bytes_per_token(
             layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast, flex_attention=flex_attention,
-            tensor_parallel=tensor_parallel,
+            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
         )
         for layer in model.layers
     ]
@@ -147,6 +182,7 @@ def activation_bytes(
     autocast: bool = False,
     flex_attention: bool = False,
     tensor_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> int:
     """Bytes autograd keeps for backward on the device after one forward pass, without the logits (see
     :func:`logits_bytes`).
@@ -162,8 +198,9 @@ def activation_bytes(
 
     Under autocast (mixed precision with DDP or ZeRO-1) the residual stream and norms stay fp32 (``c*d`` becomes
     ``4d`` in the norm term) and each of the five projections q, k, v, gate, up saves its own bf16 copy of its
-    input (``2*c*d`` becomes ``5*c*d``). Per-head q/k norms and soft-capped attention add their own terms. The
-    model adds ``8`` bytes of token ids and the final norm, ``4d + 2*c*d + 4``, per token.
+    input (``2*c*d`` becomes ``5*c*d``). Per-head q/k norms and soft-capped attention add their own terms, and a
+    mixture-of-experts feed-forward has its own in place of SwiGLU's (:func:`_moe_bytes_per_token`). The model
+    adds ``8`` bytes of token ids and the final norm, ``4d + 2*c*d + 4``, per token.
 
     A checkpointed layer keeps only its input, ``c*d`` per token (``4d`` under autocast), and the largest
     checkpointed layer's full activations exist again while it is recomputed in backward. With every k-th layer
@@ -194,10 +231,12 @@ def activation_bytes(
             v, the attention output, its logsumexp or scores, per-head norms) or by the MLP width (gate, up, their
             product) is divided by it; the norms and the projections' inputs (the replicated residual stream) and
             the model's own head terms are not.
+        expert_parallel: ranks the experts of each mixture-of-experts layer are shared out over; the exchange of
+            tokens keeps a copy of the experts' output rows more (see :func:`_moe_bytes_per_token`).
     """
     kept, recomputed, head = _activations_per_token(
         model, seq_len=seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing, autocast=autocast,
-        flex_attention=flex_attention, tensor_parallel=tensor_parallel,
+        flex_attention=flex_attention, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
     )
     layers = sum(sorted(kept)[-2:]) if activation_offloading else sum(kept)
     return micro_batch_size * seq_len * (layers + recomputed + head)
@@ -209,11 +248,33 @@ def offloaded_activation_bytes(model: nn.Module, *, micro_batch_size: int, seq_l
 
     Args:
         model, micro_batch_size, seq_len, **kwargs: as in :func:`activation_bytes` (``dtype``,
-            ``activation_checkpointing``, ``autocast``, ``flex_attention``, ``tensor_parallel``;
+            ``activation_checkpointing``, ``autocast``, ``flex_attention``, ``tensor_parallel``, ``expert_parallel``;
             ``activation_offloading`` aside, which this implies).
     """
     kept, _, _ = _activations_per_token(model, seq_len=seq_len, **kwargs)
     return micro_batch_size * seq_len * sum(kept)
+
+
+def all_to_all_bytes(
+    model: nn.Module, *, micro_batch_size: int, seq_len: int, dtype: str = "bf16-mixed", expert_parallel: int = 1
+) -> int:
+    """Bytes the experts' token exchange (:mod:`toolkit.parallel.expert_parallel`) holds beyond the saved
+    activations, on one rank, while one mixture-of-experts layer's experts run: 0 without expert parallelism.
+
+    With ``t`` tokens, ``k`` experts per token, width ``d`` and ``c`` bytes per element: ``3 * t * k * d * c``.
+    When the outputs come back (the second all-to-all), three buffers of assignment rows are alive besides the
+    saved tensors: the rows this rank sent (held by the experts' forward until the exchange returns), the rows it
+    received (held by the exchange until it returns) and the outputs it sends back; the outputs it receives are
+    kept for backward and counted with the activations (:func:`activation_bytes`). Backward's two exchanges hold
+    two such buffers each, sent and received, while the layer's saved tensors are being freed; a checkpointed layer
+    runs its forward's exchange again when it is recomputed. One layer exchanges at a time. As for the
+    activations, a rank is counted as receiving as many rows as it sends (balanced routing).
+    """
+    blocks = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if expert_parallel == 1 or not blocks:
+        return 0
+    rows = micro_batch_size * seq_len * max(block.top_k for block in blocks)
+    return 3 * rows * model.embed_tokens.embedding_dim * _precision(dtype).compute
 
 
 def logits_bytes(

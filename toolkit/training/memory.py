@@ -17,12 +17,15 @@ device (so a 70B model costs nothing to plan):
   :func:`~toolkit.training.activation_memory.logits_bytes`.
 - **gathered**: full-size parameters and gradients that exist only around compute: FSDP2's unsharded layers and
   their unsharded gradients, or autocast's low-precision copies of the weights (DDP and ZeRO-1 mixed modes).
+- **all-to-all**: under expert parallelism, the buffers of tokens the experts' exchange holds while a layer's
+  experts run, see :func:`~toolkit.training.activation_memory.all_to_all_bytes`.
 
 The total is the sum. That is the peak at the start of a backward pass with gradient accumulation, when the
 previous micro-steps' gradients, the optimizer state, every saved activation and the loss's buffers coexist; with
-one micro-step it overestimates by at most the gradients. It counts tensors, not the CUDA caching allocator's
-rounding and fragmentation, the CUDA context or NCCL's buffers: :func:`choose_strategy` keeps ``1 - headroom`` of
-the device free for those.
+one micro-step it overestimates by at most the gradients, and under expert parallelism by at most the all-to-all
+buffers (they exist while a layer's experts run, not while the loss does). It counts tensors, not the CUDA caching
+allocator's rounding and fragmentation, the CUDA context or NCCL's buffers: :func:`choose_strategy` keeps
+``1 - headroom`` of the device free for those.
 
 The per-token formulas of the activations and logits, which depend on how the step computes (:class:`StepKernels`)
 but not on the strategy, live in :mod:`toolkit.training.activation_memory`; this module adds each strategy's
@@ -32,19 +35,26 @@ parameters, gradients, optimizer state and gathered copies, and chooses among th
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from toolkit.errors import UserError
-from toolkit.parallel.mesh import tensor_parallel_problems
+from toolkit.parallel.expert_parallel import check_expert_parallel, expert_parallel_local_parameters
+from toolkit.parallel.mesh import expert_parallel_problems, tensor_parallel_problems
 from toolkit.parallel.tensor_parallel import check_tensor_parallel
 from toolkit.parallel.tp_shapes import tensor_parallel_local_parameters
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 # The activation and logits formulas, also importable from here as they were before they got their own module.
-from toolkit.training.activation_memory import _precision, activation_bytes, logits_bytes, offloaded_activation_bytes
+from toolkit.training.activation_memory import (
+    _precision,
+    activation_bytes,
+    all_to_all_bytes,
+    logits_bytes,
+    offloaded_activation_bytes,
+)
 from toolkit.training.activations import checkpoint_interval
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
@@ -109,6 +119,9 @@ class MemoryEstimate:
             ``activation_offloading``).
         tensor_parallel: ranks each layer is split over (the layout is ``world_size x tensor_parallel``
             processes).
+        expert_parallel: data-parallel ranks each mixture-of-experts layer's experts are shared out over.
+        all_to_all: per-device bytes of the buffers the experts' token exchange holds (0 without expert
+            parallelism).
     """
 
     strategy: str
@@ -124,17 +137,22 @@ class MemoryEstimate:
     gathered: int
     host: int = 0
     tensor_parallel: int = 1
+    expert_parallel: int = 1
+    all_to_all: int = 0
 
     @property
     def label(self) -> str:
-        """The layout in a few words: ``zero3``, ``zero3+offload`` or ``zero3 x tp2``."""
+        """The layout in a few words: ``zero3``, ``zero3+offload``, ``zero3 x tp2`` or ``zero3 x ep8``."""
         label = f"{self.strategy}+offload" if self.cpu_offload else self.strategy
+        if self.expert_parallel > 1:
+            return f"{label} x ep{self.expert_parallel}"
         return label if self.tensor_parallel == 1 else f"{label} x tp{self.tensor_parallel}"
 
     @property
     def temporary(self) -> int:
-        """Bytes that exist only during a step: the logits' buffers and gathered parameters/gradients."""
-        return self.logits + self.gathered
+        """Bytes that exist only during a step: the logits' buffers, gathered parameters/gradients and the
+        experts' all-to-all buffers."""
+        return self.logits + self.gathered + self.all_to_all
 
     @property
     def total(self) -> int:
@@ -156,6 +174,7 @@ _ROWS = (
     ("activations", "activations"),
     ("logits + loss", "logits"),
     ("gathered", "gathered"),
+    ("all-to-all", "all_to_all"),
     ("total", "total"),
 )
 
@@ -176,10 +195,14 @@ def format_table(estimates: Sequence[MemoryEstimate], *, usable_bytes: int | Non
     lines = [row(f"{unit} per device", [e.strategy for e in estimates])]
     if any(e.cpu_offload for e in estimates):
         lines.append(row("", ["+offload" if e.cpu_offload else "" for e in estimates]))
-    if any(e.tensor_parallel > 1 for e in estimates):
-        lines.append(row("", [f"x tp{e.tensor_parallel}" if e.tensor_parallel > 1 else "" for e in estimates]))
+    for degree, name in (("tensor_parallel", "tp"), ("expert_parallel", "ep")):
+        if any(getattr(e, degree) > 1 for e in estimates):
+            lines.append(row("", [f"x {name}{getattr(e, degree)}" if getattr(e, degree) > 1 else ""
+                                  for e in estimates]))
+    expert_parallel = any(e.expert_parallel > 1 for e in estimates)
     for title, attribute in _ROWS:
-        lines.append(row(title, [f"{getattr(e, attribute) / scale:.2f}" for e in estimates]))
+        if attribute != "all_to_all" or expert_parallel:  # a row of zeros without expert parallelism
+            lines.append(row(title, [f"{getattr(e, attribute) / scale:.2f}" for e in estimates]))
     if usable_bytes is not None:
         lines.append(row("fits", ["yes" if e.total <= usable_bytes else "no" for e in estimates]))
     if any(e.host for e in estimates):
@@ -256,6 +279,7 @@ def estimate_memory(
     gradient_accumulation_steps: int = 1,
     kernels: StepKernels = StepKernels(),
     tensor_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> MemoryEstimate:
     """Per-device memory of one training step of ``model`` under ``strategy`` (see the module docstring).
 
@@ -267,9 +291,12 @@ def estimate_memory(
     - ``zero1``: as ``ddp``, but ZeroRedundancyOptimizer keeps each parameter's optimizer state on one rank
       (whole parameters, largest first, to the least loaded rank).
     - ``zero2``: parameters, gradients and optimizer state sharded (FSDP2 pads dim 0 to a multiple of ``S``), but
-      every layer's gathered compute-dtype parameters stay from forward to backward: ``gathered ~ N``.
+      every layer's gathered compute-dtype parameters stay from forward to backward: ``gathered ~ N``. (In forward
+      FSDP2 also keeps the all-gather buffer of the unit last gathered until the next one's is copied out, at most
+      one unit more, before the activations are all saved: not counted.)
     - ``zero3``/``hsdp``: the root unit (embedding, final norm, output; kept gathered by ``apply_fsdp``), the layer
-      in use and the one prefetched are gathered; ``hsdp`` shards over ``S`` instead of ``W``.
+      in use and one more layer's all-gather buffer are gathered (in forward FSDP2 frees a unit's buffer only once
+      the next is copied out; in backward it prefetches the next unit); ``hsdp`` shards over ``S`` instead of ``W``.
     - The sharded strategies also hold unsharded gradients: the root's through backward, one layer's before its
       reduce-scatter (plus its fp32 copy in the mixed modes). They reduce-scatter on every micro-step, also
       with ``gradient_accumulation_steps > 1``, so the sharded gradients accumulate in place and accumulation adds
@@ -284,6 +311,18 @@ def estimate_memory(
       FSDP2 with a shard group of one (``parallel.apply_data_parallel``): it is counted as ``zero2`` sharded over
       one rank, every layer's compute-dtype copy kept from forward to backward. With one data-parallel rank
       nothing wraps the TP model, and mixed precision runs under autocast, as for ``ddp`` without TP.
+    - ``expert_parallel`` ``e`` > 1 (``zero2`` or ``zero3``, without TP or ``cpu_offload``): each rank holds
+      ``E/e`` of every mixture-of-experts layer's ``E`` experts
+      (:func:`~toolkit.parallel.expert_parallel.expert_parallel_local_parameters`, the split of ``apply_ep``),
+      which FSDP2 shards over the ``W/e`` ranks holding the same ones (padding dim 0 to a multiple of ``W/e``);
+      the rest of the model is sharded over ``W`` as without EP. So the experts' stored parameters, gradients and
+      optimizer state per rank are those without EP, up to that padding. ``apply_fsdp`` makes each layer's experts
+      a unit of their own: under ``zero3`` the gathered layers are a layer's rest and its ``E/e`` experts in use,
+      and the larger of the two as the next unit's all-gather buffer (experts held whole, ``W/e = 1``, have none):
+      ``rest + experts + max(rest, experts)`` where without EP it is two whole layers of ``E`` experts; under
+      ``zero2`` every unit, with ``E/e`` experts each. The unsharded gradients are a layer's, its rest's and its
+      ``E/e`` experts'. The token exchange keeps more activations (see :func:`activation_bytes`) and holds
+      ``all_to_all`` bytes while a layer's experts run (:func:`~toolkit.training.activation_memory.all_to_all_bytes`).
 
     Args:
         model: a :class:`~toolkit.modules.TransformerDecoder`, usually on the meta device.
@@ -304,14 +343,18 @@ def estimate_memory(
         optimizer_in_backward: each parameter steps as soon as its gradient is ready, which is then freed.
         tensor_parallel: ranks each layer is split over (config ``tensor_parallel``); ``world_size`` is then the
             data-parallel ranks, all processes over it.
+        expert_parallel: data-parallel ranks each mixture-of-experts layer's experts are shared out over (config
+            ``expert_parallel``; a divisor of ``world_size`` and of the experts, under ``zero2`` or ``zero3``).
         shard_size: HSDP's shard group size (default ``world_size // num_nodes``).
         gradient_accumulation_steps: micro-steps per optimizer step.
         kernels: how the step runs its attention and loss (see :class:`StepKernels`); by default SDPA and the
             projection fused with the loss, in one chunk.
 
     Raises:
-        UserError: an unknown strategy, dtype or optimizer, ``cpu_offload`` without sharding, or a world size the
-            nodes or HSDP groups do not divide.
+        UserError: an unknown strategy, dtype or optimizer, ``cpu_offload`` without sharding, a world size the
+            nodes or HSDP groups do not divide, or an ``expert_parallel`` the job, the strategy or the model refuses
+            (:func:`~toolkit.parallel.mesh.expert_parallel_problems`,
+            :func:`~toolkit.parallel.expert_parallel.check_expert_parallel`).
     """
     precision = _precision(dtype)
     if optimizer not in OPTIMIZER_STATES:
@@ -321,6 +364,9 @@ def estimate_memory(
     shards = _check_shape(strategy, world_size, num_nodes, shard_size, cpu_offload)
     for problem in tensor_parallel_problems(
         tensor_parallel=tensor_parallel, world_size=None, strategy=strategy, cpu_offload=cpu_offload
+    ) + expert_parallel_problems(
+        expert_parallel=expert_parallel, world_size=world_size, strategy=strategy, tensor_parallel=tensor_parallel,
+        cpu_offload=cpu_offload,
     ):
         raise UserError(": ".join(problem))
     p, c = precision.stored, precision.compute
@@ -330,9 +376,16 @@ def estimate_memory(
     fsdp = world_size > 1 and (strategy in _SHARDED or tensor_parallel > 1)
     autocast = precision.autocast_when_replicated and not fsdp
 
-    # This rank's tensor-parallel shard of each parameter (the parameters themselves without TP): everything below
-    # counts those, as FSDP2 shards them further.
-    local = tensor_parallel_local_parameters(model, tp=tensor_parallel)
+    # This rank's tensor-parallel shard of each parameter, and its experts under expert parallelism (the parameters
+    # themselves without either): everything below counts those, as FSDP2 shards them further.
+    split_experts = expert_parallel_local_parameters(model, ep=expert_parallel)
+    local = {**tensor_parallel_local_parameters(model, tp=tensor_parallel), **split_experts}
+    experts = {id(t) for t in split_experts.values()}
+
+    def shards_of(t: torch.Tensor) -> int:
+        # FSDP2 shards a rank's experts over the ranks that hold the same ones (expert_fsdp_mesh).
+        return shards // expert_parallel if id(t) in experts else shards
+
     params = [local[id(t)] for t in model.parameters()]
     total = sum(t.numel() for t in params)
     flagged = sum(t.numel() for t in params if t.requires_grad)
@@ -347,9 +400,9 @@ def estimate_memory(
 
     def trainable_shard(tensors: list[torch.Tensor]) -> int:
         # Trainable elements of the given tensors on the rank holding the most (FSDP2's padded dim-0 shards).
-        if not by_flags:
-            return math.ceil(fraction * sum(t.numel() for t in tensors) / shards)
-        return sum(_stored_bytes(t, 1, shards) for t in tensors if t.requires_grad)
+        if not by_flags:  # (a rank's E/ep experts over shards/ep ranks: the same share as the rest's)
+            return math.ceil(fraction * sum(t.numel() * (shards // shards_of(t)) for t in tensors) / shards)
+        return sum(_stored_bytes(t, 1, shards_of(t)) for t in tensors if t.requires_grad)
 
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())  # replicated by every strategy
     states = OPTIMIZER_STATES[optimizer]
@@ -379,12 +432,17 @@ def estimate_memory(
             matmul_weights.append(embedding)
         gathered = sum(c * t.numel() for t in matmul_weights if not _is_subclass(t)) if autocast else 0
     else:
-        param_bytes = sum(_stored_bytes(t, p, shards) for t in params)
+        param_bytes = sum(_stored_bytes(t, p, shards_of(t)) for t in params)
         grad_elems = opt_elems = trainable_shard(params)
         if strategy in ("zero2", "ddp"):  # ddp: under TP, FSDP2 over a shard group of one (no resharding)
             gathered_params = compute_copies(params)  # every unit stays unsharded from its forward to its backward
         else:
-            gathered_params = compute_copies(root) + 2 * compute_copies(largest_layer)
+            # A layer's units (its experts are one of their own under EP) in use, and the larger unit's all-gather
+            # buffer beside them; experts that one rank holds whole are copied, not all-gathered: no buffer.
+            rest = max((compute_copies([t for t in ts if id(t) not in experts]) for ts in layers), default=0)
+            unit = max((compute_copies([t for t in ts if id(t) in experts]) for ts in layers), default=0)
+            buffer = max(rest, unit if shards > expert_parallel else 0)
+            gathered_params = compute_copies(root) + rest + unit + buffer
         # Unsharded gradients: the root's live through backward (it reduce-scatters last), one layer's until its
         # reduce-scatter, which in the mixed modes first casts them to fp32.
         unsharded_grads = c * trainable_in(root) + (c + (p if p != c else 0)) * trainable_in(largest_layer)
@@ -393,15 +451,14 @@ def estimate_memory(
         gathered = int(gathered_params + unsharded_grads)
     if optimizer_in_backward:
         # Each gradient is freed as soon as its parameter has stepped: one exists at a time, at most the largest.
-        per_rank = shards
         if by_flags:
-            grad_elems = max((_stored_bytes(t, 1, per_rank) for t in params if t.requires_grad), default=0)
+            grad_elems = max((_stored_bytes(t, 1, shards_of(t)) for t in params if t.requires_grad), default=0)
         else:
-            grad_elems = math.ceil(fraction * max(t.numel() for t in params) / per_rank)
+            grad_elems = math.ceil(fraction * max(t.numel() * (shards // shards_of(t)) for t in params) / shards)
     activations = dict(
         micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype,
         activation_checkpointing=activation_checkpointing, autocast=autocast, flex_attention=kernels.flex_attention,
-        tensor_parallel=tensor_parallel,
+        tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
     )
     host = offloaded_activation_bytes(model, **activations) if activation_offloading else 0
     grad_bytes, opt_bytes = p * grad_elems, int(_STATE_ELEMENT_BYTES.get(optimizer, p) * states * opt_elems)
@@ -426,6 +483,10 @@ def estimate_memory(
         gathered=gathered,
         host=host,
         tensor_parallel=tensor_parallel,
+        expert_parallel=expert_parallel,
+        all_to_all=all_to_all_bytes(
+            model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype, expert_parallel=expert_parallel
+        ),
     )
 
 
@@ -479,6 +540,7 @@ def choose_strategy(
     cpu_offload: bool = True,
     shard_size: int | None = None,
     tensor_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> tuple[str, MemoryEstimate, str]:
     """The cheapest strategy (order: :func:`candidate_strategies`) whose estimate fits ``headroom`` of the device.
 
@@ -487,7 +549,7 @@ def choose_strategy(
     all processes over ``tensor_parallel``). With ``optimizer_in_backward`` on several processes, only the FSDP2
     strategies are candidates (see :mod:`toolkit.training.optim`); with ``cpu_offload=False`` (training on the
     CPU), no offloaded one is; with ``tensor_parallel`` > 1, none that cannot combine with it (``zero1``,
-    ``cpu_offload``).
+    ``cpu_offload``); with ``expert_parallel`` > 1, only ``zero2`` and ``zero3`` without offloading.
 
     Returns:
         ``(strategy, estimate, reason)``: the ``data_parallel`` value, its estimate (``estimate.cpu_offload`` says
@@ -504,6 +566,8 @@ def choose_strategy(
             continue
         if tensor_parallel_problems(
             tensor_parallel=tensor_parallel, world_size=None, strategy=strategy, cpu_offload=offload
+        ) or expert_parallel_problems(
+            expert_parallel=expert_parallel, world_size=None, strategy=strategy, cpu_offload=offload
         ):
             continue
         estimate = estimate_memory(
@@ -524,6 +588,7 @@ def choose_strategy(
             kernels=kernels,
             shard_size=shard_size,
             tensor_parallel=tensor_parallel,
+            expert_parallel=expert_parallel,
         )
         if estimate.total <= usable:
             rejected = "".join(f"; {e.label} would need {format_bytes(e.total)}" for e in estimates)
@@ -542,15 +607,27 @@ def tensor_parallel_degrees(model: nn.Module, *, processes_per_node: int) -> lis
     four per layer and step, must stay on a node's fast links) that split the model's heads, key/value heads, MLP
     width and vocabulary (:func:`~toolkit.parallel.tensor_parallel.check_tensor_parallel`), smallest first; 1 always.
     """
-    degrees = []
-    for tp in range(1, processes_per_node + 1):
-        if processes_per_node % tp:
+    return _degrees(processes_per_node, lambda tp: check_tensor_parallel(model, tp=tp))
+
+
+def expert_parallel_degrees(model: nn.Module, *, data_parallel_size: int) -> list[int]:
+    """The expert-parallel degrees a run of ``model`` may use: divisors of its data-parallel processes that share
+    out its experts evenly (:func:`~toolkit.parallel.expert_parallel.check_expert_parallel`), smallest first; 1
+    always (the only one for a model without experts)."""
+    return _degrees(data_parallel_size, lambda ep: check_expert_parallel(model, ep=ep))
+
+
+def _degrees(processes: int, check: Callable[[int], None]) -> list[int]:
+    # 1, and the divisors of `processes` that `check` does not refuse.
+    degrees = [1]
+    for degree in range(2, processes + 1):
+        if processes % degree:
             continue
         try:
-            check_tensor_parallel(model, tp=tp)
+            check(degree)
         except UserError:
             continue
-        degrees.append(tp)
+        degrees.append(degree)
     return degrees
 
 
@@ -601,6 +678,7 @@ def choose_layout(
     headroom: float = 0.9,
     kernels: StepKernels = StepKernels(),
     shard_size: int | None = None,
+    expert_parallel: int = 1,
 ) -> tuple[str, int, MemoryEstimate, str]:
     """``tensor_parallel: auto``: the first layout of :func:`candidate_layouts` (the strategy given, or every one
     with ``strategy="auto"``) whose estimate fits ``headroom`` of the device.
@@ -615,6 +693,8 @@ def choose_layout(
             (``None``: not checked, ``micro_batch_size`` used as it is).
         micro_batch_size: sequences per micro batch, cut to each layout's share of ``batch_size`` as the run cuts
             it; ``auto``: 1, or the whole share with ``optimizer_in_backward`` (which cannot accumulate).
+        expert_parallel: the configured degree (``zero2``/``zero3`` without tensor parallelism or offloading only:
+            the layouts that cannot combine with it are not tried).
         The others: as in :func:`estimate_memory` (``shard_size`` in data-parallel ranks).
 
     Returns:
@@ -637,6 +717,11 @@ def choose_layout(
         dp = world_size // tp
         if optimizer_in_backward and dp > 1 and tp == 1 and layout_strategy not in _SHARDED:
             continue  # DDP and ZeRO-1 cannot step inside backward (ddp under TP runs on FSDP2, which can)
+        if expert_parallel_problems(
+            expert_parallel=expert_parallel, world_size=dp, strategy=layout_strategy, tensor_parallel=tp,
+            cpu_offload=offload,
+        ):
+            continue
         if batch_size is not None and (batch_size < 1 or batch_size % dp):
             continue  # the global batch does not split over this layout's data-parallel ranks
         if micro_batch_size == "auto":
@@ -655,7 +740,7 @@ def choose_layout(
                 max_seq_len=max_seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing,
                 activation_offloading=activation_offloading, cpu_offload=offload, optimizer=optimizer,
                 optimizer_in_backward=optimizer_in_backward, shard_size=shard_size,
-                gradient_accumulation_steps=steps, kernels=kernels, tensor_parallel=tp,
+                gradient_accumulation_steps=steps, kernels=kernels, tensor_parallel=tp, expert_parallel=expert_parallel,
             )
         except UserError:  # a shape this degree cannot take (hsdp_shard_size over fewer data-parallel ranks)
             continue
@@ -769,6 +854,7 @@ def plan_parallelism(
     optimizer: str = "adamw",
     offload_candidates: bool | None = None,
     tensor_parallel: int | str = 1,
+    expert_parallel: int = 1,
 ) -> ParallelPlan:
     """Resolve ``tensor_parallel: auto``, ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory
     estimate.
@@ -802,6 +888,8 @@ def plan_parallelism(
         offload_candidates: whether ``data_parallel: auto`` may pick ``cpu_offload``; default: on any device but
             the CPU (``tune plan``, which plans for GPUs from a CPU, says true).
         tensor_parallel: the config's ``tensor_parallel``: a degree, or ``auto``.
+        expert_parallel: the config's ``expert_parallel``, which every estimate counts (and which only ``zero2`` and
+            ``zero3`` without tensor parallelism or offloading combine with).
 
     Raises:
         UserError: ``auto`` without a known device memory, nothing fits, sizes that do not divide, or an invalid
@@ -850,7 +938,7 @@ def plan_parallelism(
     common = dict(max_seq_len=max_seq_len, dtype=dtype,
                   activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
                   optimizer_in_backward=optimizer_in_backward, kernels=kernels, shard_size=shard_size,
-                  optimizer=optimizer)
+                  optimizer=optimizer, expert_parallel=expert_parallel)
     if auto_tp:
         given_strategy = strategy != "auto"
         strategy, tp, estimate, reason = choose_layout(

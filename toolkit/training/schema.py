@@ -179,14 +179,15 @@ def tensor_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
     )
 
 
-@rule("expert_parallel", "data_parallel", "tensor_parallel")
+@rule("expert_parallel", "data_parallel", "tensor_parallel", "cpu_offload")
 def expert_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
     """``expert_parallel`` divides the data-parallel processes, under a strategy that shards the experts over the
-    rest (zero2, zero3), without tensor parallelism. (Whether the model has experts it divides is checked when it
-    is built.)"""
+    rest (zero2, zero3), without tensor parallelism or offloading. (Whether the model has experts it divides is
+    checked when it is built.)"""
     yield from expert_parallel_problems(
         expert_parallel=ctx.get("expert_parallel", 1), world_size=data_parallel_size(ctx),
         strategy=ctx.get("data_parallel"), tensor_parallel=ctx.get("tensor_parallel", 1),
+        cpu_offload=ctx.get("cpu_offload", False),
     )
 
 
@@ -217,7 +218,7 @@ def tensor_parallel_combines(ctx: Context) -> Iterator[tuple[str, str]]:
         )
 
 
-@rule("tensor_parallel", "expert_parallel", "model")
+@rule("tensor_parallel", "expert_parallel", "cpu_offload", "model")
 def parallelism_splits_the_model(ctx: Context) -> Iterator[tuple[str, str]]:
     """``tensor_parallel`` divides the model's heads, key/value heads, MLP width and vocabulary, and
     ``expert_parallel`` its experts: checked on the model built on the meta device (free, whatever its size)."""
@@ -227,7 +228,8 @@ def parallelism_splits_the_model(ctx: Context) -> Iterator[tuple[str, str]]:
     if tp not in (1, "auto") and (ctx.world_size is None or tp <= ctx.world_size):
         checks.append(partial(check_tensor_parallel, tp=tp))
     if ep != 1 and not expert_parallel_problems(  # else expert_parallel_fits's line is the one to read
-        expert_parallel=ep, world_size=data_parallel_size(ctx), strategy=ctx.get("data_parallel"), tensor_parallel=tp
+        expert_parallel=ep, world_size=data_parallel_size(ctx), strategy=ctx.get("data_parallel"), tensor_parallel=tp,
+        cpu_offload=ctx.get("cpu_offload", False),
     ):
         checks.append(partial(check_expert_parallel, ep=ep))
     if not checks or node is None:
