@@ -174,6 +174,7 @@ def train(cfg: DictConfig) -> None:
         kernels=kernels, shard_size=cfg.hsdp_shard_size,
         optimizer=optimizer_memory_model(cfg.optimizer._component_) or "adamw",  # one it does not know: as AdamW
         tensor_parallel=cfg.get("tensor_parallel", 1),
+        expert_parallel=cfg.get("expert_parallel", 1),  # experts shared out over data-parallel ranks (MoE models)
     )
     accum_steps = plan.accumulation_steps
     dims = parallel_dims(
@@ -185,7 +186,7 @@ def train(cfg: DictConfig) -> None:
         device_type=env.device.type,
         tensor_parallel=plan.tensor_parallel,
         rank=env.rank,
-        expert_parallel=cfg.get("expert_parallel", 1),  # experts shared out over data-parallel ranks (MoE models)
+        expert_parallel=cfg.get("expert_parallel", 1),
     )
     # The one device mesh (dp_replicate x dp_shard x tp) every dimension is cut from, and the data-parallel peers
     # of this rank, over which tokens and losses are summed (the ranks of a TP group share their micro-batches).
