@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from toolkit.errors import UserError, read_json
-from toolkit.models._decoder import LinearFactory
 from toolkit.models import read_hf_config
+from toolkit.models._decoder import LinearFactory
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES, lora_linear
 from toolkit.modules._dtensor import copy_full_
 from toolkit.modules.peft import DoRALinear, LoRAGroupedExperts, adapter_modules, init_adapters, is_adapter_key
@@ -34,8 +34,8 @@ from toolkit.training.peft_experts import (
     TARGET_PARAMETERS,
     fused_delta,
     fused_target,
-    is_fused,
     hf_experts_name,
+    is_fused,
     no_peft_form,
     part_of_fused,
     peft_patterns,
@@ -472,7 +472,7 @@ def merge_adapter_into_checkpoint(
     # Adapters on the experts: every expert's delta of each fused parameter, applied to the checkpoint's per-expert
     # (or fused) tensors, which the base's family names.
     experts = {
-        module: fused_delta(params, rank=_rank_and_scale(config, module)[0], scale=_rank_and_scale(config, module)[1])
+        module: fused_delta(params, *_rank_and_scale(config, module))
         for module, params in by_module.items() if is_fused(module)
     }
     # (A family without experts has none of their tensors: each adapted one is then missing.)
@@ -510,7 +510,7 @@ def merge_adapter_into_checkpoint(
                             got = tuple(tensor.shape)
                             raise UserError(f"{file}: {key} has shape {got}; the adapter expects {shape}")
                         tensor = _merge(tensor, params, scales[key])
-                    elif parts := hf_key_to_parts(key):
+                    elif (parts := hf_key_to_parts(key)) and part_of_fused(parts[0].key)[0] in experts:
                         delta = _experts_delta(parts, experts)
                         if delta.shape != tensor.shape:
                             got, shape = tuple(tensor.shape), tuple(delta.shape)

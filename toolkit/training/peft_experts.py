@@ -94,7 +94,7 @@ def is_fused(name: str) -> bool:
     return _FUSED_TARGET.fullmatch(name) is not None
 
 
-def fused_delta(params: dict[str, torch.Tensor], *, rank: int, scale: float) -> torch.Tensor:
+def fused_delta(params: dict[str, torch.Tensor], rank: int, scale: float) -> torch.Tensor:
     """``scale * B_e A_e`` of every expert of one fused parameter's PEFT adapter, ``[E, out, in]``, in float32."""
     lora_a, lora_b = params["lora_A.weight"].float(), params["lora_B.weight"].float()
     experts = lora_a.shape[0] // rank
