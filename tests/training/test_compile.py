@@ -179,17 +179,18 @@ def test_static_lengths_are_at_most_eight_multiples_reaching_max_seq_len(max_seq
     assert len(lengths) <= STATIC_LENGTHS and all(n % multiple == 0 for n in lengths) and lengths[-1] >= max_seq_len
 
 
-def test_static_shapes_compile_each_length_once_and_raise_the_recompile_limit(monkeypatch):
+def test_static_shapes_compile_each_length_once_and_raise_the_recompile_limit():
     # dynamic=False (tensor-parallel models): every new length compiles once, and again without grad; the limit
-    # leaves room for STATIC_LENGTHS of each.
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    counter = CompileCounter()
-    model = tiny_model(num_layers=3)
-    compile_model(model, device=CPU, backend=counter, dynamic=False)
-    assert torch._dynamo.config.recompile_limit == 2 * STATIC_LENGTHS
-    for seq_len in (8, 16, 8, 24):
-        model(torch.zeros(1, seq_len, dtype=torch.long))
-    assert counter.frame_count == 3  # 8, 16 and 24; the layers share each
-    with torch.no_grad():
-        model(torch.zeros(1, 8, dtype=torch.long))
-    assert counter.frame_count == 4
+    # leaves room for STATIC_LENGTHS of each. (The global setting is restored after the test.)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        counter = CompileCounter()
+        model = tiny_model(num_layers=3)
+        compile_model(model, device=CPU, backend=counter, dynamic=False)
+        assert torch._dynamo.config.recompile_limit == 2 * STATIC_LENGTHS
+        for seq_len in (8, 16, 8, 24):
+            model(torch.zeros(1, seq_len, dtype=torch.long))
+        assert counter.frame_count == 3  # 8, 16 and 24; the layers share each
+        with torch.no_grad():
+            model(torch.zeros(1, 8, dtype=torch.long))
+        assert counter.frame_count == 4
+    assert torch._dynamo.config.recompile_limit == 8
