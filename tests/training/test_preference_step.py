@@ -107,3 +107,18 @@ def test_the_other_losses_step_alike_on_any_split(loss):
         results.append(step(model, batches, settings, reference=lora_reference(model)
                             if settings.needs_reference else None))
     assert results[1].loss == pytest.approx(results[0].loss, rel=1e-6) and math.isfinite(results[0].loss)
+
+
+def test_a_loss_scaler_scales_the_gradients_only():
+    # fp16's loss scaling: the backward of the scaled loss, the step's loss and metrics as without it.
+    settings = PreferenceSettings(loss="dpo", beta=0.5)
+    model, batches, _ = model_and_batches(2)
+    plain = step(model, batches, settings, reference=lora_reference(model))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    scaled = step(model, batches, settings, reference=lora_reference(model), grad_scaler=scaler)
+    assert scaled.loss == plain.loss and scaled.metrics == plain.metrics
+    for name, param in model.named_parameters():
+        if name in grads:
+            torch.testing.assert_close(param.grad, 64.0 * grads[name], rtol=1e-6, atol=0, msg=name)

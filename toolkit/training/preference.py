@@ -160,6 +160,7 @@ def preference_forward_backward(
     data_parallel_group: dist.ProcessGroup | None = None,
     reference: Callable[..., torch.Tensor] | None = None,
     autocast: contextlib.AbstractContextManager | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
     flex_attention: bool = False,
 ) -> PreferenceStepResult:
     """Accumulate the gradients of one global batch's share of preference pairs on this rank.
@@ -172,6 +173,7 @@ def preference_forward_backward(
     before training), from the batch; reference-free losses take none. The global count of pairs (and, for ORPO,
     of chosen tokens) is taken first, so every micro-batch adds its pairs' losses divided by the global pairs: the
     accumulated, reduced gradient is the mean over every pair, whatever the split into ranks and micro-steps.
+    ``grad_scaler`` (fp16) scales each backward, as :func:`~toolkit.training.forward_backward` does.
     """
     pairs_and_tokens = torch.zeros(2, dtype=torch.float64)
     for mb in micro_batches:
@@ -201,7 +203,8 @@ def preference_forward_backward(
             loss = out.loss.sum() / global_pairs
             if settings.loss == "orpo":  # its supervised term: the chosen answers' mean token cross-entropy
                 loss = loss - policy.chosen.sum() / max(global_chosen_tokens, 1)
-            (loss * data_parallel_size).backward()  # (the gradient reduction averages over the ranks)
+            scaled = loss * data_parallel_size  # (the gradient reduction averages over the ranks)
+            (grad_scaler.scale(scaled) if grad_scaler is not None else scaled).backward()
         chosen, rejected = policy.chosen.detach(), policy.rejected.detach()
         totals += torch.stack([
             loss.detach().double() * global_pairs, out.rewards_chosen.sum(), out.rewards_rejected.sum(),
