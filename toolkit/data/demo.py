@@ -1,8 +1,8 @@
 """Synthetic instruction tasks that a tiny byte-level model learns within minutes on a CPU.
 
 Each prompt names its task, e.g. ``"reverse: lamp"`` -> ``"pmal"``; as preference pairs
-(:func:`demo_preference_dataset`), the right answer is chosen and another task's answer on the same word rejected. Words are random lowercase strings (4 letters
-by default). Whether a word belongs to ``train`` or ``heldout`` is a fixed property of the word (a hash of it), the
+(:func:`demo_preference_dataset`), the right answer is chosen and another task's answer on the same word rejected.
+Words are random lowercase strings (4 letters by default). Whether a word belongs to ``train`` or ``heldout`` is a fixed property of the word (a hash of it), the
 same for every seed and task, so a held-out prompt never shares its word with any training prompt.
 """
 
@@ -113,11 +113,13 @@ def demo_dataset(
         word_len: shortest and longest word, in letters.
         train_on: which tokens are targets: ``"assistant"``, ``"last_turn"`` or ``"all"``.
     """
-    conversations = [
-        [{"role": "user", "content": s["prompt"]}, {"role": "assistant", "content": s["answer"]}]
-        for s in demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks, word_len=word_len)
-    ]
-    return ChatDataset(conversations, tokenizer, train_on=train_on)
+    samples = demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks, word_len=word_len)
+    return ChatDataset([_exchange(s["prompt"], s["answer"]) for s in samples], tokenizer, train_on=train_on)
+
+
+def _exchange(prompt: str, answer: str) -> list[dict[str, str]]:
+    """The conversation of one demo sample: the prompt, and an answer to it."""
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
 
 
 class _Pairs(Dataset):
@@ -159,11 +161,6 @@ def demo_preference_dataset(
         word = sample["prompt"].split(": ", 1)[1]
         wrong = sorted({TASKS[task](word) for task in TASKS} - {sample["answer"]})  # never empty: "repeat" is longer
         rejected.append(rng.choice(wrong))
-    conversations = {
-        name: [
-            [{"role": "user", "content": s["prompt"]}, {"role": "assistant", "content": answer}]
-            for s, answer in zip(samples, answers)
-        ]
-        for name, answers in (("chosen", [s["answer"] for s in samples]), ("rejected", rejected))
-    }
-    return _Pairs(*(ChatDataset(conversations[name], tokenizer, train_on=train_on) for name in ("chosen", "rejected")))
+    chosen = [_exchange(s["prompt"], s["answer"]) for s in samples]
+    rejected = [_exchange(s["prompt"], answer) for s, answer in zip(samples, rejected)]
+    return _Pairs(*(ChatDataset(conversations, tokenizer, train_on=train_on) for conversations in (chosen, rejected)))

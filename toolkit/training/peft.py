@@ -244,9 +244,10 @@ def _read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
     return config
 
 
-def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], float]:
+def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
     """The config, the tensors by Hugging Face module name (``{"model.layers.0.self_attn.q_proj": {"lora_A.weight":
-    ...}}``) and the scale ``lora_alpha / r`` of a PEFT LoRA adapter folder.
+    ...}}``; an experts block's by the fused parameter they adapt, ``model.layers.0.mlp.experts.gate_up_proj``) of
+    a PEFT LoRA adapter folder; each module's rank and scale are :func:`_rank_and_scale`'s.
 
     Raises:
         UserError: missing or unreadable files, or a PEFT option we do not reproduce; the message names the file.
@@ -281,7 +282,7 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, di
                 f"{weights_file}: {module}.lora_A.weight has {params['lora_A.weight'].shape[0]} rows, not a multiple "
                 f"of its rank {rank} (one block per expert)"
             )
-    return config, by_module, config["lora_alpha"] / config["r"]
+    return config, by_module
 
 
 def _rank_and_scale(config: dict[str, Any], module: str) -> tuple[int, float]:
@@ -397,7 +398,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, *, model_family
             the model's; the message names the file and the module.
     """
     family = load_model_family(model_family)
-    config, by_module, _ = _read_adapter(adapter_dir)
+    config, by_module = _read_adapter(adapter_dir)
     _refuse_expert_adapters(config, Path(adapter_dir) / ADAPTER_CONFIG)
     weights_file = Path(adapter_dir) / ADAPTER_WEIGHTS
     modules = {_hf_module_name(family, name): module for name, module in adapter_modules(model).items()}
@@ -466,7 +467,7 @@ def merge_adapter_into_checkpoint(
         raise UserError(f"--output: {output_dir} already exists; choose another folder or pass --overwrite")
     if output_dir.resolve() in (base_dir.resolve(), Path(adapter_dir).resolve()):
         raise UserError(f"--output: {output_dir} is an input folder; choose another folder")
-    config, by_module, _ = _read_adapter(adapter_dir)
+    config, by_module = _read_adapter(adapter_dir)
     targets = {f"{module}.weight": params for module, params in by_module.items() if not is_fused(module)}
     scales = {f"{module}.weight": _rank_and_scale(config, module)[1] for module in by_module}
     # Adapters on the experts: every expert's delta of each fused parameter, applied to the checkpoint's per-expert
