@@ -19,19 +19,16 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from toolkit.config import Bool, instantiate, recipe_main
 from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import exact_match_accuracy
 from toolkit.training.schema import TRAINING_SCHEMA
-from toolkit.modules.peft import adapter_modules, get_adapter_params, get_merged_state_dict
-from toolkit.modules.peft import NF4Linear, set_trainable_params
+from toolkit.modules.peft import get_adapter_params, set_trainable_params
 
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
-from toolkit.training.peft import export_peft_adapter, fill_adapter_model, save_peft_adapter
-from toolkit.training.peft_experts import no_peft_form
+from toolkit.training.peft import fill_adapter_model, save_adapter_and_merged
 from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
 from toolkit.training import (
     MetricsLogger,
@@ -51,7 +48,6 @@ from toolkit.training import (
     flops_per_token,
     forward_backward,
     fused_by_default,
-    gather_full_state_dict,
     global_batches,
     init_distributed,
     inject_fault,
@@ -86,50 +82,6 @@ def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogge
     )
     log.print(f"held-out accuracy {when} training: {correct / total:.1%} ({correct}/{total})")
     return correct / total
-
-
-def save_adapter_and_merged(model, checkpointer, *, cfg: DictConfig, env, output_dir: Path, log: MetricsLogger) -> None:
-    """Write the PEFT adapter and, if asked, the merged model (collectives: every rank calls this); with adapters on
-    a mixture-of-experts model's experts that PEFT cannot load (trained with dropout), the merged model alone.
-
-    Sharded (FSDP2 or tensor-parallel) adapters are gathered one tensor at a time (they are small) and rank zero
-    writes them; the merged model is computed from each rank's shards of the base and the adapters and exported as
-    the full fine-tune exports, every rank writing its share: the base is never gathered on one rank. QLoRA's NF4
-    bases under FSDP2 are the exception: the model is gathered on rank zero and merged there.
-    """
-    plain = unwrap(model)
-    base = str(checkpointer.checkpoint_dir) if checkpointer.checkpoint_dir is not None else None
-    sharded = any(isinstance(p, DTensor) for p in plain.parameters())
-    nf4 = any(isinstance(m, NF4Linear) or getattr(m, "quantize_base", False) for m in plain.modules())
-    # Adapters PEFT cannot load (on experts, with dropout): such a run writes the merged model in their place.
-    no_adapter = no_peft_form(adapter_modules(plain))
-    if no_adapter:
-        log.print(f"{no_adapter}: writing the merged model instead of the adapter")
-    save_merged = cfg.save_merged or bool(no_adapter)
-    if sharded and nf4:
-        full_state = gather_full_state_dict(model)
-        if not env.is_rank_zero:
-            return
-        with torch.device("meta"):
-            plain = instantiate(cfg.model)
-        plain.load_state_dict(full_state, assign=True)
-        adapter_dir = save_peft_adapter(
-            plain, output_dir / "final" / "adapter", model_family=checkpointer.family_name, base_model_name_or_path=base
-        )
-        log.print(f"saved {adapter_dir}")
-        if save_merged:
-            merged_dir = checkpointer.save(plain, output_dir / "final" / "merged", state_dict=get_merged_state_dict(plain))
-            log.print(f"saved {merged_dir}")
-        return
-    if not no_adapter:
-        adapter_dir = export_peft_adapter(
-            plain, output_dir / "final" / "adapter", model_family=checkpointer.family_name, base_model_name_or_path=base
-        )
-        barrier()  # rank zero's folder is in place before any rank goes on
-        log.print(f"saved {adapter_dir}")
-    if save_merged:
-        merged_dir = checkpointer.export(model, output_dir / "final" / "merged", state_dict=get_merged_state_dict(plain))
-        log.print(f"saved {merged_dir}")
 
 
 def train(cfg: DictConfig) -> None:
@@ -357,7 +309,11 @@ def train(cfg: DictConfig) -> None:
     # --- Evaluate and save ----------------------------------------------------------------------------------------
     if eval_tasks:
         evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="after")
-    save_adapter_and_merged(model, checkpointer, cfg=cfg, env=env, output_dir=output_dir, log=log)
+    # The PEFT adapter (and, with save_merged, the merged model): see toolkit.training.peft.save_adapter_and_merged.
+    save_adapter_and_merged(
+        model, checkpointer, output_dir=output_dir / "final", save_merged=cfg.save_merged,
+        build=partial(instantiate, cfg.model), is_rank_zero=env.is_rank_zero, log=log.print,
+    )
     barrier()
     log.close()
 

@@ -11,7 +11,7 @@ import pytest
 from toolkit.cli.main import main
 from toolkit.paths import configs_dir
 
-TRAINING = ["full_finetune", "lora_finetune"]
+TRAINING = ["full_finetune", "lora_finetune", "preference_finetune"]
 
 # (override, the key the message must name). Each is a mistake a user makes at the command line or in a YAML file.
 TRAINING_CASES = [
@@ -95,6 +95,22 @@ LORA_CASES = [
     ("save_merged=nope", "save_merged"),
 ]
 
+PREFERENCE_CASES = [
+    ("beta=0", "beta"),
+    ("beta=-0.1", "beta"),
+    ("beta=abc", "beta"),
+    ("preference_loss=kto", "preference_loss"),
+    ("preference_loss=DPO", "preference_loss"),
+    ("label_smoothing=0.5", "label_smoothing"),
+    ("label_smoothing=-0.1", "label_smoothing"),
+    ("simpo_gamma=-1", "simpo_gamma"),
+    ("precompute_reference=maybe", "precompute_reference"),
+    # What only some losses read, refused with the others rather than silently unused.
+    ("preference_loss=simpo|precompute_reference=true", "precompute_reference"),
+    ("preference_loss=orpo|label_smoothing=0.1", "label_smoothing"),
+    ("fused_loss=false", "fused_loss"),  # keys the recipe does not read are not silently ignored
+]
+
 GENERATE_CASES = [
     ("temperature=-1", "temperature"),
     ("temperature=hot", "temperature"),
@@ -120,6 +136,7 @@ EVAL_CASES = [
 CASES = (
     [(recipe, override, key) for recipe in TRAINING for override, key in TRAINING_CASES]
     + [("lora_finetune", override, key) for override, key in LORA_CASES]
+    + [("preference_finetune", override, key) for override, key in PREFERENCE_CASES]
     + [("generate", override, key) for override, key in GENERATE_CASES]
     + [("eval", override, key) for override, key in EVAL_CASES]
 )
@@ -138,7 +155,7 @@ def _one_problem(err: str, key: str, recipe: str) -> None:
 
 @pytest.mark.parametrize(("recipe", "override", "key"), CASES, ids=lambda v: str(v))
 def test_tune_validate_refuses_a_bad_value_in_one_line(recipe, override, key, capsys):
-    assert main(["validate", f"{recipe}/demo", override]) == 2
+    assert main(["validate", f"{recipe}/demo", *override.split("|")]) == 2  # "|" joins several overrides
     _one_problem(capsys.readouterr().err, key, recipe)
 
 
@@ -147,6 +164,7 @@ RUN_CASES = [
     ("full_finetune_single_device", "epochs=-2", "epochs"),
     ("full_finetune_distributed", "overwrite=flase", "overwrite"),
     ("lora_finetune_distributed", "model.lora_rank=0", "model.lora_rank"),
+    ("preference_finetune_distributed", "beta=0", "beta"),
     ("generate", "temperature=-1", "temperature"),
     ("eval_distributed", "micro_batch_size=0", "micro_batch_size"),
 ]

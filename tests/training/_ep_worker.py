@@ -113,7 +113,7 @@ def train(mode: str, dims: ParallelDims, mesh=None, *, activation_checkpointing:
         if measure:
             meter.state(optimizer)
         losses.append(result.loss)
-        routing.append(result.routing)
+        routing.append(result.metrics)
     return {"losses": losses, "routing": routing, "norms": norms, "memory": meter.numbers,
             "weights": {k: full(v) for k, v in model.state_dict().items()}}
 

@@ -76,7 +76,7 @@ def test_a_dpo_step_is_the_mean_over_pairs_and_does_not_depend_on_the_micro_batc
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     # float32 through the model against float64 from its logits: 1e-6 on a loss of ~0.7.
     assert results[0].loss == pytest.approx(reference_dpo(model, rows, 0.5), abs=1e-6)
-    assert results[0].num_pairs == 4
+    assert results[0].metrics["pairs"] == 4
     for result, grad in zip(results[1:], grads[1:]):
         assert result.loss == pytest.approx(results[0].loss, rel=1e-6)
         assert result.metrics == pytest.approx(results[0].metrics, rel=1e-5, abs=1e-7)

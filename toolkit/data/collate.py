@@ -91,20 +91,30 @@ def preference_collate(
     pad_id: int,
     ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
     pad_to_multiple_of: int = 1,
+    lengths: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Pads preference pairs into one batch: the ``b`` chosen sequences, then the ``b`` rejected ones.
 
-    One forward pass then scores both halves, as preference losses (DPO and kin) need.
+    One forward pass then scores both halves, as preference losses (DPO and kin) need. ``pad_to_multiple_of`` and
+    ``lengths`` as in :func:`padded_collate`.
 
     Returns:
-        ``{"tokens": LongTensor[2b, s], "labels": LongTensor[2b, s]}``; rows ``:b`` are chosen, ``b:`` rejected.
+        ``{"tokens": LongTensor[2b, s], "labels": LongTensor[2b, s], "lengths": LongTensor[2b]}``; rows ``:b`` are
+        chosen, ``b:`` rejected. Samples that carry their reference's log-probabilities (``ref_chosen``,
+        ``ref_rejected``: :class:`~toolkit.training.preference.WithReferenceLogps`) also give ``"ref_logps":
+        FloatTensor[2b]`` in the same order.
     """
     halves = [
         {"tokens": sample[f"{name}_tokens"], "labels": sample[f"{name}_labels"]}
         for name in ("chosen", "rejected")
         for sample in batch
     ]
-    return padded_collate(halves, pad_id=pad_id, ignore_index=ignore_index, pad_to_multiple_of=pad_to_multiple_of)
+    out = padded_collate(halves, pad_id=pad_id, ignore_index=ignore_index, pad_to_multiple_of=pad_to_multiple_of,
+                         lengths=lengths)
+    if "ref_chosen" in batch[0]:
+        out["ref_logps"] = torch.tensor([s[f"ref_{name}"] for name in ("chosen", "rejected") for s in batch],
+                                        dtype=torch.float32)
+    return out
 
 
 def _pad(rows: Sequence[Sequence[int]], seq_len: int, value: int) -> torch.Tensor:

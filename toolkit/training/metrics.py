@@ -235,7 +235,7 @@ def step_metrics(
         "num_tokens": result.num_tokens,
         "tokens_per_second": result.num_tokens / elapsed_s,
         "step_time_s": elapsed_s,
-        **result.routing,
+        **result.metrics,
     }
     if forward_backward_s is not None:
         metrics["forward_backward_s"] = forward_backward_s

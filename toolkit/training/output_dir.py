@@ -29,7 +29,9 @@ _OWNER_FILE = ".job"  # which job a folder belongs to (see claim_output_dir)
 # temporary names (".final.partial", ".final.old", "metrics.jsonl.tmp", ".eval.json.tmp-<pid>", and the
 # ".shared-<hex>" token of toolkit.training.distributed.shared_filesystem).
 RUN_MARKERS = ("metrics.jsonl", "config.yaml", CHECKPOINTS_DIR, "final")
-RUN_FILES = (*RUN_MARKERS, _OWNER_FILE, "tensorboard", "wandb", "profile", "eval.json")
+# The preference recipe's reference log-probabilities, computed once (toolkit.training.preference).
+REFERENCE_LOGPS_FILE = "reference_logps.safetensors"
+RUN_FILES = (*RUN_MARKERS, _OWNER_FILE, "tensorboard", "wandb", "profile", "eval.json", REFERENCE_LOGPS_FILE)
 _TEMPORARY_NAME = re.compile(r"^\.?(?P<name>.+?)(\.partial|\.old|\.tmp(-\d+)?)$")
 # toolkit/training/output_dir.py -> the folder holding the toolkit package (the project's checkout)
 _TOOLKIT_HOME = Path(__file__).resolve().parents[2]

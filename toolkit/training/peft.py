@@ -11,6 +11,7 @@ builder, with the settings its ``adapter_config.json`` records.
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,10 @@ from toolkit.models._decoder import LinearFactory
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES, lora_linear
 from toolkit.modules._dtensor import copy_full_
 from toolkit.modules.peft import DoRALinear, LoRAGroupedExperts, adapter_modules, init_adapters, is_adapter_key
-from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _weight_files, load_model_family
+from toolkit.modules.peft import NF4Linear, get_merged_state_dict
+from toolkit.parallel import unwrap
+from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _weight_files, gather_full_state_dict, load_model_family
+from toolkit.training.distributed import barrier
 from toolkit.training.step_checkpoint import TOKENIZER_FILES
 from toolkit.training.init import init_weights
 from toolkit.training.peft_experts import (
@@ -539,3 +543,57 @@ def _experts_delta(parts: list, deltas: dict[str, torch.Tensor]) -> torch.Tensor
     # Parts that share one tensor fill its row blocks (``Part.rows``), in order.
     order = sorted(range(len(parts)), key=lambda i: parts[i].rows[0] if parts[i].rows else 0)
     return torch.cat([blocks[i] for i in order], dim=-2)
+
+
+def save_adapter_and_merged(
+    model: nn.Module,
+    checkpointer: Any,
+    *,
+    output_dir: Path,
+    save_merged: bool,
+    build: Callable[[], nn.Module],
+    is_rank_zero: bool,
+    log: Callable[[str], None] = print,
+) -> None:
+    """A trained LoRA/DoRA/QLoRA run's results: the PEFT adapter in ``output_dir/adapter`` and, with
+    ``save_merged``, the base with the adapters merged in, in Hugging Face format, in ``output_dir/merged``. With
+    adapters on a mixture-of-experts model's experts that PEFT cannot load (trained with dropout), the merged model
+    alone. A collective: every rank calls it.
+
+    Sharded (FSDP2 or tensor-parallel) adapters are gathered one tensor at a time (they are small) and rank zero
+    writes them; the merged model is computed from each rank's shards of the base and the adapters and exported as
+    the full fine-tune exports, every rank writing its share: the base is never gathered on one rank. QLoRA's NF4
+    bases under FSDP2 are the exception: the model is gathered on rank zero, rebuilt there (``build()`` makes it
+    on the meta device) and merged.
+    """
+    plain = unwrap(model)
+    base = str(checkpointer.checkpoint_dir) if checkpointer.checkpoint_dir is not None else None
+    sharded = any(isinstance(p, DTensor) for p in plain.parameters())
+    nf4 = any(isinstance(m, NF4Linear) or getattr(m, "quantize_base", False) for m in plain.modules())
+    no_adapter = no_peft_form(adapter_modules(plain))
+    if no_adapter:
+        log(f"{no_adapter}: writing the merged model instead of the adapter")
+    save_merged = save_merged or bool(no_adapter)
+    family = checkpointer.family_name
+    if sharded and nf4:
+        full_state = gather_full_state_dict(model)
+        if not is_rank_zero:
+            return
+        with torch.device("meta"):
+            plain = build()
+        plain.load_state_dict(full_state, assign=True)
+        adapter_dir = save_peft_adapter(plain, output_dir / "adapter", model_family=family,
+                                        base_model_name_or_path=base)
+        log(f"saved {adapter_dir}")
+        if save_merged:
+            merged_dir = checkpointer.save(plain, output_dir / "merged", state_dict=get_merged_state_dict(plain))
+            log(f"saved {merged_dir}")
+        return
+    if not no_adapter:
+        adapter_dir = export_peft_adapter(plain, output_dir / "adapter", model_family=family,
+                                          base_model_name_or_path=base)
+        barrier()  # rank zero's folder is in place before any rank goes on
+        log(f"saved {adapter_dir}")
+    if save_merged:
+        merged_dir = checkpointer.export(model, output_dir / "merged", state_dict=get_merged_state_dict(plain))
+        log(f"saved {merged_dir}")

@@ -24,19 +24,30 @@ The implicit rewards reported beside them are ``beta (pi - ref)`` (``dpo``), ``b
 """
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import DataLoader, Dataset
+
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
+from toolkit.errors import UserError
 from toolkit.modules.peft import disable_adapters
-from toolkit.parallel import gradient_sync, unwrap
+from toolkit.parallel import ParallelDims, apply_data_parallel, apply_ep, apply_tp, gradient_sync, unwrap
 from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
+from toolkit.training.init import materialize
+from toolkit.training.output_dir import REFERENCE_LOGPS_FILE
+from toolkit.training.step import StepResult, iterate_loader
+from toolkit.training.validation import ValidationSampler, max_over_ranks
 
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -130,24 +141,108 @@ class PreferenceSettings:
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected")
 
 
-@dataclass(frozen=True)
-class PreferenceStepResult:
-    """A step's loss (the mean over the global batch's pairs, ORPO's supervised term included), its pairs, and
-    :data:`METRICS`."""
+class Reference:
+    """The reference model as the step calls it: ``reference(tokens, **inputs)`` scores like ``module`` without
+    grad, with the adapters switched off if ``adapters_off`` (:func:`lora_reference`). ``module`` is what runs, so
+    that what is left gathered after forwards without a backward can be freed."""
 
-    loss: float
-    num_pairs: int
-    metrics: dict[str, float]
+    def __init__(self, module: nn.Module, *, adapters_off: bool = False) -> None:
+        self.module, self.adapters_off = module, adapters_off
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        off = disable_adapters(unwrap(self.module)) if self.adapters_off else contextlib.nullcontext()
+        with torch.no_grad(), off:
+            return self.module(*args, **kwargs)
 
 
-def lora_reference(model: nn.Module) -> Callable[..., torch.Tensor]:
+def lora_reference(model: nn.Module) -> Reference:
     """The reference of a LoRA/DoRA policy: its base, the adapters switched off (no second copy in memory)."""
+    return Reference(model, adapters_off=True)
 
-    def reference(*args, **kwargs) -> torch.Tensor:
-        with torch.no_grad(), disable_adapters(unwrap(model)):
-            return model(*args, **kwargs)
 
-    return reference
+def frozen_reference(
+    build: Callable[[], nn.Module],
+    *,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    fill: Callable[[nn.Module], None],
+    sequence_parallel: bool = False,
+) -> nn.Module:
+    """The reference of a full fine-tune: a frozen copy of the policy's starting weights, laid out like the policy.
+
+    ``build()`` makes the model on the meta device, ``fill(model)`` loads (or initializes) its weights. It is split
+    over the mesh as the policy is (tensor and expert parallel; FSDP2 over the data-parallel ranks for the sharded
+    strategies, resharding after every forward, ZeRO-2 too, since no backward follows), and stored in ``dtype``,
+    the compute dtype: it is never updated, so it needs no float32 master copy. Under ddp and zero1 every rank holds
+    it whole, as it holds the policy. It is in eval mode and needs no gradient.
+    """
+    with torch.device("meta"):
+        reference = build()
+    reference.requires_grad_(False)
+    if dims.tp > 1:
+        apply_tp(reference, tp_mesh=mesh["tp"], sequence_parallel=sequence_parallel)
+    if dims.ep > 1:
+        apply_ep(reference, ep_mesh=mesh["ep"])
+    if dims.is_sharded or dims.tp > 1 or dims.ep > 1:
+        if dims.is_sharded:
+            fsdp_dims = dataclasses.replace(dims, strategy="zero3") if dims.strategy == "zero2" else dims
+            reference = apply_data_parallel(reference.to(dtype), dims=fsdp_dims, device=device, mesh=mesh)
+        materialize(reference.to(dtype), device=device)
+    else:
+        materialize(reference, device=device, dtype=dtype)
+    fill(reference)
+    return reference.eval()
+
+
+def model_reference(reference: nn.Module) -> Reference:
+    """A frozen reference model (:func:`frozen_reference`), or the policy before its first step, as the step calls
+    it."""
+    return Reference(reference)
+
+
+def _pair_inputs(mb: dict[str, torch.Tensor], *, flex_attention: bool) -> dict:
+    return dict(mask=batch_attention_mask(mb, flex_attention=flex_attention), input_pos=mb.get("input_pos"),
+                labels=mb["labels"], per_sequence=True)
+
+
+def score_pairs(
+    model: nn.Module,
+    mb: dict[str, torch.Tensor],
+    *,
+    settings: PreferenceSettings,
+    reference: Reference | None,
+    flex_attention: bool = False,
+) -> tuple[PairLogprobs, PairLosses]:
+    """One micro-batch of ``b`` pairs (``2b`` rows on the device: chosen, then rejected) scored in one forward: the
+    policy's per-pair log-probabilities and the per-pair losses (the reference from ``reference``, else from the
+    batch's ``ref_logps``; none for a reference-free loss). Call it inside the step's autocast."""
+    half = mb["labels"].shape[0] // 2
+    inputs = _pair_inputs(mb, flex_attention=flex_attention)
+    logps = model(mb["tokens"], **inputs)  # [2b]
+    counts = (mb["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum(dim=1).float()
+    policy = PairLogprobs(logps[:half], logps[half:], counts[:half], counts[half:])
+    ref = None
+    if settings.needs_reference:
+        ref_logps = (mb["ref_logps"] if reference is None else reference(mb["tokens"], **inputs)).float()
+        ref = PairLogprobs(ref_logps[:half], ref_logps[half:], counts[:half], counts[half:])
+    losses = preference_losses(
+        settings.loss, policy, ref, beta=settings.beta, label_smoothing=settings.label_smoothing,
+        simpo_gamma=settings.simpo_gamma,
+    )
+    return policy, losses
+
+
+def _pair_totals(loss_sum: torch.Tensor, policy: PairLogprobs, out: PairLosses) -> torch.Tensor:
+    """The sums behind :data:`METRICS` (and the loss) over a micro-batch's pairs, float64. A tie between the
+    rewards counts half, so a policy that is still its reference scores chance, 0.5."""
+    wins = (out.rewards_chosen > out.rewards_rejected).double() + 0.5 * (out.rewards_chosen == out.rewards_rejected)
+    return torch.stack([
+        loss_sum.detach().double(), out.rewards_chosen.double().sum(), out.rewards_rejected.double().sum(),
+        (out.rewards_chosen - out.rewards_rejected).double().sum(), wins.sum(),
+        policy.chosen.detach().double().sum(), policy.rejected.detach().double().sum(),
+    ])
 
 
 def preference_forward_backward(
@@ -158,60 +253,205 @@ def preference_forward_backward(
     device: torch.device,
     data_parallel_size: int,
     data_parallel_group: dist.ProcessGroup | None = None,
-    reference: Callable[..., torch.Tensor] | None = None,
+    reference: Reference | None = None,
     autocast: contextlib.AbstractContextManager | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
     flex_attention: bool = False,
-) -> PreferenceStepResult:
+) -> StepResult:
     """Accumulate the gradients of one global batch's share of preference pairs on this rank.
 
     Each micro-batch holds ``b`` pairs as ``2b`` rows (:func:`~toolkit.data.preference_collate`: the chosen answers,
     then the rejected ones), scored in one forward (:meth:`~toolkit.modules.TransformerDecoder.forward` with
     ``per_sequence=True``: summed log-probabilities of each row's trained tokens, the fused projection keeping no
     logits). The reference's log-probabilities come from ``reference`` (called as the model is, without grad:
-    :func:`lora_reference`, a frozen copy), or, where the batch carries them (``ref_logps`` ``[2b]``, computed once
-    before training), from the batch; reference-free losses take none. The global count of pairs (and, for ORPO,
-    of chosen tokens) is taken first, so every micro-batch adds its pairs' losses divided by the global pairs: the
-    accumulated, reduced gradient is the mean over every pair, whatever the split into ranks and micro-steps.
-    ``grad_scaler`` (fp16) scales each backward, as :func:`~toolkit.training.forward_backward` does.
+    :func:`lora_reference`, :func:`model_reference`), or, where the batch carries them (``ref_logps`` ``[2b]``,
+    :func:`precompute_reference_logps`), from the batch; reference-free losses take none. The global count of pairs
+    (and, for ORPO, of chosen tokens) is taken first, so every micro-batch adds its pairs' losses divided by the
+    global pairs: the accumulated, reduced gradient is the mean over every pair, whatever the split into ranks and
+    micro-steps. ``grad_scaler`` (fp16) scales each backward, as :func:`~toolkit.training.forward_backward` does.
+
+    Returns:
+        the step's loss (the mean over the global batch's pairs, ORPO's supervised term included), its trained
+        tokens (chosen and rejected), this rank's positions, and in ``metrics`` :data:`METRICS` (means over the
+        global batch's pairs) and ``pairs``.
     """
-    pairs_and_tokens = torch.zeros(2, dtype=torch.float64)
+    counts = torch.zeros(3, dtype=torch.float64)
     for mb in micro_batches:
         half = mb["labels"].shape[0] // 2
-        pairs_and_tokens += torch.tensor([half, int((mb["labels"][:half] != CROSS_ENTROPY_IGNORE_INDEX).sum())])
-    global_pairs, global_chosen_tokens = (int(v) for v in all_reduce_sum(pairs_and_tokens, group=data_parallel_group))
-    totals = torch.zeros(1 + len(METRICS), dtype=torch.float64, device=device)
+        trained = mb["labels"] != CROSS_ENTROPY_IGNORE_INDEX
+        counts += torch.tensor([half, int(trained[:half].sum()), int(trained.sum())])
+    global_pairs, global_chosen_tokens, global_tokens = (
+        int(v) for v in all_reduce_sum(counts, group=data_parallel_group))
+    totals = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=device)
+    num_positions = 0
     for i, mb in enumerate(micro_batches):
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-        half = mb["labels"].shape[0] // 2
-        inputs = dict(mask=batch_attention_mask(mb, flex_attention=flex_attention), input_pos=mb.get("input_pos"),
-                      labels=mb["labels"], per_sequence=True)
+        num_positions += mb["tokens"].numel()
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             with autocast or contextlib.nullcontext():
-                logps = model(mb["tokens"], **inputs)  # [2b]
-                ref_logps = None
-                if settings.needs_reference:
-                    ref_logps = mb["ref_logps"] if reference is None else reference(mb["tokens"], **inputs)
-            counts = (mb["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum(dim=1).float()
-            policy = PairLogprobs(logps[:half], logps[half:], counts[:half], counts[half:])
-            ref = None if ref_logps is None else PairLogprobs(
-                ref_logps[:half].float(), ref_logps[half:].float(), counts[:half], counts[half:])
-            out = preference_losses(
-                settings.loss, policy, ref, beta=settings.beta, label_smoothing=settings.label_smoothing,
-                simpo_gamma=settings.simpo_gamma,
-            )
+                policy, out = score_pairs(model, mb, settings=settings, reference=reference,
+                                          flex_attention=flex_attention)
             loss = out.loss.sum() / global_pairs
             if settings.loss == "orpo":  # its supervised term: the chosen answers' mean token cross-entropy
                 loss = loss - policy.chosen.sum() / max(global_chosen_tokens, 1)
             scaled = loss * data_parallel_size  # (the gradient reduction averages over the ranks)
             (grad_scaler.scale(scaled) if grad_scaler is not None else scaled).backward()
-        chosen, rejected = policy.chosen.detach(), policy.rejected.detach()
-        totals += torch.stack([
-            loss.detach().double() * global_pairs, out.rewards_chosen.sum(), out.rewards_rejected.sum(),
-            (out.rewards_chosen - out.rewards_rejected).sum(), (out.rewards_chosen > out.rewards_rejected).sum(),
-            chosen.sum(), rejected.sum(),
-        ]).double()
+        totals += _pair_totals(loss * global_pairs, policy, out)
     totals = all_reduce_sum(totals, group=data_parallel_group).cpu() / max(global_pairs, 1)
-    return PreferenceStepResult(
-        loss=float(totals[0]), num_pairs=global_pairs, metrics=dict(zip(METRICS, totals[1:].tolist())),
+    return StepResult(
+        loss=float(totals[0]), num_tokens=global_tokens, num_positions=num_positions,
+        metrics={**dict(zip(METRICS, totals[1:].tolist())), "pairs": global_pairs},
     )
+
+
+def _idle_pairs(device: torch.device) -> dict[str, torch.Tensor]:
+    # One pair of one ignored position: the forward a rank out of batches runs so FSDP2's all-gathers stay in step.
+    return {"tokens": torch.zeros((2, 1), dtype=torch.long, device=device),
+            "labels": torch.full((2, 1), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long, device=device)}
+
+
+def _reshard(model: nn.Module) -> None:
+    # FSDP2 keeps the root's weights gathered after a forward with no backward after it: free them.
+    for module in unwrap(model).modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+@torch.no_grad()
+def preference_validation(
+    model: nn.Module,
+    loader: DataLoader,
+    *,
+    settings: PreferenceSettings,
+    device: torch.device,
+    reference: Reference | None = None,
+    autocast: contextlib.AbstractContextManager | None = None,
+    flex_attention: bool = False,
+    data_parallel_group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """The preference loss and metrics over a whole held-out set of pairs, each rank scoring its slice
+    (:class:`~toolkit.training.ValidationSampler`), summed exactly over the ranks: ``val_loss`` (without ORPO's
+    supervised term), ``val_<metric>`` for each of :data:`METRICS` (``val_reward_accuracy``: the held-out preference
+    accuracy, ties counting half), and ``val_pairs``. A collective; the model returns to its mode afterwards."""
+    plain = unwrap(model)
+    was_training = plain.training
+    plain.eval()
+    totals = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=device)
+    try:
+        batches = iterate_loader(loader)
+        for _ in range(max_over_ranks(len(loader), device=device)):
+            batch = next(batches, None)
+            with autocast or contextlib.nullcontext():
+                if batch is None:  # out of batches: forwards only, so sharded layers' gathers stay in step
+                    idle = _idle_pairs(device)
+                    plain(idle["tokens"], **_pair_inputs(idle, flex_attention=flex_attention))
+                    if reference is not None and settings.needs_reference:
+                        reference(idle["tokens"], **_pair_inputs(idle, flex_attention=flex_attention))
+                    continue
+                mb = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                policy, out = score_pairs(plain, mb, settings=settings, reference=reference,
+                                          flex_attention=flex_attention)
+            pairs = torch.tensor([policy.chosen.numel()], dtype=torch.float64, device=device)
+            totals += torch.cat([_pair_totals(out.loss.sum(), policy, out), pairs])
+    finally:
+        _reshard(plain)
+        if reference is not None:
+            _reshard(reference.module)
+        plain.train(was_training)
+    totals = all_reduce_sum(totals, group=data_parallel_group).cpu()
+    pairs = float(totals[-1])
+    if pairs == 0:
+        raise UserError("validation: the preference set has no pairs; nothing to score")
+    means = (totals[:-1] / pairs).tolist()
+    return {"val_loss": means[0], **{f"val_{name}": v for name, v in zip(METRICS, means[1:])}, "val_pairs": int(pairs)}
+
+
+# --- Reference log-probabilities computed once ---------------------------------------------------------------------
+
+REFERENCE_FILE = REFERENCE_LOGPS_FILE  # in output_dir: a run file (overwrite=true clears it)
+
+
+class WithReferenceLogps(Dataset):
+    """A preference dataset whose samples also carry the reference's summed log-probabilities of their answers
+    (``ref_chosen``, ``ref_rejected``), which :func:`~toolkit.data.preference_collate` batches as ``ref_logps``."""
+
+    def __init__(self, dataset: Dataset, logps: torch.Tensor) -> None:
+        if logps.shape != (len(dataset), 2):
+            raise ValueError(f"reference log-probabilities of shape {tuple(logps.shape)} for {len(dataset)} pairs")
+        self.dataset, self.logps = dataset, logps
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        chosen, rejected = self.logps[index].tolist()
+        return {**self.dataset[index], "ref_chosen": chosen, "ref_rejected": rejected}
+
+
+@torch.no_grad()
+def precompute_reference_logps(
+    reference: Reference,
+    dataset: Dataset,
+    collate: Callable[[list], dict[str, torch.Tensor]],
+    *,
+    batch_size: int,
+    device: torch.device,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    data_parallel_group: dist.ProcessGroup | None = None,
+    autocast: contextlib.AbstractContextManager | None = None,
+    flex_attention: bool = False,
+) -> torch.Tensor:
+    """The reference's summed log-probabilities of every pair's chosen and rejected answers, ``[pairs, 2]`` float32
+    on the host, on every rank. Each data-parallel rank scores its contiguous slice
+    (:class:`~toolkit.training.ValidationSampler`) in batches of ``batch_size`` pairs and the slices are summed
+    into the whole over ``data_parallel_group``; a collective (ranks out of batches run idle forwards, so sharded
+    layers gather in step)."""
+    sampler = ValidationSampler(len(dataset), rank=dp_rank, world_size=dp_size)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate)
+    out = torch.zeros(len(dataset), 2, dtype=torch.float64, device=device)
+    batches, start = iterate_loader(loader), sampler.start
+    try:
+        for _ in range(max_over_ranks(len(loader), device=device)):
+            batch = next(batches, None)
+            mb = _idle_pairs(device) if batch is None else {k: v.to(device) for k, v in batch.items()}
+            with autocast or contextlib.nullcontext():
+                logps = reference(mb["tokens"], **_pair_inputs(mb, flex_attention=flex_attention)).double()
+            if batch is not None:
+                half = logps.shape[0] // 2
+                out[start : start + half] = torch.stack([logps[:half], logps[half:]], dim=1)
+                start += half
+    finally:
+        _reshard(reference.module)
+    return all_reduce_sum(out, group=data_parallel_group).float().cpu()
+
+
+def save_reference_logps(path: Path, logps: dict[str, torch.Tensor], *, fingerprint: str) -> None:
+    """Write precomputed references (:func:`precompute_reference_logps`), by dataset name (``train``,
+    ``validation``), to ``path`` (safetensors, written aside and renamed) with the ``fingerprint`` of what they were
+    computed from."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({name: t.contiguous() for name, t in logps.items()}, str(tmp), metadata={"fingerprint": fingerprint})
+    tmp.replace(path)
+
+
+def load_reference_logps(path: Path, *, name: str, num_pairs: int, fingerprint: str) -> torch.Tensor | None:
+    """The precomputed reference of dataset ``name`` at ``path`` if it was computed from the same ``fingerprint``
+    for ``num_pairs`` pairs; None if there is none or it is another's (it is then computed again). Only tensors are
+    read (safetensors): nothing in the file runs."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("fingerprint") != fingerprint or name not in f.keys():
+                return None
+            logps = f.get_tensor(name)
+    except Exception:  # noqa: BLE001 (damaged, or not safetensors: computed again)
+        return None
+    if logps.shape != (num_pairs, 2) or logps.dtype != torch.float32 or not torch.isfinite(logps).all():
+        return None
+    return logps

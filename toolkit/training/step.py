@@ -29,13 +29,14 @@ class StepResult:
         loss: mean token loss over the whole global batch (all micro-batches and ranks).
         num_tokens: non-ignored tokens in the global batch.
         num_positions: this rank's input positions, padding included (for throughput).
-        routing: for a mixture-of-experts model, :func:`routing_metrics` of the global batch; else empty.
+        metrics: further ``metrics.jsonl`` figures of the step: a mixture-of-experts model's
+            :func:`routing_metrics` of the global batch, a preference step's rewards; else empty.
     """
 
     loss: float
     num_tokens: int
     num_positions: int
-    routing: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def forward_backward(
@@ -115,7 +116,7 @@ def forward_backward(
     take_routing = getattr(unwrap(model), "take_routing_totals", None)
     routing = take_routing() if take_routing is not None else None
     metrics = {} if routing is None else routing_metrics(routing, num_tokens=num_tokens, group=data_parallel_group)
-    return StepResult(loss=loss, num_tokens=num_tokens, num_positions=num_positions, routing=metrics)
+    return StepResult(loss=loss, num_tokens=num_tokens, num_positions=num_positions, metrics=metrics)
 
 
 def routing_metrics(

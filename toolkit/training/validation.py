@@ -63,7 +63,7 @@ class ValidationSampler(Sampler[int]):
         return iter(range(self.start, self.stop))
 
 
-def _max_over_ranks(value: int, *, device: torch.device) -> int:
+def max_over_ranks(value: int, *, device: torch.device) -> int:
     if not dist.is_initialized():
         return value
     out = torch.tensor([value], dtype=torch.int64, device=device)
@@ -119,7 +119,7 @@ def validation_loss(
     }
     try:
         batches = iterate_loader(loader)  # validation draws nothing from the training's RNG
-        for _ in range(_max_over_ranks(len(loader), device=device)):
+        for _ in range(max_over_ranks(len(loader), device=device)):
             batch = next(batches, None)
             batch = idle_batch if batch is None else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with autocast or contextlib.nullcontext():
