@@ -76,6 +76,7 @@ from toolkit.training.preference import (
     lora_reference,
     model_reference,
     precompute_reference_logps,
+    preference_kernels,
     preference_forward_backward,
     preference_validation,
     save_reference_logps,
@@ -148,13 +149,16 @@ def train(cfg: DictConfig) -> None:
     adapters = get_adapter_params(model)
     if adapters:  # LoRA/DoRA/QLoRA: only the adapters train
         set_trainable_params(model, adapters)
-    kernels = StepKernels(flex_attention=resolve_flex_attention(cfg.get("flex_attention", "auto"), env.device),
-                          loss_chunks=cfg.get("loss_chunks"))
-    # The memory plan counts one micro-batch of pairs as 2 x micro_batch_size sequences (chosen and rejected).
+    # The memory plan counts a micro-batch of pairs as twice as many sequences, and a frozen reference copy if any.
+    kernels = preference_kernels(
+        StepKernels(flex_attention=resolve_flex_attention(cfg.get("flex_attention", "auto"), env.device),
+                    loss_chunks=cfg.get("loss_chunks")),
+        loss=settings.loss, adapters=bool(adapters), precompute=precompute,
+    )
     plan = plan_parallelism(
         model=model, strategy=cfg.data_parallel, cpu_offload=cfg.cpu_offload, batch_size=cfg.batch_size,
         micro_batch_size=cfg.micro_batch_size, device=env.device, device_memory_gb=cfg.get("device_memory_gb"),
-        world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=2 * cfg.max_seq_len,
+        world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing, kernels=kernels,
         shard_size=cfg.hsdp_shard_size, optimizer=optimizer_memory_model(cfg.optimizer._component_) or "adamw",
         tensor_parallel=cfg.get("tensor_parallel", 1), expert_parallel=cfg.get("expert_parallel", 1),

@@ -408,3 +408,21 @@ def test_plan_lora_235b_on_8_gpus_fits_under_zero3_at_every_expert_parallel_degr
     assert totals[1] > totals[2] > totals[4] > totals[8]
     assert all(_column(table, "zero3")["fits"] == "yes" for table in tables.values())
 
+
+
+def test_plan_of_a_preference_run_counts_pairs_and_the_reference_copy(plan) -> None:
+    # The DPO demo is a full fine-tune with a live reference: a frozen copy, and each pair two sequences.
+    full = plan("preference_finetune", "--config", "demo", "--device-memory-gb", "24")
+    assert full.returncode == 0, full.stderr
+    assert "micro batch 16 pairs x 64 tokens, a frozen reference model" in full.stdout
+    assert float(_row(full.stdout, "reference model")[0]) > 0
+    sft = plan("full_finetune", "--config", "demo", "--device-memory-gb", "24", "micro_batch_size=32",
+               "batch_size=64")
+    assert _row(full.stdout, "activations") == _row(sft.stdout, "activations")  # 16 pairs = 32 sequences
+    # Precomputed, or adapters (their base is the reference): no copy.
+    for overrides in (["precompute_reference=true"], [
+        "model._component_=toolkit.models.llama3.lora_llama3_demo", "model.lora_attn_modules=[q_proj,v_proj]"
+    ]):
+        result = plan("preference_finetune", "--config", "demo", "--device-memory-gb", "24", *overrides)
+        assert result.returncode == 0, result.stderr
+        assert "reference model" not in result.stdout and "micro batch 16 pairs" in result.stdout

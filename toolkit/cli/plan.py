@@ -23,6 +23,7 @@ from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.parallel.mesh import EXPERT_PARALLEL_STRATEGIES
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.activations import checkpoint_interval
+from toolkit.training.preference import preference_kernels
 from toolkit.training.memory import (
     StepKernels,
     candidate_strategies,
@@ -202,6 +203,9 @@ def plan_command(argv: Sequence[str]) -> int:
     adapters = get_adapter_params(model)
     if adapters:  # what the LoRA recipe does: only the adapters train
         set_trainable_params(model, adapters)
+    if "preference_loss" in cfg:  # the preference recipe: pairs as two rows, and maybe a frozen reference copy
+        kernels = preference_kernels(kernels, loss=cfg.preference_loss, adapters=bool(adapters),
+                                     precompute=bool(cfg.get("precompute_reference", False)))
     shard_size = cfg.get("hsdp_shard_size")  # hsdp's groups, as the run makes them
     # The tensor-parallel degrees to show: the configured one, or (none or auto) every degree that splits the model
     # within one node, as tensor_parallel: auto would try them.
@@ -278,7 +282,8 @@ def plan_command(argv: Sequence[str]) -> int:
     print(
         f"model: {cfg.model._component_}, {n_params / 1e6:,.2f}M parameters ({active}{n_trainable / 1e6:,.2f}M "
         "trainable); "
-        f"micro batch {micro_batch_size} x {max_seq_len} tokens, dtype {dtype}, activation checkpointing "
+        f"micro batch {micro_batch_size}{' pairs' if kernels.sequences_per_sample == 2 else ''} x {max_seq_len} "
+        f"tokens{', a frozen reference model' if kernels.reference_model else ''}, dtype {dtype}, activation checkpointing "
         f"{checkpointing}, offloading {'on' if activation_offloading else 'off'}, "
         f"flex_attention {'on' if kernels.flex_attention else 'off'}, "
         f"loss {loss}, {optimizer}"

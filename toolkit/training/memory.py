@@ -92,11 +92,17 @@ class StepKernels:
         fused_loss: the projection and loss are fused, so that no chunk's logits outlive it (config ``fused_loss``,
             on by default in the recipes and ``forward_backward``; see
             :func:`~toolkit.training.activation_memory.logits_bytes`).
+        sequences_per_sample: rows one sample of the batch becomes (the preference recipe's pairs: 2, chosen and
+            rejected in one forward), so activations and logits count ``micro_batch_size`` times this many rows.
+        reference_model: a frozen copy of the model scores each batch beside it (full-fine-tuning preference
+            tuning with a live reference), laid out as the policy (see :attr:`MemoryEstimate.reference`).
     """
 
     flex_attention: bool = False
     loss_chunks: int | None = None
     fused_loss: bool = True
+    sequences_per_sample: int = 1
+    reference_model: bool = False
 
 
 def format_bytes(n: int) -> str:
@@ -122,6 +128,10 @@ class MemoryEstimate:
         expert_parallel: data-parallel ranks each mixture-of-experts layer's experts are shared out over.
         all_to_all: per-device bytes of the buffers the experts' token exchange holds (0 without expert
             parallelism).
+        reference: per-device bytes of a frozen reference model (:attr:`StepKernels.reference_model`): stored in
+            the compute dtype, whole under ddp and zero1, sharded as the parameters under the sharded strategies
+            (resharded after every forward, zero2 included), plus what it gathers while it scores (its root unit,
+            kept gathered, and a layer and the next one's all-gather buffer).
     """
 
     strategy: str
@@ -139,6 +149,7 @@ class MemoryEstimate:
     tensor_parallel: int = 1
     expert_parallel: int = 1
     all_to_all: int = 0
+    reference: int = 0
 
     @property
     def label(self) -> str:
@@ -157,7 +168,7 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         """Per-device bytes at the peak (the sum of every part)."""
-        return self.params + self.grads + self.optimizer_state + self.activations + self.temporary
+        return self.params + self.grads + self.optimizer_state + self.activations + self.temporary + self.reference
 
     def table(self) -> str:
         """The estimate as a one-column table (see :func:`format_table`)."""
@@ -175,6 +186,7 @@ _ROWS = (
     ("logits + loss", "logits"),
     ("gathered", "gathered"),
     ("all-to-all", "all_to_all"),
+    ("reference model", "reference"),
     ("total", "total"),
 )
 
@@ -199,9 +211,10 @@ def format_table(estimates: Sequence[MemoryEstimate], *, usable_bytes: int | Non
         if any(getattr(e, degree) > 1 for e in estimates):
             lines.append(row("", [f"x {name}{getattr(e, degree)}" if getattr(e, degree) > 1 else ""
                                   for e in estimates]))
-    expert_parallel = any(e.expert_parallel > 1 for e in estimates)
+    shown = {"all_to_all": any(e.expert_parallel > 1 for e in estimates),
+             "reference": any(e.reference for e in estimates)}
     for title, attribute in _ROWS:
-        if attribute != "all_to_all" or expert_parallel:  # a row of zeros without expert parallelism
+        if shown.get(attribute, True):  # not a row of zeros without expert parallelism or a reference
             lines.append(row(title, [f"{getattr(e, attribute) / scale:.2f}" for e in estimates]))
     if usable_bytes is not None:
         lines.append(row("fits", ["yes" if e.total <= usable_bytes else "no" for e in estimates]))
@@ -455,13 +468,32 @@ def estimate_memory(
             grad_elems = max((_stored_bytes(t, 1, shards_of(t)) for t in params if t.requires_grad), default=0)
         else:
             grad_elems = math.ceil(fraction * max(t.numel() * (shards // shards_of(t)) for t in params) / shards)
+    reference_host = 0
+    if kernels.reference_model:
+        # A frozen copy in the compute dtype: whole (its TP shard) unless FSDP2 shards it; sharded, it also holds
+        # its root unit gathered and, while it scores, a layer's units and the next one's all-gather buffer.
+        if strategy in _SHARDED and world_size > 1:
+            layer_bytes = max((compute_copies(ts) for ts in layers), default=0)
+            stored = sum(_stored_bytes(t, c, shards_of(t)) for t in params)
+            reference = compute_copies(root) + 2 * layer_bytes
+            if cpu_offload:  # its shards offloaded with the policy's (the host counts them below)
+                reference_host = stored
+            else:
+                reference += stored
+        else:
+            reference = compute_copies(params)
+        reference += buffer_bytes
+    else:
+        reference = 0
+    rows = micro_batch_size * kernels.sequences_per_sample  # sequences per forward
     activations = dict(
-        micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype,
+        micro_batch_size=rows, seq_len=max_seq_len, dtype=dtype,
         activation_checkpointing=activation_checkpointing, autocast=autocast, flex_attention=kernels.flex_attention,
         tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
     )
     host = offloaded_activation_bytes(model, **activations) if activation_offloading else 0
     grad_bytes, opt_bytes = p * grad_elems, int(_STATE_ELEMENT_BYTES.get(optimizer, p) * states * opt_elems)
+    host += reference_host
     if cpu_offload:
         host += param_bytes + grad_bytes + opt_bytes
         param_bytes = grad_bytes = opt_bytes = 0
@@ -477,7 +509,7 @@ def estimate_memory(
         optimizer_state=opt_bytes,
         activations=activation_bytes(model, activation_offloading=activation_offloading, **activations),
         logits=logits_bytes(
-            model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype,
+            model, micro_batch_size=rows, seq_len=max_seq_len, dtype=dtype,
             loss_chunks=kernels.loss_chunks, fused=kernels.fused_loss, tensor_parallel=tensor_parallel,
         ),
         gathered=gathered,
@@ -485,8 +517,9 @@ def estimate_memory(
         tensor_parallel=tensor_parallel,
         expert_parallel=expert_parallel,
         all_to_all=all_to_all_bytes(
-            model, micro_batch_size=micro_batch_size, seq_len=max_seq_len, dtype=dtype, expert_parallel=expert_parallel
+            model, micro_batch_size=rows, seq_len=max_seq_len, dtype=dtype, expert_parallel=expert_parallel
         ),
+        reference=reference,
     )
 
 

@@ -45,6 +45,7 @@ from toolkit.parallel import ParallelDims, apply_data_parallel, apply_ep, apply_
 from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.init import materialize
+from toolkit.training.memory import StepKernels
 from toolkit.training.output_dir import REFERENCE_LOGPS_FILE
 from toolkit.training.step import StepResult, iterate_loader
 from toolkit.training.validation import ValidationSampler, max_over_ranks
@@ -137,6 +138,14 @@ class PreferenceSettings:
         return self.loss not in REFERENCE_FREE
 
 
+def preference_kernels(kernels: StepKernels, *, loss: str, adapters: bool, precompute: bool) -> StepKernels:
+    """What the memory plan counts for a preference step (:class:`~toolkit.training.StepKernels`): each pair is two
+    rows of one forward, and a full fine-tune with a live reference (not ``precompute``d, for a loss that has one)
+    holds a frozen copy of the model (:func:`frozen_reference`); adapters' reference is their own base."""
+    live_copy = loss not in REFERENCE_FREE and not adapters and not precompute
+    return dataclasses.replace(kernels, sequences_per_sample=2, reference_model=live_copy)
+
+
 # The metrics of a step, means over the pairs of the global batch (metrics.jsonl's names).
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected")
 
@@ -185,14 +194,22 @@ def frozen_reference(
         apply_tp(reference, tp_mesh=mesh["tp"], sequence_parallel=sequence_parallel)
     if dims.ep > 1:
         apply_ep(reference, ep_mesh=mesh["ep"])
-    if dims.is_sharded or dims.tp > 1 or dims.ep > 1:
-        if dims.is_sharded:
-            fsdp_dims = dataclasses.replace(dims, strategy="zero3") if dims.strategy == "zero2" else dims
-            reference = apply_data_parallel(reference.to(dtype), dims=fsdp_dims, device=device, mesh=mesh)
-        materialize(reference.to(dtype), device=device)
+    # As parallelize orders it: split on the meta device where it can, so each rank only allocates its part;
+    # offloaded shards are made from whole weights.
+    shard_first = dims.tp > 1 or dims.ep > 1 or (dims.is_sharded and not dims.cpu_offload)
+    fsdp_dims = dataclasses.replace(dims, strategy="zero3") if dims.strategy == "zero2" else dims
+
+    def shard(module: nn.Module) -> nn.Module:
+        return apply_data_parallel(module, dims=fsdp_dims, device=device, mesh=mesh) if dims.is_sharded else module
+
+    if shard_first:
+        reference = shard(reference.to(dtype))
+        materialize(reference, device=device)
     else:
         materialize(reference, device=device, dtype=dtype)
     fill(reference)
+    if not shard_first:
+        reference = shard(reference)
     return reference.eval()
 
 
