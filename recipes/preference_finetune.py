@@ -303,12 +303,14 @@ def train(cfg: DictConfig) -> None:
 
     if resume is None and val_loader is not None:
         before = validate()
+        log.log({"step": 0, **before})
         log.print(f"held-out preference accuracy before training: {before['val_reward_accuracy']:.1%} "
                   f"({before['val_pairs']} pairs)")
     if eval_tasks and resume is None:
         evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")
 
     # --- Training loop ------------------------------------------------------------------------------------------
+    validated = (None, None)  # the step of the last validation, and its metrics
     model.train()
     data_requested = time.perf_counter()
     for epoch, micro_batches in global_batches(loader, sampler, accum_steps=plan.accumulation_steps):
@@ -333,7 +335,8 @@ def train(cfg: DictConfig) -> None:
             gather_rank_stats=step % cfg.log_every_n_steps == 0 or step == total_steps,
         ))
         if val_loader is not None and cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
-            log.log({"step": step, **validate()})
+            validated = (step, validate())
+            log.log({"step": step, **validated[1]})
         if checkpoints.due(step, total_steps):
             checkpoints.save(step, state, config=cfg, strategy=dims.strategy)
         inject_fault("after_step", step=step, rank=env.rank)  # a testing hook: see toolkit.training.debug
@@ -342,7 +345,10 @@ def train(cfg: DictConfig) -> None:
 
     # --- Evaluate and save: the model in Hugging Face format, or the PEFT adapter (and the merged model) -----------
     if val_loader is not None:
-        after = validate()
+        if validated[0] != step:  # (not validated at the last step already)
+            validated = (step, validate())
+            log.log({"step": step, **validated[1]})
+        after = validated[1]
         log.print(f"held-out preference accuracy after training: {after['val_reward_accuracy']:.1%} "
                   f"({after['val_pairs']} pairs)")
     if eval_tasks:

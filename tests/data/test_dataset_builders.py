@@ -159,3 +159,18 @@ def test_reasoning_content_reaches_the_chat_format() -> None:
         "role", "content"}
     with pytest.raises(BadRowError, match="reasoning_content"):
         normalize_messages([{"role": "assistant", "content": "a", "reasoning_content": 3}], name="messages")
+
+
+def test_preference_pairs_score_only_the_last_answer_by_default(tmp_path: Path) -> None:
+    # A multi-turn pair (UltraFeedback/HH-RLHF as message lists): the earlier turns are context, as the preference
+    # losses define the log-probability of the answer the pair compares; train_on=assistant scores them too.
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hey"}, {"role": "user", "content": "q"}]
+    source = _jsonl(tmp_path / "d.jsonl", [{
+        "chosen": [*turns, {"role": "assistant", "content": "good"}],
+        "rejected": [*turns, {"role": "assistant", "content": "bad"}],
+    }])
+    pair = preference_dataset(TOK, source=source, cache_dir=None)[0]
+    assert _targets({"labels": pair["chosen_labels"]}).startswith("good")
+    assert "hey" not in _targets({"labels": pair["rejected_labels"]})
+    every = preference_dataset(TOK, source=source, cache_dir=None, train_on="assistant")[0]
+    assert _targets({"labels": every["chosen_labels"]}).startswith("hey")

@@ -156,3 +156,32 @@ def test_a_dataset_without_pairs_is_refused_in_one_line(tmp_path):
         "toolkit.data.preference_dataset"
     ]
     assert not out.exists()
+
+
+def test_tune_plot_draws_the_rewards_of_a_preference_run(single, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from toolkit.cli.main import main
+    from toolkit.cli.plot import _panels, plot_runs, read_metrics
+
+    records = read_metrics(single["full"])
+    panels = _panels({"full": records}, None)
+    assert {"loss", "reward_accuracy", "reward_margin"} <= set(panels)
+    figure = plot_runs({"full": records}, panels)
+    (accuracy,) = [ax for ax in figure.axes if ax.get_title().startswith("reward accuracy")]
+    assert [line.get_label() for line in accuracy.get_lines()] == ["full", "full (validation)"]
+    assert main(["plot", str(single["full"]), "--output", str(tmp_path / "p.png")]) == 0
+    assert "reward_accuracy last" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # 100 steps of the demo: about a minute
+def test_the_demo_raises_held_out_preference_accuracy_from_chance_to_over_90_percent(tmp_path):
+    out = tmp_path / "demo"
+    result = run_tune_here("run", "preference_finetune_single_device", "--config", "demo", f"output_dir={out}",
+                           "max_steps=100", "~eval_tasks", "progress_bar=false", "save_every_n_steps=null",
+                           "eval_every_n_steps=null")
+    assert result.returncode == 0, result.stderr[-3000:]
+    held_out = [r for r in records(out) if "val_reward_accuracy" in r]
+    assert [r["step"] for r in held_out] == [0, 100] and held_out[0]["val_pairs"] == 200
+    assert held_out[0]["val_reward_accuracy"] == 0.5  # the policy is its reference: every reward ties
+    assert held_out[1]["val_reward_accuracy"] >= 0.9
+    assert "held-out preference accuracy after training" in result.stdout

@@ -16,8 +16,8 @@ from toolkit.errors import UserError
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-# Panels drawn when --metrics is not given; those that no run has are left out.
-DEFAULT_METRICS = ("loss", "lr", "tokens_per_second", "peak_memory_gib")
+# Panels drawn when --metrics is not given; those that no run has are left out (the preference recipe's rewards).
+DEFAULT_METRICS = ("loss", "lr", "tokens_per_second", "peak_memory_gib", "reward_accuracy", "reward_margin")
 
 # A panel's field, or the fields standing in for it where a run's records lack it. metrics.jsonl has the peak
 # memory of each rank only as min/max over ranks, every log_every_n_steps steps: the max is the one that matters.
@@ -29,6 +29,8 @@ _TITLES = {
     "lr": "learning rate",
     "tokens_per_second": "tokens/s",
     "peak_memory_gib": "peak memory (GiB, max over ranks)",
+    "reward_accuracy": "reward accuracy (chosen over rejected)",
+    "reward_margin": "reward margin (chosen - rejected)",
 }
 
 _INSTALL_HINT = 'for the PNG, install matplotlib: pip install "tunekit[plot]"'
@@ -108,7 +110,8 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
 def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], metrics: Sequence[str]) -> Figure:
     """A figure with one panel per metric (against the step), each run a line labelled with its name.
 
-    The ``loss`` panel also draws ``val_loss``, dashed with markers, where a run has validation records.
+    Each panel also draws its held-out counterpart (``val_loss`` on the ``loss`` panel, ``val_reward_accuracy``
+    on ``reward_accuracy``...), dashed with markers, where a run has validation records.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -124,10 +127,9 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], metrics: Sequence
             steps, values = series(records, metric)
             if steps:
                 ax.plot(steps, values, color=color, label=label, marker="." if len(steps) == 1 else None)
-            if metric == "loss":
-                steps, values = series(records, "val_loss")
-                if steps:
-                    ax.plot(steps, values, color=color, linestyle="--", marker="o", label=f"{label} (validation)")
+            steps, values = series(records, f"val_{metric}")
+            if steps:
+                ax.plot(steps, values, color=color, linestyle="--", marker="o", label=f"{label} (validation)")
         ax.set_title(_TITLES.get(metric, metric))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -157,6 +159,10 @@ def summary(label: str, records: Sequence[Mapping[str, Any]]) -> str:
     val_steps, val_losses = series(records, "val_loss")
     if val_steps:
         parts.append(f"val_loss last {val_losses[-1]:.4f} (step {val_steps[-1]})")
+    for name in ("reward_accuracy", "val_reward_accuracy"):  # preference runs
+        steps_, values = series(records, name)
+        if steps_:
+            parts.append(f"{name} last {values[-1]:.1%} (step {steps_[-1]})")
     return "; ".join(parts)
 
 

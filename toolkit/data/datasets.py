@@ -301,7 +301,7 @@ def preference_dataset(
     format: str | None = None,
     column_map: dict[str, str] | None = None,
     system_prompt: str | None = None,
-    train_on: str = "assistant",
+    train_on: str = "last_turn",
     max_seq_len: int | None = None,
     truncation: bool = True,
     skip_bad_rows: bool = False,
@@ -321,7 +321,8 @@ def preference_dataset(
         format: ``json``, ``jsonl``, ``csv``, ``parquet`` or ``hub``; inferred from the extension by default.
         column_map: our names (``prompt``, ``chosen``, ``rejected``) to the file's.
         system_prompt: prepended to conversations that do not start with a system message.
-        train_on: which tokens are targets: ``assistant``, ``last_turn`` or ``all``.
+        train_on: which tokens are scored: ``last_turn`` (the default: the answers the pair compares, as the
+            preference losses are defined; earlier turns of a conversation are context), ``assistant`` or ``all``.
         max_seq_len, truncation, skip_bad_rows, split, name, revision, cache_dir: as in :func:`instruct_dataset`;
             a row is bad if either of its conversations is.
 

@@ -146,7 +146,7 @@ def demo_preference_dataset(
     seed: int = 0,
     tasks: list[str] | None = None,
     word_len: tuple[int, int] = DEFAULT_WORD_LEN,
-    train_on: str = "assistant",
+    train_on: str = "last_turn",
 ) -> Dataset:
     """The demo tasks as preference pairs: the prompt's right answer chosen, and rejected the answer of another task
     on the same word (``"reverse: lamp"``: ``"pmal"`` over ``"LAMP"``, say), one that differs from the right one,
