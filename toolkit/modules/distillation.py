@@ -1,0 +1,122 @@
+"""Knowledge-distillation losses between a student's and a teacher's next-token distributions, computed from both
+models' final hidden states and output weights in chunks of positions, so that neither model's logits exist whole.
+
+Per target position, with the student's logits ``s`` and the teacher's ``t`` over the same vocabulary, both divided
+by a temperature ``T``, ``p = softmax(s / T)`` and ``q = softmax(t / T)``:
+
+- ``forward_kl``: ``KL(q || p) = sum q (log q - log p)``, the classic distillation loss (Hinton et al., 2015,
+  https://arxiv.org/abs/1503.02531, Sec. 2: the cross-entropy to the soft targets, minus the teacher's entropy,
+  which has no gradient); mode-covering.
+- ``reverse_kl``: ``KL(p || q) = sum p (log p - log q)``, mode-seeking (as in MiniLLM, Gu et al., 2024,
+  https://arxiv.org/abs/2306.08543, Eq. 1, here token by token on fixed sequences).
+- ``jsd``: the generalized Jensen-Shannon divergence of GKD (Agarwal et al., 2024, https://arxiv.org/abs/2306.13649,
+  Eq. 4) with ``beta`` in ``(0, 1)``: ``beta KL(q || m) + (1 - beta) KL(p || m)``, ``m = beta q + (1 - beta) p``.
+
+Each is multiplied by ``T^2`` (Hinton et al., Sec. 2.1: the soft targets' gradients scale as ``1 / T^2``, so the
+loss keeps its weight against the cross-entropy whatever the temperature).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+
+
+def token_divergence(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    *,
+    kind: str,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+) -> torch.Tensor:
+    """Per position (``[m]``, float32) the divergence ``kind`` (module docstring) between the student's and the
+    teacher's distributions from their logits ``[m, vocab]``, times ``temperature^2``."""
+    log_p = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_q = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    if kind == "forward_kl":
+        out = (log_q.exp() * (log_q - log_p)).sum(-1)
+    elif kind == "reverse_kl":
+        out = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif kind == "jsd":
+        # log m = logsumexp(log beta + log q, log(1 - beta) + log p), stable where either is tiny.
+        log_m = torch.logaddexp(log_q + math.log(beta), log_p + math.log1p(-beta))
+        out = beta * (log_q.exp() * (log_q - log_m)).sum(-1) + (1 - beta) * (log_p.exp() * (log_p - log_m)).sum(-1)
+    else:
+        raise ValueError(f"unknown divergence {kind!r}; choose one of {', '.join(DIVERGENCES)}")
+    return out * temperature**2
+
+
+def check_divergence(kind: str, *, temperature: float, beta: float) -> None:
+    """Raises ValueError naming the option that :func:`token_divergence` cannot take."""
+    if kind not in DIVERGENCES:
+        raise ValueError(f"unknown divergence {kind!r}; choose one of {', '.join(DIVERGENCES)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if kind == "jsd" and not 0 < beta < 1:
+        raise ValueError(f"jsd's beta must be in (0, 1), got {beta}")
+
+
+def _chunk_divergence_sum(
+    student_h: torch.Tensor, student_weight: torch.Tensor, teacher_h: torch.Tensor, teacher_weight: torch.Tensor,
+    kind: str, temperature: float, beta: float, student_softcap: float | None, teacher_softcap: float | None,
+) -> torch.Tensor:
+    student_logits = student_h @ student_weight.T
+    if student_softcap is not None:
+        student_logits = torch.tanh(student_logits / student_softcap) * student_softcap
+    with torch.no_grad():
+        teacher_logits = teacher_h @ teacher_weight.T
+        if teacher_softcap is not None:
+            teacher_logits = torch.tanh(teacher_logits / teacher_softcap) * teacher_softcap
+    return token_divergence(student_logits, teacher_logits, kind=kind, temperature=temperature, beta=beta).sum()
+
+
+def linear_distillation_sum(
+    student_h: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_h: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    kind: str = "forward_kl",
+    temperature: float = 1.0,
+    beta: float = 0.5,
+    num_chunks: int = 1,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+) -> torch.Tensor:
+    """The summed divergence (float32 scalar) over ``t`` positions between the student's distributions,
+    ``student_h @ student_weight.T`` (``[t, d]`` and ``[vocab, d]``), and the teacher's, ``teacher_h @
+    teacher_weight.T`` (``[t, d_teacher]`` and ``[vocab, d_teacher]``), each optionally soft-capped.
+
+    The positions are taken in ``num_chunks`` chunks, each a checkpointed function: its two ``[t / num_chunks,
+    vocab]`` logit blocks exist only while it runs, in forward and again in backward (the teacher's projection is
+    recomputed there, without grad), so at most one chunk's logits of each model are held, never a whole
+    sequence's. Only the student's side takes gradients.
+
+    Raises:
+        ValueError: the vocabularies differ, the rows do not match, or a bad ``kind``, ``temperature`` or ``beta``.
+    """
+    check_divergence(kind, temperature=temperature, beta=beta)
+    if student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(
+            f"the teacher's vocabulary ({teacher_weight.shape[0]} tokens) differs from the student's "
+            f"({student_weight.shape[0]}): distillation compares their distributions token by token"
+        )
+    if student_h.shape[0] != teacher_h.shape[0]:
+        raise ValueError(f"{student_h.shape[0]} student positions against {teacher_h.shape[0]} teacher positions")
+    total = student_h.new_zeros((), dtype=torch.float32)
+    for s_rows, t_rows in zip(student_h.tensor_split(num_chunks), teacher_h.tensor_split(num_chunks)):
+        if s_rows.shape[0] == 0:
+            continue
+        args = (s_rows, student_weight, t_rows, teacher_weight, kind, temperature, beta, student_softcap,
+                teacher_softcap)
+        if torch.is_grad_enabled() and (s_rows.requires_grad or student_weight.requires_grad):
+            total = total + checkpoint(_chunk_divergence_sum, *args, use_reentrant=False)
+        else:
+            total = total + _chunk_divergence_sum(*args)
+    return total
