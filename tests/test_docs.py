@@ -66,7 +66,7 @@ SHORT_TRAINING = {
 # A resume goes two steps past the checkpoint of the (shortened) run it continues.
 SHORT_RESUME = {**SHORT_TRAINING, "max_steps": 6}
 SHORT_EVAL = {"dataset.num_samples": 16, "eval_tasks.num_samples": 8}
-TRAINING_RECIPES = {"full_finetune", "lora_finetune", "preference_finetune"}
+TRAINING_RECIPES = {"full_finetune", "lora_finetune", "preference_finetune", "distill"}
 TIMEOUT_S = 300
 
 

@@ -11,7 +11,7 @@ import pytest
 from toolkit.cli.main import main
 from toolkit.paths import configs_dir
 
-TRAINING = ["full_finetune", "lora_finetune", "preference_finetune"]
+TRAINING = ["full_finetune", "lora_finetune", "preference_finetune", "distill"]
 
 # (override, the key the message must name). Each is a mistake a user makes at the command line or in a YAML file.
 TRAINING_CASES = [
@@ -111,6 +111,18 @@ PREFERENCE_CASES = [
     ("fused_loss=false", "fused_loss"),  # keys the recipe does not read are not silently ignored
 ]
 
+DISTILL_CASES = [
+    ("kd_loss=kl", "kd_loss"),
+    ("kd_ratio=1.5", "kd_ratio"),
+    ("kd_ratio=-0.1", "kd_ratio"),
+    ("temperature=0", "temperature"),
+    ("temperature=hot", "temperature"),
+    ("kd_loss=jsd|jsd_beta=1.0", "jsd_beta"),
+    ("jsd_beta=0.5", "jsd_beta"),  # forward_kl does not read it
+    ("tensor_parallel=2", "tensor_parallel"),  # not (yet) with distillation: an unknown key
+    ("teacher_model=7", "teacher_model"),
+]
+
 GENERATE_CASES = [
     ("temperature=-1", "temperature"),
     ("temperature=hot", "temperature"),
@@ -137,6 +149,7 @@ CASES = (
     [(recipe, override, key) for recipe in TRAINING for override, key in TRAINING_CASES]
     + [("lora_finetune", override, key) for override, key in LORA_CASES]
     + [("preference_finetune", override, key) for override, key in PREFERENCE_CASES]
+    + [("distill", override, key) for override, key in DISTILL_CASES]
     + [("generate", override, key) for override, key in GENERATE_CASES]
     + [("eval", override, key) for override, key in EVAL_CASES]
 )

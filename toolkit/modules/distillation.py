@@ -19,12 +19,27 @@ loss keeps its weight against the cross-entropy whatever the temperature).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+
+
+@dataclass(frozen=True)
+class DistillTargets:
+    """What a student's forward distills from (:meth:`~toolkit.modules.TransformerDecoder.forward`'s
+    ``distill``): the teacher's final hidden states ``[b, s, d_teacher]`` for the same tokens, its output weight
+    ``[vocab, d_teacher]`` and logit soft-cap, and the divergence (see :func:`linear_distillation_sum`)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    softcap: float | None = None
+    kind: str = "forward_kl"
+    temperature: float = 1.0
+    beta: float = 0.5
 
 
 def token_divergence(

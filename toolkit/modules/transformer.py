@@ -7,6 +7,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
+from toolkit.modules.distillation import DistillTargets, linear_distillation_sum
 from toolkit.modules.kv_cache import KVCache
 from toolkit.modules.loss import (
     LoRAAdapter,
@@ -104,7 +105,9 @@ class TransformerDecoder(nn.Module):
         fused_loss: bool = True,
         lengths: torch.Tensor | None = None,
         per_sequence: bool = False,
-    ) -> torch.Tensor | list[torch.Tensor]:
+        distill: DistillTargets | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[b, s, vocab]`` for ``tokens`` ``[b, s]`` (mask and input_pos as in the attention layer), or,
         given ``labels``, the summed float32 cross-entropy against them.
 
@@ -133,6 +136,13 @@ class TransformerDecoder(nn.Module):
                 instead of the loss sum (preference losses compare them): fused as the loss is
                 (:func:`~toolkit.modules.loss.linear_sequence_logprobs`), or from the chunked logits; without the
                 load-balancing loss.
+            distill: with ``labels``, a teacher's final hidden states and output weight
+                (:class:`DistillTargets`): return ``(cross-entropy sum, distillation sum)``, the second the summed
+                divergence between this model's and the teacher's distributions at the same target positions
+                (:func:`~toolkit.modules.distillation.linear_distillation_sum`: chunked, no logits kept).
+            return_hidden: return the final hidden states ``[b, s, d]`` (after the final norm) instead of logits:
+                what a teacher gives its student's ``distill``. Called as the forward, so that data-parallel
+                wrappers gather the weights as for any forward.
 
         With ``labels``, in training mode, a mixture-of-experts model adds its load-balancing loss to the sum:
         ``router_aux_loss_coef`` times each row's loss (:func:`~toolkit.modules.moe.routing_statistics`) weighted by
@@ -145,11 +155,15 @@ class TransformerDecoder(nn.Module):
             layer_mask = mask.for_layer(layer.self_attn) if isinstance(mask, DocumentMasks) else mask
             h = layer(h, mask=layer_mask, input_pos=input_pos)
         h = self.norm(h)
+        if return_hidden:
+            return h
         if num_output_chunks is not None and num_output_chunks < 1:
             raise ValueError(f"num_output_chunks must be at least 1, got {num_output_chunks}")
         if labels is not None:
             loss = self._loss_sum(h, labels, num_chunks=num_output_chunks or 1, fused=fused_loss,
                                   per_sequence=per_sequence)
+            if distill is not None:
+                return loss, self._distill_sum(h, labels, distill, num_chunks=num_output_chunks or 1)
             if self._moe_blocks and self.training and not per_sequence:
                 loss = loss + self._router_loss_sum(labels, lengths)
             return loss
@@ -207,6 +221,17 @@ class TransformerDecoder(nn.Module):
         return linear_cross_entropy_sum(
             h, weight, labels, adapter=adapter, num_chunks=num_chunks, softcap=self.final_logit_softcap,
             kernel=self.output_loss_kernel,
+        )
+
+    def _distill_sum(self, h: torch.Tensor, labels: torch.Tensor, targets: DistillTargets, *, num_chunks: int):
+        weight = self.fused_loss_weight()
+        if weight is None or isinstance(weight, DTensor) or not (self.output is None or type(self.output) is nn.Linear):
+            raise ValueError("distillation needs a plain output projection (no adapter, NF4 or tensor-parallel split)")
+        keep = labels != CROSS_ENTROPY_IGNORE_INDEX
+        return linear_distillation_sum(
+            h[keep], weight, targets.hidden[keep], targets.weight, kind=targets.kind, temperature=targets.temperature,
+            beta=targets.beta, num_chunks=num_chunks, student_softcap=self.final_logit_softcap,
+            teacher_softcap=targets.softcap,
         )
 
     def fused_loss_weight(self) -> torch.Tensor | None:
