@@ -415,7 +415,7 @@ def test_plan_of_a_preference_run_counts_pairs_and_the_reference_copy(plan) -> N
     full = plan("preference_finetune", "--config", "demo", "--device-memory-gb", "24")
     assert full.returncode == 0, full.stderr
     assert "micro batch 16 pairs x 64 tokens, a frozen reference model" in full.stdout
-    assert float(_row(full.stdout, "reference model")[0]) > 0
+    assert float(_row(full.stdout, "frozen model")[0]) > 0
     sft = plan("full_finetune", "--config", "demo", "--device-memory-gb", "24", "micro_batch_size=32",
                "batch_size=64")
     assert _row(full.stdout, "activations") == _row(sft.stdout, "activations")  # 16 pairs = 32 sequences
@@ -425,4 +425,15 @@ def test_plan_of_a_preference_run_counts_pairs_and_the_reference_copy(plan) -> N
     ]):
         result = plan("preference_finetune", "--config", "demo", "--device-memory-gb", "24", *overrides)
         assert result.returncode == 0, result.stderr
-        assert "reference model" not in result.stdout and "micro batch 16 pairs" in result.stdout
+        assert "frozen model" not in result.stdout and "micro batch 16 pairs" in result.stdout
+
+
+def test_plan_of_a_distillation_run_counts_the_teacher(plan) -> None:
+    result = plan("distill", "--config", "demo", "--device-memory-gb", "24")
+    assert result.returncode == 0, result.stderr
+    assert "a frozen 0.89M-parameter teacher" in result.stdout
+    # The teacher (the 0.89M demo Llama) in float32, whole under ddp: its parameters and buffers, as the preference
+    # recipe's reference copy of the same model counts them.
+    teacher = float(_row(result.stdout, "frozen model")[0])
+    copy = plan("preference_finetune", "--config", "demo", "--device-memory-gb", "24")
+    assert teacher == float(_row(copy.stdout, "frozen model")[0]) > 0

@@ -70,5 +70,5 @@ def test_sharded_the_copy_is_a_share_and_what_it_gathers():
 def test_the_plan_table_shows_the_reference_row_only_when_there_is_one():
     model = meta_model()
     with_copy = estimate_memory(model, strategy="ddp", kernels=StepKernels(reference_model=True), **ARGS)
-    assert "reference model" in with_copy.table()
-    assert "reference model" not in dataclasses.replace(with_copy, reference=0).table()
+    assert "frozen model" in with_copy.table()
+    assert "frozen model" not in dataclasses.replace(with_copy, reference=0).table()

@@ -8,6 +8,7 @@ Nothing is trained or allocated: the model is built on the meta device and count
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -25,6 +26,7 @@ from toolkit.training.accumulation import gradient_accumulation_steps, micro_bat
 from toolkit.training.activations import checkpoint_interval
 from toolkit.training.preference import preference_kernels
 from toolkit.training.memory import (
+    MemoryEstimate,
     StepKernels,
     candidate_strategies,
     choose_layout,
@@ -266,6 +268,22 @@ def plan_command(argv: Sequence[str]) -> int:
             expert_parallel=ep,
         )
 
+    teacher = None
+    if "teacher_model" in cfg:  # distillation: a frozen teacher laid out like the student
+        with torch.device("meta"):
+            teacher = instantiate(cfg.teacher_model)
+        teacher.requires_grad_(False)
+
+    def with_teacher(estimate: MemoryEstimate, tp: int, ep: int) -> MemoryEstimate:
+        """The student's estimate with the teacher's frozen copy (its own shape) in the frozen-model row."""
+        if teacher is None:
+            return estimate
+        frozen = estimate_memory(teacher, strategy=estimate.strategy, cpu_offload=estimate.cpu_offload,
+                                 **{**common(tp, ep), "kernels": dataclasses.replace(kernels, reference_model=True)})
+        return dataclasses.replace(estimate, reference=frozen.reference, host=estimate.host + frozen.host
+                                   - estimate_memory(teacher, strategy=estimate.strategy,
+                                                     cpu_offload=estimate.cpu_offload, **common(tp, ep)).host)
+
     n_params = sum(p.numel() for p in model.parameters())
     n_active = active_parameter_count(model)
     active = f"{n_active / 1e6:,.2f}M active per token, " if n_active != n_params else ""
@@ -283,7 +301,9 @@ def plan_command(argv: Sequence[str]) -> int:
         f"model: {cfg.model._component_}, {n_params / 1e6:,.2f}M parameters ({active}{n_trainable / 1e6:,.2f}M "
         "trainable); "
         f"micro batch {micro_batch_size}{' pairs' if kernels.sequences_per_sample == 2 else ''} x {max_seq_len} "
-        f"tokens{', a frozen reference model' if kernels.reference_model else ''}, dtype {dtype}, activation checkpointing "
+        f"tokens{', a frozen reference model' if kernels.reference_model else ''}"
+        f"{f', a frozen {sum(p.numel() for p in teacher.parameters()) / 1e6:,.2f}M-parameter teacher' if teacher else ''}"
+        f", dtype {dtype}, activation checkpointing "
         f"{checkpointing}, offloading {'on' if activation_offloading else 'off'}, "
         f"flex_attention {'on' if kernels.flex_attention else 'off'}, "
         f"loss {loss}, {optimizer}"
@@ -316,7 +336,8 @@ def plan_command(argv: Sequence[str]) -> int:
                 f"expert_parallel {ep}: each process holds {experts // ep} of every layer's {experts} experts, {held}; "
                 f"tokens go to their experts and back by all-to-all; micro batch {micro}, {steps} accumulation step(s)"
             )
-        estimates = [estimate_memory(model, strategy=s, cpu_offload=o, **common(tp, ep)) for s, o in candidates]
+        estimates = [with_teacher(estimate_memory(model, strategy=s, cpu_offload=o, **common(tp, ep)), tp, ep)
+                     for s, o in candidates]
         print(format_table(estimates, usable_bytes=usable))
         if world_size // tp == 1:
             print(
@@ -328,7 +349,8 @@ def plan_command(argv: Sequence[str]) -> int:
     configured = str(cfg.get("data_parallel", "auto"))
     if configured != "auto" and configured_tp != "auto":
         offload = bool(cfg.get("cpu_offload", False))
-        mine = estimate_memory(model, strategy=configured, cpu_offload=offload, **common(run_tp, run_ep))
+        mine = with_teacher(estimate_memory(model, strategy=configured, cpu_offload=offload, **common(run_tp, run_ep)),
+                            run_tp, run_ep)
         verdict = "fits" if mine.total <= usable else "does NOT fit"
         print(f"config: data_parallel={mine.label} needs {format_bytes(mine.total)} per device: {verdict}")
     # What tensor_parallel: auto picks (with the configured data_parallel), and, without it, what data_parallel:

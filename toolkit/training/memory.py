@@ -128,7 +128,8 @@ class MemoryEstimate:
         expert_parallel: data-parallel ranks each mixture-of-experts layer's experts are shared out over.
         all_to_all: per-device bytes of the buffers the experts' token exchange holds (0 without expert
             parallelism).
-        reference: per-device bytes of a frozen reference model (:attr:`StepKernels.reference_model`): stored in
+        reference: per-device bytes of a frozen model beside the trained one: the preference recipe's reference
+            copy (:attr:`StepKernels.reference_model`) or distillation's teacher (``tune plan``): stored in
             the compute dtype, whole under ddp and zero1, sharded as the parameters under the sharded strategies
             (resharded after every forward, zero2 included), plus what it gathers while it scores (its root unit,
             kept gathered, and a layer and the next one's all-gather buffer).
@@ -186,7 +187,7 @@ _ROWS = (
     ("logits + loss", "logits"),
     ("gathered", "gathered"),
     ("all-to-all", "all_to_all"),
-    ("reference model", "reference"),
+    ("frozen model", "reference"),  # the preference recipe's reference copy, distillation's teacher
     ("total", "total"),
 )
 
