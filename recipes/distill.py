@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from toolkit.config import Bool, Choice, Component, Float, instantiate, recipe_main, rule
 from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.errors import UserError
-from toolkit.generation import exact_match_accuracy
+from toolkit.generation import report_exact_match
 from toolkit.modules.distillation import DIVERGENCES
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
@@ -89,14 +89,6 @@ SCHEMA = TRAINING_SCHEMA.without(
     },
     rules=[jsd_beta_is_jsd_s],
 )
-
-
-def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogger, when: str) -> float:
-    correct, total = exact_match_accuracy(
-        unwrap(model), tokenizer, tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank, world_size=env.world_size
-    )
-    log.print(f"held-out accuracy {when} training: {correct / total:.1%} ({correct}/{total})")
-    return correct / total
 
 
 def train(cfg: DictConfig) -> None:
@@ -223,7 +215,8 @@ def train(cfg: DictConfig) -> None:
         log.log({"step": 0, **validated[1]})
         log.print(f"held-out divergence from the teacher before training: {validated[1]['val_kd_loss']:.4f}")
     if eval_tasks and resume is None:
-        evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")
+        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
+                           world_size=env.world_size, when="before", log=log.print)
 
     # --- Training loop ------------------------------------------------------------------------------------------
     model.train()
@@ -265,7 +258,8 @@ def train(cfg: DictConfig) -> None:
             log.log({"step": step, **validated[1]})
         log.print(f"held-out divergence from the teacher after training: {validated[1]['val_kd_loss']:.4f}")
     if eval_tasks:
-        evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="after")
+        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
+                           world_size=env.world_size, when="after", log=log.print)
     if adapters:
         save_adapter_and_merged(model, checkpointer, output_dir=output_dir / "final",
                                 save_merged=cfg.get("save_merged", False), build=partial(instantiate, cfg.model),

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from toolkit.config import instantiate, recipe_main
 from toolkit.data import GlobalBatchSampler, padded_collate
-from toolkit.generation import exact_match_accuracy
+from toolkit.generation import report_exact_match
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.schema import TRAINING_SCHEMA
 from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
@@ -74,15 +74,6 @@ from toolkit.training import (
 # Every config key this recipe reads, with its type, range and choices (the shared vocabulary, in
 # toolkit/training/schema.py), and the rules between them: checked whole before anything is built or written.
 SCHEMA = TRAINING_SCHEMA
-
-
-def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogger, when: str) -> float:
-    """Held-out exact-match accuracy, printed by rank zero."""
-    correct, total = exact_match_accuracy(
-        unwrap(model), tokenizer, tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank, world_size=env.world_size
-    )
-    log.print(f"held-out accuracy {when} training: {correct / total:.1%} ({correct}/{total})")
-    return correct / total
 
 
 def train(cfg: DictConfig) -> None:
@@ -257,7 +248,8 @@ def train(cfg: DictConfig) -> None:
     if cfg.get("float8"):
         log.print(f"float8 matmuls in {len(float8_layers)} layers")
     if eval_tasks and resume is None:
-        evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")
+        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
+                           world_size=env.world_size, when="before", log=log.print)
 
     # --- Training loop ------------------------------------------------------------------------------------------
     # A torch.profiler trace of a window of steps (`profiler.enabled`), and on GPU the model FLOPs utilization.
@@ -305,7 +297,8 @@ def train(cfg: DictConfig) -> None:
 
     # --- Evaluate and export: every rank writes its share of the Hugging Face files ----------------------------------
     if eval_tasks:
-        evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="after")
+        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
+                           world_size=env.world_size, when="after", log=log.print)
     final = checkpointer.export(model, output_dir / "final")
     log.print(f"saved {final}")
     log.close()

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from toolkit.config import Bool, instantiate, recipe_main
 from toolkit.data import GlobalBatchSampler, padded_collate
-from toolkit.generation import exact_match_accuracy
+from toolkit.generation import report_exact_match
 from toolkit.training.schema import TRAINING_SCHEMA
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 
@@ -74,15 +74,6 @@ from toolkit.training import (
 # toolkit/training/schema.py, and the adapters' own), checked whole before anything is built or written. The
 # adapters' rank, alpha and dropout are checked by the LoRA builders' signatures.
 SCHEMA = TRAINING_SCHEMA.extend({"save_merged": Bool()})
-
-def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogger, when: str) -> float:
-    """Held-out exact-match accuracy, printed by rank zero."""
-    correct, total = exact_match_accuracy(
-        unwrap(model), tokenizer, tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank, world_size=env.world_size
-    )
-    log.print(f"held-out accuracy {when} training: {correct / total:.1%} ({correct}/{total})")
-    return correct / total
-
 
 def train(cfg: DictConfig) -> None:
     # --- Processes, devices and precision --------------------------------------------------------------------------
@@ -260,7 +251,8 @@ def train(cfg: DictConfig) -> None:
     if cfg.get("float8"):
         log.print(f"float8 matmuls in {len(float8_layers)} layers")
     if eval_tasks and resume is None:
-        evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")
+        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
+                           world_size=env.world_size, when="before", log=log.print)
 
     # --- Training loop ------------------------------------------------------------------------------------------
     # A torch.profiler trace of a window of steps (`profiler.enabled`), and on GPU the model FLOPs utilization.
@@ -308,7 +300,8 @@ def train(cfg: DictConfig) -> None:
 
     # --- Evaluate and save ----------------------------------------------------------------------------------------
     if eval_tasks:
-        evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="after")
+        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
+                           world_size=env.world_size, when="after", log=log.print)
     # The PEFT adapter (and, with save_merged, the merged model): see toolkit.training.peft.save_adapter_and_merged.
     save_adapter_and_merged(
         model, checkpointer, output_dir=output_dir / "final", save_merged=cfg.save_merged,

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from toolkit.config import Bool, Choice, Float, instantiate, recipe_main, rule
 from toolkit.data import GlobalBatchSampler, preference_collate
 from toolkit.errors import UserError
-from toolkit.generation import exact_match_accuracy
+from toolkit.generation import report_exact_match
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
 from toolkit.training import (
@@ -116,15 +116,6 @@ def check_pairs(dataset, key: str) -> None:
     if len(dataset) == 0 or "chosen_tokens" not in dataset[0]:
         what = "is empty" if len(dataset) == 0 else "yields no chosen/rejected pairs"
         raise UserError(f"{key}: the dataset {what}; give a preference dataset such as toolkit.data.preference_dataset")
-
-
-def evaluate(model, tokenizer, tasks, *, cfg: DictConfig, env, log: MetricsLogger, when: str) -> float:
-    """Held-out exact-match accuracy of greedy answers, printed by rank zero."""
-    correct, total = exact_match_accuracy(
-        unwrap(model), tokenizer, tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank, world_size=env.world_size
-    )
-    log.print(f"held-out accuracy {when} training: {correct / total:.1%} ({correct}/{total})")
-    return correct / total
 
 
 def train(cfg: DictConfig) -> None:
@@ -307,7 +298,8 @@ def train(cfg: DictConfig) -> None:
         log.print(f"held-out preference accuracy before training: {before['val_reward_accuracy']:.1%} "
                   f"({before['val_pairs']} pairs)")
     if eval_tasks and resume is None:
-        evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="before")
+        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
+                           world_size=env.world_size, when="before", log=log.print)
 
     # --- Training loop ------------------------------------------------------------------------------------------
     validated = (None, None)  # the step of the last validation, and its metrics
@@ -352,7 +344,8 @@ def train(cfg: DictConfig) -> None:
         log.print(f"held-out preference accuracy after training: {after['val_reward_accuracy']:.1%} "
                   f"({after['val_pairs']} pairs)")
     if eval_tasks:
-        evaluate(model, tokenizer, eval_tasks, cfg=cfg, env=env, log=log, when="after")
+        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
+                           world_size=env.world_size, when="after", log=log.print)
     if adapters:
         save_adapter_and_merged(model, checkpointer, output_dir=output_dir / "final",
                                 save_merged=cfg.get("save_merged", False), build=build,

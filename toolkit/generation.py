@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from toolkit.errors import UserError
 from toolkit.modules import TransformerDecoder
+from toolkit.parallel import unwrap
 from toolkit.training.distributed import all_reduce_sum
 
 
@@ -132,3 +133,22 @@ def exact_match_accuracy(
         device = model.embed_tokens.weight.device
         correct = int(all_reduce_sum(torch.tensor([correct], dtype=torch.int64, device=device)).item())
     return correct, len(samples)
+
+
+def report_exact_match(
+    model: nn.Module,
+    tokenizer,
+    samples: list[dict],
+    *,
+    max_new_tokens: int,
+    rank: int = 0,
+    world_size: int = 1,
+    when: str,
+    log: Callable[[str], None] = print,
+) -> float:
+    """:func:`exact_match_accuracy` of a (possibly DDP-wrapped) training model, reported as the training recipes
+    report it: ``held-out accuracy <when> training: 41.0% (82/200)`` (a collective: every rank calls it)."""
+    correct, total = exact_match_accuracy(unwrap(model), tokenizer, samples, max_new_tokens=max_new_tokens, rank=rank,
+                                          world_size=world_size)
+    log(f"held-out accuracy {when} training: {correct / total:.1%} ({correct}/{total})")
+    return correct / total

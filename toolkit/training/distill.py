@@ -29,8 +29,7 @@ from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import gradient_scale, start_global_token_count
 from toolkit.training.step import StepResult, iterate_loader
-from toolkit.training.validation import max_over_ranks
-from toolkit.training.preference import _reshard
+from toolkit.training.validation import free_gathered, max_over_ranks
 
 
 @dataclass(frozen=True)
@@ -155,8 +154,8 @@ def distill_validation(
             count = (mb["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum()
             sums += torch.stack([ce.double(), kd.double(), count.double()])
     finally:
-        _reshard(plain)
-        _reshard(teacher)
+        free_gathered(plain)
+        free_gathered(teacher)
         plain.train(was_training)
     ce_sum, kd_sum, count = all_reduce_sum(sums, group=data_parallel_group).tolist()
     if count == 0:

@@ -35,7 +35,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, Dataset
 
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
@@ -48,7 +47,7 @@ from toolkit.training.init import materialize
 from toolkit.training.memory import StepKernels
 from toolkit.training.output_dir import REFERENCE_LOGPS_FILE
 from toolkit.training.step import StepResult, iterate_loader
-from toolkit.training.validation import ValidationSampler, max_over_ranks
+from toolkit.training.validation import ValidationSampler, free_gathered, max_over_ranks
 
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -327,13 +326,6 @@ def _idle_pairs(device: torch.device) -> dict[str, torch.Tensor]:
             "labels": torch.full((2, 1), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long, device=device)}
 
 
-def _reshard(model: nn.Module) -> None:
-    # FSDP2 keeps the root's weights gathered after a forward with no backward after it: free them.
-    for module in unwrap(model).modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
 @torch.no_grad()
 def preference_validation(
     model: nn.Module,
@@ -371,9 +363,9 @@ def preference_validation(
             pairs = torch.tensor([policy.chosen.numel()], dtype=torch.float64, device=device)
             totals += torch.cat([_pair_totals(out.loss.sum(), policy, out), pairs])
     finally:
-        _reshard(plain)
+        free_gathered(plain)
         if reference is not None:
-            _reshard(reference.module)
+            free_gathered(reference.module)
         plain.train(was_training)
     totals = all_reduce_sum(totals, group=data_parallel_group).cpu()
     pairs = float(totals[-1])
@@ -439,7 +431,7 @@ def precompute_reference_logps(
                 out[start : start + half] = torch.stack([logps[:half], logps[half:]], dim=1)
                 start += half
     finally:
-        _reshard(reference.module)
+        free_gathered(reference.module)
     return all_reduce_sum(out, group=data_parallel_group).float().cpu()
 
 

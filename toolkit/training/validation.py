@@ -63,6 +63,14 @@ class ValidationSampler(Sampler[int]):
         return iter(range(self.start, self.stop))
 
 
+def free_gathered(model: nn.Module) -> None:
+    """Free what FSDP2 keeps gathered after forwards that no backward follows (validation, a frozen model's
+    scoring): the root's weights, and ZeRO-2's layers', which it otherwise holds until a backward."""
+    for module in unwrap(model).modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def max_over_ranks(value: int, *, device: torch.device) -> int:
     if not dist.is_initialized():
         return value
@@ -131,11 +139,7 @@ def validation_loss(
             sums[0] += loss_sum.double()
             sums[1] += (batch["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum()
     finally:
-        # FSDP2 keeps the root's (and ZeRO-2's layers') weights gathered after a forward until the backward that
-        # never comes here: free them now.
-        for module in plain.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        free_gathered(plain)
         plain.train(was_training)
     loss_sum, count = all_reduce_sum(sums, group=data_parallel_group).tolist()
     if count == 0:
