@@ -28,8 +28,8 @@ from toolkit.parallel import gradient_sync, unwrap
 from toolkit.training.attention import batch_attention_mask
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import gradient_scale, start_global_token_count
-from toolkit.training.step import StepResult, iterate_loader
-from toolkit.training.validation import free_gathered, max_over_ranks
+from toolkit.training.step import StepResult
+from toolkit.training.validation import batches_in_step, idle_batch, scoring
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def check_teacher(student: nn.Module, teacher: nn.Module) -> None:
             "their distributions token by token, so both need the same tokenizer"
         )
     for name, model in (("model", student), ("teacher_model", teacher)):
-        if model.fused_loss_weight() is None or not (model.output is None or type(model.output) is nn.Linear):
+        if model.distill_weight() is None:
             raise UserError(f"{name}: distillation needs a plain output projection (no adapter on it, no NF4 or "
                             "float8 output layer); remove apply_lora_to_output")
 
@@ -136,16 +136,9 @@ def distill_validation(
     cross-entropy), ``val_kd_loss`` and ``val_tokens``. A collective (ranks out of batches run idle forwards of
     both models, so sharded layers gather in step); the models return to their modes afterwards."""
     plain = unwrap(model)
-    was_training = plain.training
-    plain.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)
-    idle = {"tokens": torch.zeros((1, 1), dtype=torch.long, device=device),
-            "labels": torch.full((1, 1), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long, device=device)}
-    try:
-        batches = iterate_loader(loader)
-        for _ in range(max_over_ranks(len(loader), device=device)):
-            batch = next(batches, None)
-            mb = idle if batch is None else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    with scoring(plain, teacher):
+        for mb, _ in batches_in_step(loader, device=device, idle=idle_batch(device)):
             with autocast or contextlib.nullcontext():
                 mask = batch_attention_mask(mb, flex_attention=flex_attention)
                 targets = _targets(teacher, mb, mask, settings)
@@ -153,10 +146,6 @@ def distill_validation(
                                num_output_chunks=num_output_chunks, distill=targets)
             count = (mb["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum()
             sums += torch.stack([ce.double(), kd.double(), count.double()])
-    finally:
-        free_gathered(plain)
-        free_gathered(teacher)
-        plain.train(was_training)
     ce_sum, kd_sum, count = all_reduce_sum(sums, group=data_parallel_group).tolist()
     if count == 0:
         raise UserError("validation: the dataset has no target tokens (every label is ignored); nothing to score")

@@ -46,8 +46,8 @@ from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.init import materialize
 from toolkit.training.memory import StepKernels
 from toolkit.training.output_dir import REFERENCE_LOGPS_FILE
-from toolkit.training.step import StepResult, iterate_loader
-from toolkit.training.validation import ValidationSampler, free_gathered, max_over_ranks
+from toolkit.training.step import StepResult
+from toolkit.training.validation import ValidationSampler, batches_in_step, idle_batch, scoring
 
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -320,12 +320,6 @@ def preference_forward_backward(
     )
 
 
-def _idle_pairs(device: torch.device) -> dict[str, torch.Tensor]:
-    # One pair of one ignored position: the forward a rank out of batches runs so FSDP2's all-gathers stay in step.
-    return {"tokens": torch.zeros((2, 1), dtype=torch.long, device=device),
-            "labels": torch.full((2, 1), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long, device=device)}
-
-
 @torch.no_grad()
 def preference_validation(
     model: nn.Module,
@@ -343,30 +337,20 @@ def preference_validation(
     supervised term), ``val_<metric>`` for each of :data:`METRICS` (``val_reward_accuracy``: the held-out preference
     accuracy, ties counting half), and ``val_pairs``. A collective; the model returns to its mode afterwards."""
     plain = unwrap(model)
-    was_training = plain.training
-    plain.eval()
     totals = torch.zeros(len(METRICS) + 2, dtype=torch.float64, device=device)
-    try:
-        batches = iterate_loader(loader)
-        for _ in range(max_over_ranks(len(loader), device=device)):
-            batch = next(batches, None)
+    references = [reference.module] if reference is not None else []
+    with scoring(plain, *references):
+        for mb, real in batches_in_step(loader, device=device, idle=idle_batch(device, rows=2)):
             with autocast or contextlib.nullcontext():
-                if batch is None:  # out of batches: forwards only, so sharded layers' gathers stay in step
-                    idle = _idle_pairs(device)
-                    plain(idle["tokens"], **_pair_inputs(idle, flex_attention=flex_attention))
+                if not real:  # forwards only, so sharded layers' gathers stay in step
+                    plain(mb["tokens"], **_pair_inputs(mb, flex_attention=flex_attention))
                     if reference is not None and settings.needs_reference:
-                        reference(idle["tokens"], **_pair_inputs(idle, flex_attention=flex_attention))
+                        reference(mb["tokens"], **_pair_inputs(mb, flex_attention=flex_attention))
                     continue
-                mb = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
                 policy, out = score_pairs(plain, mb, settings=settings, reference=reference,
                                           flex_attention=flex_attention)
             pairs = torch.tensor([policy.chosen.numel()], dtype=torch.float64, device=device)
             totals += torch.cat([_pair_totals(out.loss.sum(), policy, out), pairs])
-    finally:
-        free_gathered(plain)
-        if reference is not None:
-            free_gathered(reference.module)
-        plain.train(was_training)
     totals = all_reduce_sum(totals, group=data_parallel_group).cpu()
     pairs = float(totals[-1])
     if pairs == 0:
@@ -419,19 +403,15 @@ def precompute_reference_logps(
     sampler = ValidationSampler(len(dataset), rank=dp_rank, world_size=dp_size)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate)
     out = torch.zeros(len(dataset), 2, dtype=torch.float64, device=device)
-    batches, start = iterate_loader(loader), sampler.start
-    try:
-        for _ in range(max_over_ranks(len(loader), device=device)):
-            batch = next(batches, None)
-            mb = _idle_pairs(device) if batch is None else {k: v.to(device) for k, v in batch.items()}
+    start = sampler.start
+    with scoring(reference.module):
+        for mb, real in batches_in_step(loader, device=device, idle=idle_batch(device, rows=2)):
             with autocast or contextlib.nullcontext():
                 logps = reference(mb["tokens"], **_pair_inputs(mb, flex_attention=flex_attention)).double()
-            if batch is not None:
+            if real:
                 half = logps.shape[0] // 2
                 out[start : start + half] = torch.stack([logps[:half], logps[half:]], dim=1)
                 start += half
-    finally:
-        free_gathered(reference.module)
     return all_reduce_sum(out, group=data_parallel_group).float().cpu()
 
 

@@ -79,6 +79,44 @@ def max_over_ranks(value: int, *, device: torch.device) -> int:
     return int(out.item())
 
 
+def idle_batch(device: torch.device, *, rows: int = 1) -> dict[str, torch.Tensor]:
+    """``rows`` sequences of one token whose label is ignored: what a rank out of held-out batches runs, scoring
+    nothing, so that sharded layers' all-gathers stay in step with the ranks that still have batches."""
+    return {"tokens": torch.zeros((rows, 1), dtype=torch.long, device=device),
+            "labels": torch.full((rows, 1), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long, device=device)}
+
+
+def batches_in_step(
+    loader: SizedBatches, *, device: torch.device, idle: dict[str, torch.Tensor]
+) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
+    """``(batch, True)`` for each of this rank's batches (moved to ``device``), then ``(idle, False)`` until the
+    rank with the most batches is done: every rank makes the same number of forwards. A collective (the count is
+    agreed over all ranks); draws nothing from the training's RNG."""
+    batches = iterate_loader(loader)
+    for _ in range(max_over_ranks(len(loader), device=device)):
+        batch = next(batches, None)
+        if batch is None:
+            yield idle, False
+        else:
+            yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}, True
+
+
+@contextlib.contextmanager
+def scoring(*models: nn.Module) -> Iterator[None]:
+    """Forwards without a backward (a held-out pass, a frozen model's scoring): ``models`` in eval mode, and on
+    leaving, what FSDP2 kept gathered freed (:func:`free_gathered`) and each back in the mode it had."""
+    plains = [unwrap(m) for m in models]
+    modes = [p.training for p in plains]
+    for p in plains:
+        p.eval()
+    try:
+        yield
+    finally:
+        for p, mode in zip(plains, modes):
+            free_gathered(p)
+            p.train(mode)
+
+
 @torch.no_grad()
 def validation_loss(
     model: nn.Module,
@@ -118,18 +156,9 @@ def validation_loss(
         UserError: the set has no non-ignored label on any rank.
     """
     plain = unwrap(model)
-    was_training = plain.training
-    plain.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, token count]
-    idle_batch = {
-        "tokens": torch.zeros((1, 1), dtype=torch.long, device=device),
-        "labels": torch.full((1, 1), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long, device=device),
-    }
-    try:
-        batches = iterate_loader(loader)  # validation draws nothing from the training's RNG
-        for _ in range(max_over_ranks(len(loader), device=device)):
-            batch = next(batches, None)
-            batch = idle_batch if batch is None else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    with scoring(plain):
+        for batch, _ in batches_in_step(loader, device=device, idle=idle_batch(device)):
             with autocast or contextlib.nullcontext():
                 mask = batch_attention_mask(batch, flex_attention=flex_attention)
                 loss_sum = plain(
@@ -138,9 +167,6 @@ def validation_loss(
                 )
             sums[0] += loss_sum.double()
             sums[1] += (batch["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum()
-    finally:
-        free_gathered(plain)
-        plain.train(was_training)
     loss_sum, count = all_reduce_sum(sums, group=data_parallel_group).tolist()
     if count == 0:
         raise UserError("validation: the dataset has no target tokens (every label is ignored); nothing to score")
