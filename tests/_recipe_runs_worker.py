@@ -9,6 +9,7 @@ its own, built afresh from its config and seed.
 """
 
 import contextlib
+import faulthandler
 import gc
 import json
 import os
@@ -40,6 +41,8 @@ def run(recipe: str, config: str, output_dir: str, overrides: list[str], stdout:
 
 
 if __name__ == "__main__":
+    # A rank that dies of a signal (an abort in C++) prints every thread's Python stack to its stderr first.
+    faulthandler.enable(all_threads=True)
     runs = json.loads(Path(sys.argv[1]).read_text())
     os.environ.pop(FAULT_ENV, None)  # nothing injected, whatever the test's own environment holds
     toolkit.training.destroy_distributed = lambda: None  # what the recipes import: the group is kept (see above)
