@@ -10,8 +10,9 @@ One file for one device and for many, and for every method: the model builder de
 The reference model of ``dpo`` and ``ipo`` is the starting point of the policy: for adapters, the base with the
 adapters switched off (no second copy in memory); for full fine-tuning, a frozen copy laid out like the policy
 (sharded over the same ranks). With ``precompute_reference: true`` its log-probabilities are computed once, before
-the first step, kept in ``output_dir`` (``reference_logps.safetensors``, read again on resume), and no reference
-runs during training. ``simpo`` and ``orpo`` take none.
+the first step, kept beside the cached tokenized data (or in ``output_dir`` for a dataset built in memory) and
+read again by any run on the same data and starting model, and no reference runs during training. ``simpo`` and
+``orpo`` take none.
 
 Each micro-batch of ``b`` pairs is one forward of ``2b`` rows (chosen, then rejected) that returns each row's summed
 log-probability from the fused projection-and-loss path (no logits kept); the loss of a step is the mean over
@@ -68,7 +69,7 @@ from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.peft import fill_adapter_model, save_adapter_and_merged
 from toolkit.training.preference import (
     LOSSES,
-    REFERENCE_FILE,
+    reference_logps_file,
     PreferenceSettings,
     WithReferenceLogps,
     frozen_reference,
@@ -211,25 +212,27 @@ def train(cfg: DictConfig) -> None:
         check_pairs(val_dataset, "validation_dataset")
     eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None
     if precompute:
-        # Read back on resume if computed from the same model, data and precision; else computed now (never from a
-        # trained full fine-tune: then the file must be there).
+        # Read back if computed from the same model, data and precision (beside the cached tokenized data, or in
+        # output_dir); else computed now (never from a trained full fine-tune: then the file must be there).
         resolved = OmegaConf.to_container(cfg, resolve=True)
-        fingerprint = json.dumps({key: resolved.get(key) for key in (
-            "model", "checkpointer", "dataset", "validation_dataset", "dtype", "max_seq_len")}, sort_keys=True)
-        sets = {"train": dataset, **({"validation": val_dataset} if val_dataset is not None else {})}
-        logps = {name: load_reference_logps(output_dir / REFERENCE_FILE, name=name, num_pairs=len(data),
-                                            fingerprint=fingerprint) for name, data in sets.items()}
-        if any(v is None for v in logps.values()):
-            if reference is None:
-                raise UserError(f"resume_from: {output_dir / REFERENCE_FILE} is missing or was computed for other "
-                                "data; a full fine-tune cannot recompute its reference once trained: start afresh")
-            logps = {name: precompute_reference_logps(
-                reference, data, collate, batch_size=plan.micro_batch_size, device=env.device, dp_rank=dims.dp_rank,
-                dp_size=dims.dp_size, data_parallel_group=dp_group, autocast=autocast,
-                flex_attention=kernels.flex_attention) for name, data in sets.items()}
-            computed = True
-        else:
-            computed = False
+        sets = {"train": ("dataset", dataset), **({"validation": ("validation_dataset", val_dataset)}
+                                                  if val_dataset is not None else {})}
+        fingerprints = {name: json.dumps({key: resolved.get(key) for key in (
+            "model", "checkpointer", "dtype", "max_seq_len", data_key)}, sort_keys=True)
+            for name, (data_key, _) in sets.items()}
+        files = {name: reference_logps_file(data, output_dir=output_dir, fingerprint=fingerprints[name])
+                 for name, (_, data) in sets.items()}
+        logps = {name: load_reference_logps(files[name], name=name, num_pairs=len(data),
+                                            fingerprint=fingerprints[name]) for name, (_, data) in sets.items()}
+        missing = [name for name, found in logps.items() if found is None]
+        if missing and reference is None:
+            raise UserError(f"resume_from: {files[missing[0]]} is missing or was computed for other data; a full "
+                            "fine-tune cannot recompute its reference once trained: start afresh")
+        for name in missing:
+            logps[name] = precompute_reference_logps(
+                reference, sets[name][1], collate, batch_size=plan.micro_batch_size, device=env.device,
+                dp_rank=dims.dp_rank, dp_size=dims.dp_size, data_parallel_group=dp_group, autocast=autocast,
+                flex_attention=kernels.flex_attention)
         dataset = WithReferenceLogps(dataset, logps["train"])
         if val_dataset is not None:
             val_dataset = WithReferenceLogps(val_dataset, logps["validation"])
@@ -269,8 +272,9 @@ def train(cfg: DictConfig) -> None:
     log.log_config(cfg)
     if env.is_rank_zero:
         OmegaConf.save(cfg, output_dir / "config.yaml")
-        if precompute and computed:
-            save_reference_logps(output_dir / REFERENCE_FILE, logps, fingerprint=fingerprint)
+        for path in {files[name] for name in missing} if precompute else ():
+            save_reference_logps(path, {name: logps[name] for name in files if files[name] == path},
+                                 fingerprints=fingerprints)
     barrier()
     if resume is not None:
         log.print(f"resumed at step {step} from {resume}")
@@ -286,6 +290,9 @@ def train(cfg: DictConfig) -> None:
     )
     for reason in plan.reasons:
         log.print(reason)
+    for name in files if precompute else ():
+        how = "computed into" if name in missing else "read from"
+        log.print(f"reference log-probabilities of the {name} pairs {how} {files[name]}")
 
     def validate() -> dict:
         return preference_validation(model, val_loader, settings=settings, device=env.device, reference=reference,

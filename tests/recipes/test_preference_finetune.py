@@ -113,6 +113,28 @@ def test_a_precomputed_reference_trains_as_the_live_one(kind, single):
     assert (stored["train"] < 0).all()
 
 
+def test_a_precomputed_reference_is_kept_beside_the_cached_data_and_read_by_the_next_run(tmp_path):
+    from toolkit.data.demo import TASKS, demo_tasks
+
+    rows = [{"prompt": s["prompt"], "chosen": s["answer"], "rejected": TASKS["upper"](s["prompt"].split()[-1]) + "!"}
+            for s in demo_tasks(num_samples=48)]
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cache = tmp_path / "cache"
+    data = f"dataset={{_component_: toolkit.data.preference_dataset, source: {source}, cache_dir: {cache}}}"
+    overrides = ["~validation_dataset", *LORA, *PRECOMPUTED, data]  # after FAST (run_here): the demo data replaced
+    first = run_here(tmp_path / "first", *overrides)
+    (kept,) = cache.glob("*/reference_logps-*.safetensors")  # in the folder of the tokenized pairs
+    assert f"reference log-probabilities of the train pairs computed into {kept}" in first.stdout
+    assert not (tmp_path / "first" / "reference_logps.safetensors").exists()
+    assert load_file(kept)["train"].shape == (48, 2)
+    # Another run on the same data from the same base (here another beta) reads it; another base would not.
+    second = run_here(tmp_path / "second", *overrides, "beta=0.5")
+    assert f"reference log-probabilities of the train pairs read from {kept}" in second.stdout
+    other = run_here(tmp_path / "other", *overrides, "model.lora_rank=4")  # the fingerprint: the whole model config
+    assert "train pairs computed into" in other.stdout and len(list(cache.glob("*/reference_logps-*"))) == 2
+
+
 def test_the_results_are_a_hugging_face_model_or_a_peft_adapter(single):
     assert (single["full"] / "final" / "model.safetensors").is_file()
     config = json.loads((single["lora"] / "final" / "adapter" / "adapter_config.json").read_text())

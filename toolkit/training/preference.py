@@ -25,6 +25,8 @@ The implicit rewards reported beside them are ``beta (pi - ref)`` (``dpo``), ``b
 
 import contextlib
 import dataclasses
+import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -415,14 +417,27 @@ def precompute_reference_logps(
     return all_reduce_sum(out, group=data_parallel_group).float().cpu()
 
 
-def save_reference_logps(path: Path, logps: dict[str, torch.Tensor], *, fingerprint: str) -> None:
+def reference_logps_file(dataset: Dataset, *, output_dir: Path, fingerprint: str) -> Path:
+    """Where the precomputed reference of ``dataset`` is kept: beside its tokenized data when it came from the
+    dataset cache (and the cache can be written), ``reference_logps-<hash of fingerprint>.safetensors`` in its
+    store's folder, so that every run on the same data from the same starting model reads it (a sweep over
+    ``beta`` computes it once); else in ``output_dir`` (``reference_logps.safetensors``, a run file)."""
+    folder = getattr(getattr(dataset, "store", None), "path", None)
+    if folder is not None and os.access(folder, os.W_OK):
+        digest = hashlib.sha256(fingerprint.encode("utf-8")).hexdigest()[:16]
+        return Path(folder) / f"reference_logps-{digest}.safetensors"
+    return output_dir / REFERENCE_FILE
+
+
+def save_reference_logps(path: Path, logps: dict[str, torch.Tensor], *, fingerprints: dict[str, str]) -> None:
     """Write precomputed references (:func:`precompute_reference_logps`), by dataset name (``train``,
-    ``validation``), to ``path`` (safetensors, written aside and renamed) with the ``fingerprint`` of what they were
-    computed from."""
+    ``validation``), to ``path`` (safetensors, written aside and renamed, so that a run reading it meanwhile sees
+    the old file or the new), each with the ``fingerprints[name]`` of what it was computed from."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({name: t.contiguous() for name, t in logps.items()}, str(tmp), metadata={"fingerprint": fingerprint})
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    save_file({name: t.contiguous() for name, t in logps.items()}, str(tmp),
+              metadata={f"fingerprint.{name}": fingerprints[name] for name in logps})
     tmp.replace(path)
 
 
@@ -436,7 +451,7 @@ def load_reference_logps(path: Path, *, name: str, num_pairs: int, fingerprint: 
         return None
     try:
         with safe_open(str(path), framework="pt") as f:
-            if (f.metadata() or {}).get("fingerprint") != fingerprint or name not in f.keys():
+            if (f.metadata() or {}).get(f"fingerprint.{name}") != fingerprint or name not in f.keys():
                 return None
             logps = f.get_tensor(name)
     except Exception:  # noqa: BLE001 (damaged, or not safetensors: computed again)
