@@ -72,11 +72,9 @@ def jsd_beta_is_jsd_s(ctx):
 
 
 # Every config key this recipe reads: the shared training vocabulary and distillation's own, checked whole before
-# anything is built or written. Not (yet) tensor parallelism, which splits the vocabulary the divergence compares
-# whole: a tensor_parallel key is refused as unknown.
+# anything is built or written.
 SCHEMA = TRAINING_SCHEMA.without(
-    "fused_loss", "optimizer_in_backward", "activation_offloading", "float8", "profiler", "compile",
-    "sequence_parallel", "expert_parallel", "tensor_parallel",
+    "fused_loss", "optimizer_in_backward", "activation_offloading", "float8", "profiler", "compile", "expert_parallel",
 ).extend(
     {
         "teacher_model": Component(),
@@ -120,11 +118,12 @@ def train(cfg: DictConfig) -> None:
         world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing, kernels=kernels,
         shard_size=cfg.hsdp_shard_size, optimizer=optimizer_memory_model(cfg.optimizer._component_) or "adamw",
+        tensor_parallel=cfg.get("tensor_parallel", 1),
     )
     dims = parallel_dims(
         strategy=plan.strategy, world_size=env.world_size, local_world_size=env.local_world_size,
         shard_size=cfg.hsdp_shard_size, cpu_offload=plan.cpu_offload, device_type=env.device.type,
-        tensor_parallel=1, rank=env.rank,
+        tensor_parallel=plan.tensor_parallel, rank=env.rank,
     )
     mesh = dims.build_mesh(env.device.type)
     dp_group = dims.dp_group(mesh)
@@ -139,15 +138,20 @@ def train(cfg: DictConfig) -> None:
         elif resume is None:  # (when resuming, every weight comes from the step checkpoint, loaded below)
             checkpointer.load(module) if checkpointer.checkpoint_dir is not None else init_weights(module)
 
+    # Under tensor parallelism both models are split alike (their vocabularies too: the divergence is reduced over
+    # the TP group, see toolkit.modules.distillation).
+    sequence_parallel = cfg.get("sequence_parallel", False)
     model = parallelize(
         model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill_student,
         mp_policy=precision.fsdp_policy(), activation_checkpointing=cfg.activation_checkpointing, mesh=mesh,
+        sequence_parallel=sequence_parallel,
     )
     teacher = frozen_reference(partial(instantiate, cfg.teacher_model), dims=dims, mesh=mesh, device=env.device,
-                               dtype=precision.compute_dtype, fill=teacher_checkpointer.load)
+                               dtype=precision.compute_dtype, fill=teacher_checkpointer.load,
+                               sequence_parallel=sequence_parallel)
     autocast = precision.autocast(env.device, sharded=dims.uses_fsdp)
-    grad_scaler = make_grad_scaler(enabled=precision.needs_grad_scaler, device=env.device, sharded=dims.uses_fsdp,
-                                   data_parallel_size=dims.dp_size)
+    grad_scaler = make_grad_scaler(enabled=precision.needs_grad_scaler, device=env.device,
+                                   sharded=dims.uses_fsdp or dims.tp > 1, data_parallel_size=dims.dp_size)
 
     # --- Data: every data-parallel rank reads its slice of each global batch ---------------------------------------
     tokenizer = instantiate(cfg.tokenizer)

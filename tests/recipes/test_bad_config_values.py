@@ -119,7 +119,7 @@ DISTILL_CASES = [
     ("temperature=hot", "temperature"),
     ("kd_loss=jsd|jsd_beta=1.0", "jsd_beta"),
     ("jsd_beta=0.5", "jsd_beta"),  # forward_kl does not read it
-    ("tensor_parallel=2", "tensor_parallel"),  # not (yet) with distillation: an unknown key
+    ("sequence_parallel=true", "sequence_parallel"),  # without tensor parallelism
     ("teacher_model=7", "teacher_model"),
 ]
 
@@ -260,6 +260,8 @@ TP_CASES = [
     ("eval", ["tensor_parallel=2"], 3, "tensor_parallel"),
     ("eval", ["tensor_parallel=4"], 4, "tensor_parallel"),
     ("eval", ["tensor_parallel=2", "data_parallel=zero1"], 4, "data_parallel"),
+    ("distill", ["tensor_parallel=2", "data_parallel=zero1"], 4, "data_parallel"),
+    ("distill", ["tensor_parallel=4"], 4, "tensor_parallel"),  # the student's 2 key/value heads
     # expert_parallel: a positive divisor of the data-parallel processes, under zero2/zero3, without TP or offloading,
     # on a model with experts it divides (the demo Llama has none).
     ("full_finetune", ["expert_parallel=0"], 2, "expert_parallel"),

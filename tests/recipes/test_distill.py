@@ -68,6 +68,10 @@ TWO_PROCESS_RUNS = {
     "full_zero3": ("full", ["data_parallel=zero3"]),
     "lora_zero3": ("lora", ["data_parallel=zero3"]),
     "jsd_zero2": ("jsd", ["data_parallel=zero2"]),
+    # Both models split over the vocabulary: the divergence reduced over the TP group.
+    "full_tp2": ("full", ["tensor_parallel=2"]),
+    "lora_tp2": ("lora", ["tensor_parallel=2"]),
+    "jsd_tp2_sequence_parallel": ("jsd", ["tensor_parallel=2", "sequence_parallel=true"]),
 }
 
 

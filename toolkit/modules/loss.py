@@ -205,7 +205,7 @@ def vocab_parallel_loss_and_grad(
     return loss, grad.to(dtype)
 
 
-def _local_vocab_shard(tensor: torch.Tensor | None) -> tuple[torch.Tensor | None, VocabShard | None]:
+def local_vocab_shard(tensor: torch.Tensor | None) -> tuple[torch.Tensor | None, VocabShard | None]:
     """A DTensor split over the vocabulary (its rows, on a 1-D mesh) as its local rows and where they sit; a plain
     tensor as itself."""
     if not isinstance(tensor, DTensor):
@@ -424,10 +424,10 @@ def _projection_inputs(
         h, labels = h.index_select(0, kept), labels.index_select(0, kept)
         x = x.index_select(0, kept) if x is not None else None
     device_type = h.device.type
-    weight, shard = _local_vocab_shard(weight)  # differentiable: the gradients reach the DTensors
+    weight, shard = local_vocab_shard(weight)  # differentiable: the gradients reach the DTensors
     lora = (None, None)
     if adapter is not None:
-        lora = (_replicated_local(adapter.lora_a), _local_vocab_shard(adapter.lora_b)[0])
+        lora = (_replicated_local(adapter.lora_a), local_vocab_shard(adapter.lora_b)[0])
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     scale = adapter.scale if adapter is not None else 0.0
     return [t.to(dtype) if t is not None else None for t in (h, weight, x, *lora)], labels, kept, scale, shard

@@ -225,16 +225,15 @@ class TransformerDecoder(nn.Module):
 
     def distill_weight(self) -> torch.Tensor | None:
         """The output weight distillation projects with (as student or teacher): a tied embedding or a plain
-        bias-free ``nn.Linear`` holding plain, whole-vocabulary tensors. None for an adapter on the output layer, an
-        NF4 or float8 weight, or a tensor-parallel split."""
+        bias-free ``nn.Linear`` holding plain tensors (under tensor parallelism, DTensors split over the
+        vocabulary). None for an adapter on the output layer or an NF4 or float8 weight."""
         weight = self.fused_loss_weight()
-        plain = self.output is None or type(self.output) is nn.Linear
-        return weight if plain and weight is not None and not isinstance(weight, DTensor) else None
+        return weight if self.output is None or type(self.output) is nn.Linear else None
 
     def _distill_sum(self, h: torch.Tensor, labels: torch.Tensor, targets: DistillTargets, *, num_chunks: int):
         weight = self.distill_weight()
         if weight is None:
-            raise ValueError("distillation needs a plain output projection (no adapter, NF4 or tensor-parallel split)")
+            raise ValueError("distillation needs a plain output projection (no adapter, NF4 or float8 weight)")
         keep = labels != CROSS_ENTROPY_IGNORE_INDEX
         return linear_distillation_sum(
             h[keep], weight, targets.hidden[keep], targets.weight, kind=targets.kind, temperature=targets.temperature,
