@@ -111,7 +111,7 @@ def train(cfg: DictConfig) -> None:
     if adapters:  # LoRA/DoRA: only the adapters train
         set_trainable_params(model, adapters)
     kernels = StepKernels(flex_attention=resolve_flex_attention(cfg.get("flex_attention", "auto"), env.device),
-                          loss_chunks=cfg.get("loss_chunks"))
+                          loss_chunks=cfg.get("loss_chunks"), frozen_model=teacher_shape)  # auto layouts count it
     plan = plan_parallelism(
         model=model, strategy=cfg.data_parallel, cpu_offload=cfg.cpu_offload, batch_size=cfg.batch_size,
         micro_batch_size=cfg.micro_batch_size, device=env.device, device_memory_gb=cfg.get("device_memory_gb"),

@@ -72,3 +72,26 @@ def test_the_plan_table_shows_the_reference_row_only_when_there_is_one():
     with_copy = estimate_memory(model, strategy="ddp", kernels=StepKernels(reference_model=True), **ARGS)
     assert "frozen model" in with_copy.table()
     assert "frozen model" not in dataclasses.replace(with_copy, reference=0).table()
+
+
+@pytest.mark.parametrize(("strategy", "world_size", "tensor_parallel", "cpu_offload"), [
+    ("ddp", 1, 1, False), ("zero3", 4, 1, False), ("zero3", 4, 1, True), ("zero2", 4, 2, False),
+])
+def test_a_teacher_of_its_own_shape_counts_as_its_frozen_copy(strategy, world_size, tensor_parallel, cpu_offload):
+    # Distillation's teacher (StepKernels.frozen_model), laid out like the student: exactly what a frozen copy of
+    # the teacher beside itself would add, on the student's estimate, which is otherwise unchanged.
+    from toolkit.models.llama3 import llama3
+
+    with torch.device("meta"):
+        student = llama3(vocab_size=384, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64,
+                         intermediate_dim=192, max_seq_len=64)
+    teacher = meta_model()
+    args = {**ARGS, "world_size": world_size, "tensor_parallel": tensor_parallel, "cpu_offload": cpu_offload}
+    taught = estimate_memory(student, strategy=strategy, kernels=StepKernels(frozen_model=teacher), **args)
+    alone = estimate_memory(student, strategy=strategy, **args)
+    copy = estimate_memory(teacher, strategy=strategy, kernels=StepKernels(reference_model=True), **args)
+    without = estimate_memory(teacher, strategy=strategy, **args)
+    assert taught.reference == copy.reference > 0
+    assert taught.host - alone.host == copy.host - without.host
+    assert (taught.params, taught.activations, taught.total - taught.reference) == (
+        alone.params, alone.activations, alone.total)

@@ -26,7 +26,6 @@ from toolkit.training.accumulation import gradient_accumulation_steps, micro_bat
 from toolkit.training.activations import checkpoint_interval
 from toolkit.training.preference import preference_kernels
 from toolkit.training.memory import (
-    MemoryEstimate,
     StepKernels,
     candidate_strategies,
     choose_layout,
@@ -208,6 +207,12 @@ def plan_command(argv: Sequence[str]) -> int:
     if "preference_loss" in cfg:  # the preference recipe: pairs as two rows, and maybe a frozen reference copy
         kernels = preference_kernels(kernels, loss=cfg.preference_loss, adapters=bool(adapters),
                                      precompute=bool(cfg.get("precompute_reference", False)))
+    teacher = None
+    if "teacher_model" in cfg:  # distillation: a frozen teacher laid out like the student, in every estimate
+        with torch.device("meta"):
+            teacher = instantiate(cfg.teacher_model)
+        teacher.requires_grad_(False)
+        kernels = dataclasses.replace(kernels, frozen_model=teacher)
     shard_size = cfg.get("hsdp_shard_size")  # hsdp's groups, as the run makes them
     # The tensor-parallel degrees to show: the configured one, or (none or auto) every degree that splits the model
     # within one node, as tensor_parallel: auto would try them.
@@ -268,22 +273,6 @@ def plan_command(argv: Sequence[str]) -> int:
             expert_parallel=ep,
         )
 
-    teacher = None
-    if "teacher_model" in cfg:  # distillation: a frozen teacher laid out like the student
-        with torch.device("meta"):
-            teacher = instantiate(cfg.teacher_model)
-        teacher.requires_grad_(False)
-
-    def with_teacher(estimate: MemoryEstimate, tp: int, ep: int) -> MemoryEstimate:
-        """The student's estimate with the teacher's frozen copy (its own shape) in the frozen-model row."""
-        if teacher is None:
-            return estimate
-        frozen = estimate_memory(teacher, strategy=estimate.strategy, cpu_offload=estimate.cpu_offload,
-                                 **{**common(tp, ep), "kernels": dataclasses.replace(kernels, reference_model=True)})
-        return dataclasses.replace(estimate, reference=frozen.reference, host=estimate.host + frozen.host
-                                   - estimate_memory(teacher, strategy=estimate.strategy,
-                                                     cpu_offload=estimate.cpu_offload, **common(tp, ep)).host)
-
     n_params = sum(p.numel() for p in model.parameters())
     n_active = active_parameter_count(model)
     active = f"{n_active / 1e6:,.2f}M active per token, " if n_active != n_params else ""
@@ -336,8 +325,7 @@ def plan_command(argv: Sequence[str]) -> int:
                 f"expert_parallel {ep}: each process holds {experts // ep} of every layer's {experts} experts, {held}; "
                 f"tokens go to their experts and back by all-to-all; micro batch {micro}, {steps} accumulation step(s)"
             )
-        estimates = [with_teacher(estimate_memory(model, strategy=s, cpu_offload=o, **common(tp, ep)), tp, ep)
-                     for s, o in candidates]
+        estimates = [estimate_memory(model, strategy=s, cpu_offload=o, **common(tp, ep)) for s, o in candidates]
         print(format_table(estimates, usable_bytes=usable))
         if world_size // tp == 1:
             print(
@@ -349,8 +337,7 @@ def plan_command(argv: Sequence[str]) -> int:
     configured = str(cfg.get("data_parallel", "auto"))
     if configured != "auto" and configured_tp != "auto":
         offload = bool(cfg.get("cpu_offload", False))
-        mine = with_teacher(estimate_memory(model, strategy=configured, cpu_offload=offload, **common(run_tp, run_ep)),
-                            run_tp, run_ep)
+        mine = estimate_memory(model, strategy=configured, cpu_offload=offload, **common(run_tp, run_ep))
         verdict = "fits" if mine.total <= usable else "does NOT fit"
         print(f"config: data_parallel={mine.label} needs {format_bytes(mine.total)} per device: {verdict}")
     # What tensor_parallel: auto picks (with the configured data_parallel), and, without it, what data_parallel:

@@ -46,6 +46,7 @@ def demo_tasks(
     seed: int = 0,
     tasks: list[str] | None = None,
     word_len: tuple[int, int] = DEFAULT_WORD_LEN,
+    label_noise: float = 0.0,
 ) -> list[dict]:
     """Generates samples ``{"task", "prompt", "answer"}``, deterministically from ``(split, seed, tasks)``.
 
@@ -58,9 +59,12 @@ def demo_tasks(
         seed: seeds the word generator.
         tasks: task families to use, default all of ``reverse``, ``upper``, ``sort``, ``repeat``.
         word_len: shortest and longest word, in letters.
+        label_noise: the share of samples, in [0, 1), whose answer is wrong: another task's answer on the same word
+            (drawn apart from the words, so the prompts are those of the clean set). Noisy labels are what a
+            teacher that knows the tasks can correct (the distillation demo).
 
     Raises:
-        UserError: on an unknown split or task, or an empty task list.
+        UserError: on an unknown split or task, an empty task list, or a ``label_noise`` outside [0, 1).
     """
     if split not in SPLITS:
         raise UserError(f"demo split must be one of {', '.join(SPLITS)}; got {split!r}")
@@ -73,10 +77,13 @@ def demo_tasks(
         raise UserError(f"demo word_len must be [min, max] with 1 <= min <= max; got {list(word_len)!r}")
     if num_samples < 0:
         raise UserError(f"demo num_samples must be >= 0; got {num_samples}")
+    if not 0 <= label_noise < 1:
+        raise UserError(f"demo label_noise must be in [0, 1); got {label_noise}")
 
     # A string seed goes through SHA-512 inside `random`, so it is stable across processes and Python runs;
     # the split is part of it so that the two splits are not filtered views of one word stream.
     rng = random.Random(f"tunekit-demo:{seed}:{split}")
+    noise = random.Random(f"tunekit-demo-noise:{seed}:{split}")
     samples = []
     for i in range(num_samples):
         task = tasks[i % len(tasks)]
@@ -85,7 +92,11 @@ def demo_tasks(
             word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(min_len, max_len)))
             if word_split(word) == split:
                 break
-        samples.append({"task": task, "prompt": f"{task}: {word}", "answer": TASKS[task](word)})
+        answer = TASKS[task](word)
+        if label_noise and noise.random() < label_noise:
+            wrong = [other(word) for name, other in TASKS.items() if other(word) != answer]
+            answer = noise.choice(wrong) if wrong else answer
+        samples.append({"task": task, "prompt": f"{task}: {word}", "answer": answer})
     return samples
 
 
@@ -98,6 +109,7 @@ def demo_dataset(
     tasks: list[str] | None = None,
     word_len: tuple[int, int] = DEFAULT_WORD_LEN,
     train_on: str = "assistant",
+    label_noise: float = 0.0,
 ) -> Dataset:
     """The demo tasks as a map-style dataset of ``{"tokens", "labels"}`` (labels already shifted).
 
@@ -112,8 +124,10 @@ def demo_dataset(
         tasks: task families, default all.
         word_len: shortest and longest word, in letters.
         train_on: which tokens are targets: ``"assistant"``, ``"last_turn"`` or ``"all"``.
+        label_noise: the share of samples whose answer is another task's (see :func:`demo_tasks`).
     """
-    samples = demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks, word_len=word_len)
+    samples = demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks, word_len=word_len,
+                         label_noise=label_noise)
     return ChatDataset([_exchange(s["prompt"], s["answer"]) for s in samples], tokenizer, train_on=train_on)
 
 

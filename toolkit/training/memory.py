@@ -96,6 +96,8 @@ class StepKernels:
             rejected in one forward), so activations and logits count ``micro_batch_size`` times this many rows.
         reference_model: a frozen copy of the model scores each batch beside it (full-fine-tuning preference
             tuning with a live reference), laid out as the policy (see :attr:`MemoryEstimate.reference`).
+        frozen_model: another frozen model (of its own shape, on the meta device) scores each batch beside it,
+            laid out alike: distillation's teacher.
     """
 
     flex_attention: bool = False
@@ -103,6 +105,7 @@ class StepKernels:
     fused_loss: bool = True
     sequences_per_sample: int = 1
     reference_model: bool = False
+    frozen_model: nn.Module | None = None
 
 
 def format_bytes(n: int) -> str:
@@ -272,6 +275,33 @@ def _check_shape(strategy: str, world_size: int, num_nodes: int, shard_size: int
     if shard < 1 or world_size % shard:
         raise UserError(f"hsdp_shard_size: a world size of {world_size} cannot be split into shard groups of {shard}")
     return shard
+
+
+def _frozen_copy_bytes(
+    model: nn.Module, *, compute: int, sharded: bool, shards: int, cpu_offload: bool, tensor_parallel: int,
+    expert_parallel: int,
+) -> tuple[int, int]:
+    """Per-device and host bytes of a frozen ``model`` scoring beside the trained one and laid out as it is: in the
+    compute dtype (``compute`` bytes an element), its tensor- and expert-parallel shards; whole unless FSDP2
+    shards it (``sharded`` over ``shards`` ranks), when it also holds its root unit gathered and, while it scores,
+    a layer's units and the next one's all-gather buffer, its shards offloaded to the host with the trained
+    model's under ``cpu_offload``."""
+    split_experts = expert_parallel_local_parameters(model, ep=expert_parallel)
+    local = {**tensor_parallel_local_parameters(model, tp=tensor_parallel), **split_experts}
+    experts = {id(t) for t in split_experts.values()}
+    params = [local[id(t)] for t in model.parameters()]
+    layers = [[local[id(t)] for t in layer.parameters()] for layer in model.layers]
+    layer_ids = {id(t) for layer in layers for t in layer}
+
+    def copies(tensors: list[torch.Tensor]) -> int:
+        return sum(_stored_bytes(t, compute) for t in tensors)
+
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    if not sharded:
+        return copies(params) + buffer_bytes, 0
+    stored = sum(_stored_bytes(t, compute, shards // expert_parallel if id(t) in experts else shards) for t in params)
+    in_use = copies([t for t in params if id(t) not in layer_ids]) + 2 * max(map(copies, layers), default=0)
+    return (in_use + buffer_bytes, stored) if cpu_offload else (in_use + buffer_bytes + stored, 0)
 
 
 def estimate_memory(
@@ -469,23 +499,14 @@ def estimate_memory(
             grad_elems = max((_stored_bytes(t, 1, shards_of(t)) for t in params if t.requires_grad), default=0)
         else:
             grad_elems = math.ceil(fraction * max(t.numel() * (shards // shards_of(t)) for t in params) / shards)
-    reference_host = 0
-    if kernels.reference_model:
-        # A frozen copy in the compute dtype: whole (its TP shard) unless FSDP2 shards it; sharded, it also holds
-        # its root unit gathered and, while it scores, a layer's units and the next one's all-gather buffer.
-        if strategy in _SHARDED and world_size > 1:
-            layer_bytes = max((compute_copies(ts) for ts in layers), default=0)
-            stored = sum(_stored_bytes(t, c, shards_of(t)) for t in params)
-            reference = compute_copies(root) + 2 * layer_bytes
-            if cpu_offload:  # its shards offloaded with the policy's (the host counts them below)
-                reference_host = stored
-            else:
-                reference += stored
-        else:
-            reference = compute_copies(params)
-        reference += buffer_bytes
-    else:
-        reference = 0
+    reference = reference_host = 0
+    frozen = [model] * kernels.reference_model + ([kernels.frozen_model] if kernels.frozen_model is not None else [])
+    for frozen_model in frozen:
+        device_bytes, host_bytes = _frozen_copy_bytes(
+            frozen_model, compute=c, sharded=strategy in _SHARDED and world_size > 1, shards=shards,
+            cpu_offload=cpu_offload, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+        )
+        reference, reference_host = reference + device_bytes, reference_host + host_bytes
     rows = micro_batch_size * kernels.sequences_per_sample  # sequences per forward
     activations = dict(
         micro_batch_size=rows, seq_len=max_seq_len, dtype=dtype,
