@@ -14,6 +14,7 @@ tokenizer the test trains), through the `any_model` configs.
 """
 
 import json
+import math
 from functools import partial
 from pathlib import Path
 
@@ -62,13 +63,25 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
+def _one_process_run(out: Path, recipe: str, config: str, folder: Path, *extra: str) -> Path:
+    result = tune(f"{recipe}_single_device", "--config", config, f"output_dir={out}", *_overrides(folder, *extra))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
 @pytest.fixture(scope="module")
 def one_process(moe_folder, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("moe_one")
-    code = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={out}",
-                         *_overrides(moe_folder, "save_every_n_steps=2", "keep_last_n=null"))
-    assert code.returncode == 0, code.stderr[-3000:]
-    return out
+    return _one_process_run(tmp_path_factory.mktemp("moe_one"), "full_finetune", "any_model", moe_folder,
+                            "save_every_n_steps=2", "keep_last_n=null")
+
+
+DPO = ["save_every_n_steps=null", "optimizer.lr=1e-3"]
+
+
+@pytest.fixture(scope="module")
+def dpo_one_process(moe_folder, tmp_path_factory) -> Path:
+    return _one_process_run(tmp_path_factory.mktemp("moe_dpo_one"), "preference_finetune", "any_model_dpo",
+                            moe_folder, *DPO)
 
 
 # The 2-process runs, in one launch: (recipe, config, overrides). ep2: the experts shared out over the 2 ranks
@@ -81,6 +94,10 @@ TWO_PROCESS_RUNS = {
     "lora": ("lora_finetune", "any_model_lora", ["data_parallel=zero3", "expert_parallel=2", "save_every_n_steps=null",
                                                  "model.apply_lora_to_experts=true", "optimizer.lr=1e-2",
                                                  "save_merged=true"]),
+    # DPO on the mixture of experts (a frozen copy as the reference), its load-balancing loss included.
+    **{f"dpo_{name}": ("preference_finetune", "any_model_dpo", [*DPO, *extra]) for name, extra in {
+        "ddp": ["data_parallel=ddp"], "zero3": ["data_parallel=zero3"],
+        "ep2": ["data_parallel=zero3", "expert_parallel=2"]}.items()},
 }
 
 
@@ -106,6 +123,23 @@ def test_two_processes_train_like_one(strategy, one_process, two_processes):
         assert [r[key] for r in ours] == [r[key] for r in reference], key
     assert all(r["router_aux_loss"] > 0 for r in reference)  # the load-balancing loss is in the training loss
     assert all(1 / 8 <= r["expert_load_busiest_share"] <= 1 for r in reference)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "ep2"])
+def test_dpo_on_experts_adds_their_load_balancing_loss_and_trains_alike_on_two_processes(
+    strategy, dpo_one_process, two_processes
+):
+    reference = _records(dpo_one_process)
+    assert len(reference) == STEPS
+    # At the first step the policy is its reference: every pair's DPO loss is exactly log 2, so the rest of the loss
+    # is the routers' (a mean over the batch's sequences, which router_aux_loss reports).
+    assert reference[0]["loss"] - math.log(2) == pytest.approx(reference[0]["router_aux_loss"], rel=1e-5)
+    assert all(r["router_aux_loss"] > 0 and 1 / 8 <= r["expert_load_busiest_share"] <= 1 for r in reference)
+    ours = _records(two_processes[f"dpo_{strategy}"])
+    for key in ("loss", "router_aux_loss", "reward_accuracy", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in ours], [r[key] for r in reference], rtol=1e-5, atol=1e-7, msg=key)
+    for key in ("expert_load_min", "expert_load_max"):
+        assert [r[key] for r in ours] == [r[key] for r in reference], key
 
 
 def test_the_expert_parallel_export_and_checkpoint_are_the_one_process_runs(moe_folder, one_process, two_processes,

@@ -85,6 +85,7 @@ class TransformerDecoder(nn.Module):
         # their routers did in training forwards since the trainer last took it (take_routing_totals).
         self._moe_blocks = [m for m in self.layers.modules() if isinstance(m, MoEFeedForward)]
         self._routing_totals: dict[str, torch.Tensor] | None = None
+        self._router_loss: torch.Tensor | None = None  # a per-sequence forward's, for its caller (take_router_loss)
         # The fused loss's work between its matmuls; toolkit.training.compile_model replaces it with a compiled one.
         self.output_loss_kernel = logit_loss_and_grad
 
@@ -134,8 +135,9 @@ class TransformerDecoder(nn.Module):
                 routers' load statistics of a mixture-of-experts model count only those positions (all without it).
             per_sequence: with ``labels``, return each row's summed float32 log-probability of its labels, ``[b]``,
                 instead of the loss sum (preference losses compare them): fused as the loss is
-                (:func:`~toolkit.modules.loss.linear_sequence_logprobs`), or from the chunked logits; without the
-                load-balancing loss.
+                (:func:`~toolkit.modules.loss.linear_sequence_logprobs`), or from the chunked logits; a
+                mixture-of-experts model's load-balancing loss (its rows' summed, in a training forward with grad)
+                is kept for the caller to add (:meth:`take_router_loss`).
             distill: with ``labels``, a teacher's final hidden states and output weight
                 (:class:`DistillTargets`): return ``(cross-entropy sum, distillation sum)``, the second the summed
                 divergence between this model's and the teacher's distributions at the same target positions
@@ -164,28 +166,42 @@ class TransformerDecoder(nn.Module):
                                   per_sequence=per_sequence)
             if distill is not None:
                 return loss, self._distill_sum(h, labels, distill, num_chunks=num_output_chunks or 1)
-            if self._moe_blocks and self.training and not per_sequence:
-                loss = loss + self._router_loss_sum(labels, lengths)
+            if self._moe_blocks and self.training and torch.is_grad_enabled():
+                if not per_sequence:
+                    loss = loss + self._router_loss_sum(labels, lengths)
+                else:  # a per-row loss sums its own: the caller takes it (take_router_loss)
+                    self._router_loss = self._router_loss_sum(labels, lengths, per_token=False)
             return loss
         if num_output_chunks is None:
             return self.compute_logits(h)
         return self._chunked_logits(h, num_output_chunks)
 
-    def _router_loss_sum(self, labels: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-        # The routers' load-balancing loss, weighted per row by its trained tokens, and what it and the per-expert
-        # token counts add to the totals the trainer takes after the step.
+    def _router_loss_sum(
+        self, labels: torch.Tensor, lengths: torch.Tensor | None, *, per_token: bool = True
+    ) -> torch.Tensor:
+        # The routers' load-balancing loss, weighted per row by its trained tokens (per_token: for a loss summed
+        # over tokens) or not (for one summed over rows), and what it and the per-expert token counts add to the
+        # totals the trainer takes after the step.
         stats = routing_statistics(
             [block.routing for block in self._moe_blocks], num_experts=self._moe_blocks[0].num_experts,
             lengths=lengths,
         )
         for block in self._moe_blocks:
             block.routing = None  # the loss's graph keeps what it needs
-        trained = (labels != CROSS_ENTROPY_IGNORE_INDEX).sum(dim=-1).float()  # [b]
-        loss = self.router_aux_loss_coef * (stats.aux_loss * trained).sum()
+        weights = (labels != CROSS_ENTROPY_IGNORE_INDEX).sum(dim=-1).float() if per_token else 1.0  # [b]
+        loss = self.router_aux_loss_coef * (stats.aux_loss * weights).sum()
         totals = {"aux_loss_sum": loss.detach().double(), "tokens_per_expert": stats.tokens_per_expert.double()}
         if self._routing_totals is not None:
             totals = {key: total + self._routing_totals[key] for key, total in totals.items()}
         self._routing_totals = totals
+        return loss
+
+    def take_router_loss(self) -> torch.Tensor | None:
+        """The load-balancing loss of the last training forward with ``per_sequence`` (then reset):
+        ``router_aux_loss_coef`` times the sum of its rows' losses, with its gradient, for the caller to add to its
+        per-row loss (the preference step: as a mean over the rows of the global batch). None without
+        mixture-of-experts layers or such a forward."""
+        loss, self._router_loss = self._router_loss, None
         return loss
 
     def take_routing_totals(self) -> dict[str, torch.Tensor] | None:

@@ -48,7 +48,7 @@ from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.init import materialize
 from toolkit.training.memory import StepKernels
 from toolkit.training.output_dir import REFERENCE_LOGPS_FILE
-from toolkit.training.step import StepResult
+from toolkit.training.step import StepResult, routing_metrics
 from toolkit.training.validation import ValidationSampler, batches_in_step, idle_batch, scoring
 
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
@@ -222,7 +222,7 @@ def model_reference(reference: nn.Module) -> Reference:
 
 def _pair_inputs(mb: dict[str, torch.Tensor], *, flex_attention: bool) -> dict:
     return dict(mask=batch_attention_mask(mb, flex_attention=flex_attention), input_pos=mb.get("input_pos"),
-                labels=mb["labels"], per_sequence=True)
+                labels=mb["labels"], lengths=mb.get("lengths"), per_sequence=True)
 
 
 def score_pairs(
@@ -302,6 +302,7 @@ def preference_forward_backward(
         int(v) for v in all_reduce_sum(counts, group=data_parallel_group))
     totals = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=device)
     num_positions = 0
+    plain = unwrap(model)
     for i, mb in enumerate(micro_batches):
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         num_positions += mb["tokens"].numel()
@@ -312,13 +313,18 @@ def preference_forward_backward(
             loss = out.loss.sum() / global_pairs
             if settings.loss == "orpo":  # its supervised term: the chosen answers' mean token cross-entropy
                 loss = loss - policy.chosen.sum() / max(global_chosen_tokens, 1)
+            router_loss = plain.take_router_loss() if hasattr(plain, "take_router_loss") else None
+            if router_loss is not None:  # mixture of experts: the load-balancing loss, a mean over the batch's rows
+                loss = loss + router_loss / (2 * global_pairs)
             scaled = loss * data_parallel_size  # (the gradient reduction averages over the ranks)
             (grad_scaler.scale(scaled) if grad_scaler is not None else scaled).backward()
         totals += _pair_totals(loss * global_pairs, policy, out)
     totals = all_reduce_sum(totals, group=data_parallel_group).cpu() / max(global_pairs, 1)
+    routing = plain.take_routing_totals() if hasattr(plain, "take_routing_totals") else None
+    routed = {} if routing is None else routing_metrics(routing, num_tokens=2 * global_pairs, group=data_parallel_group)
     return StepResult(
         loss=float(totals[0]), num_tokens=global_tokens, num_positions=num_positions,
-        metrics={**dict(zip(METRICS, totals[1:].tolist())), "pairs": global_pairs},
+        metrics={**dict(zip(METRICS, totals[1:].tolist())), "pairs": global_pairs, **routed},
     )
 
 
