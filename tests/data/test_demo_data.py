@@ -129,3 +129,20 @@ def test_demo_preference_pairs_prefer_the_right_answer_to_another_tasks():
     assert len(wrong_tasks) >= 3  # the rejected answers come from the other tasks, not one of them
     batch = preference_collate([pairs[0], pairs[1]], pad_id=0)
     assert batch["tokens"].shape[0] == 4
+
+
+def test_label_noise_makes_a_share_of_answers_another_tasks_on_the_same_prompts() -> None:
+    from toolkit.data.demo import TASKS
+
+    clean = demo_tasks(num_samples=2000, seed=3)
+    noisy = demo_tasks(num_samples=2000, seed=3, label_noise=0.3)
+    assert [s["prompt"] for s in noisy] == [s["prompt"] for s in clean]  # the same prompts, only answers change
+    wrong = [(c, n) for c, n in zip(clean, noisy) if c["answer"] != n["answer"]]
+    assert 0.26 < len(wrong) / 2000 < 0.34  # binomial(2000, 0.3): 4 standard deviations either side
+    for c, n in wrong:
+        word = c["prompt"].split(": ", 1)[1]
+        assert n["answer"] in {task(word) for name, task in TASKS.items() if name != c["task"]}
+    assert demo_tasks(num_samples=50, seed=3, label_noise=0.3) == noisy[:50]  # deterministic, prefix-stable
+    for bad in (1.0, -0.1):
+        with pytest.raises(UserError, match="label_noise"):
+            demo_tasks(num_samples=5, label_noise=bad)
