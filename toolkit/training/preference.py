@@ -48,7 +48,7 @@ from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.init import materialize
 from toolkit.training.memory import StepKernels
 from toolkit.training.output_dir import REFERENCE_LOGPS_FILE
-from toolkit.training.step import StepResult, routing_metrics
+from toolkit.training.step import StepResult, taken_routing_metrics
 from toolkit.training.validation import ValidationSampler, batches_in_step, idle_batch, scoring
 
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
@@ -320,8 +320,7 @@ def preference_forward_backward(
             (grad_scaler.scale(scaled) if grad_scaler is not None else scaled).backward()
         totals += _pair_totals(loss * global_pairs, policy, out)
     totals = all_reduce_sum(totals, group=data_parallel_group).cpu() / max(global_pairs, 1)
-    routing = plain.take_routing_totals() if hasattr(plain, "take_routing_totals") else None
-    routed = {} if routing is None else routing_metrics(routing, num_tokens=2 * global_pairs, group=data_parallel_group)
+    routed = taken_routing_metrics(plain, num_tokens=2 * global_pairs, group=data_parallel_group)
     return StepResult(
         loss=float(totals[0]), num_tokens=global_tokens, num_positions=num_positions,
         metrics={**dict(zip(METRICS, totals[1:].tolist())), "pairs": global_pairs, **routed},

@@ -113,10 +113,19 @@ def forward_backward(
             (grad_scaler.scale(scaled) if grad_scaler is not None else scaled).backward()
         loss_sum += micro_loss.detach().float()
     loss = all_reduce_sum(loss_sum, group=data_parallel_group).item() / max(num_tokens, 1)
-    take_routing = getattr(unwrap(model), "take_routing_totals", None)
-    routing = take_routing() if take_routing is not None else None
-    metrics = {} if routing is None else routing_metrics(routing, num_tokens=num_tokens, group=data_parallel_group)
+    metrics = taken_routing_metrics(model, num_tokens=num_tokens, group=data_parallel_group)
     return StepResult(loss=loss, num_tokens=num_tokens, num_positions=num_positions, metrics=metrics)
+
+
+def taken_routing_metrics(
+    model: nn.Module, *, num_tokens: int, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """:func:`routing_metrics` of what ``model``'s routers did since this was last called (its
+    :meth:`~toolkit.modules.TransformerDecoder.take_routing_totals`, ``num_tokens`` the sequences or tokens the
+    load-balancing loss was averaged over); empty for a model without experts. A collective when it has them."""
+    take = getattr(unwrap(model), "take_routing_totals", None)
+    routing = take() if take is not None else None
+    return {} if routing is None else routing_metrics(routing, num_tokens=num_tokens, group=group)
 
 
 def routing_metrics(
