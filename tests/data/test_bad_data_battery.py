@@ -15,7 +15,7 @@ from typing import Callable
 import pytest
 
 from tests.launch import run_tune
-from toolkit.data import chat_dataset, instruct_dataset, preference_dataset, text_completion_dataset
+from toolkit.data import chat_dataset, instruct_dataset, kto_dataset, preference_dataset, text_completion_dataset
 from toolkit.data.sources import open_source
 from toolkit.errors import UserError
 from toolkit.tokenizers import byte_tokenizer
@@ -25,6 +25,7 @@ INSTRUCT = b'{"input": "hi", "output": "yo"}'
 CHAT = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
 TEXT = b'{"text": "a document"}'
 PAIR = b'{"prompt": "p", "chosen": "a", "rejected": "b"}'
+UNPAIRED = b'{"prompt": "p", "completion": "a", "label": true}'
 SURROGATE = "a lone UTF-16 surrogate '\\ud800' at character"
 
 
@@ -108,6 +109,16 @@ BAD_ROWS = {
     "prompt not text": (preference_dataset, PAIR, b'{"prompt": 3, "chosen": "a", "rejected": "b"}',
                         "column 'prompt' must be a string or a list of messages, got int"),
     "empty document": (text_completion_dataset, TEXT, b'{"text": ""}', "column 'text' is empty"),
+    "kto label missing": (kto_dataset, UNPAIRED, b'{"prompt": "p", "completion": "a"}',
+                          "missing column 'label' (the row has: prompt, completion)"),
+    "kto label not a boolean": (kto_dataset, UNPAIRED, b'{"prompt": "p", "completion": "a", "label": "yes"}',
+                                "column 'label' must be true (a desirable answer) or false, got str 'yes'"),
+    "kto label 2": (kto_dataset, UNPAIRED, b'{"prompt": "p", "completion": "a", "label": 2}',
+                    "column 'label' must be true (a desirable answer) or false, got int 2"),
+    "kto completion missing": (kto_dataset, UNPAIRED, b'{"prompt": "p", "label": false}',
+                               "missing column 'completion' (the row has: prompt, label)"),
+    "kto pair with one answer twice": (kto_dataset, UNPAIRED, b'{"prompt": "p", "chosen": "a", "rejected": "a"}',
+                                       "columns 'chosen' and 'rejected' are the same"),
     "longer than max_seq_len": (instruct_dataset, INSTRUCT, json.dumps({"input": "q", "output": "y" * 200}).encode(),
                                 "222 tokens, more than max_seq_len 64 (set truncation: true to cut such samples"),
 }

@@ -1,4 +1,5 @@
-"""The four builders: what each row becomes, label masking, truncation, preference pairs and their collate."""
+"""The builders: what each row becomes, label masking, truncation, preference pairs, KTO's unpaired answers (and
+their KL sequences) and their collates."""
 
 import json
 from pathlib import Path
@@ -10,6 +11,8 @@ from toolkit.data import (
     CROSS_ENTROPY_IGNORE_INDEX,
     chat_dataset,
     instruct_dataset,
+    kto_collate,
+    kto_dataset,
     preference_collate,
     preference_dataset,
     shifted_labels,
@@ -174,3 +177,54 @@ def test_preference_pairs_score_only_the_last_answer_by_default(tmp_path: Path) 
     assert "hey" not in _targets({"labels": pair["rejected_labels"]})
     every = preference_dataset(TOK, source=source, cache_dir=None, train_on="assistant")[0]
     assert _targets({"labels": every["chosen_labels"]}).startswith("hey")
+
+
+def test_kto_rows_unpaired_or_from_pairs_and_their_kl_sequences(tmp_path: Path) -> None:
+    source = _jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "2+2?", "completion": "4", "label": True},
+        {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}],
+         "label": 0},  # TRL's conversational layout; 0/1 as booleans
+        {"prompt": "sky?", "chosen": "blue", "rejected": "green"},  # a pair: two rows, chosen desirable
+    ])
+    cache = tmp_path / "cache"
+    dataset = kto_dataset(TOK, source=source, cache_dir=str(cache))
+    assert len(dataset) == 4 and dataset.num_desirable == 2
+    answers = [(TOK.decode(s["completion_tokens"]), _targets({"labels": s["completion_labels"]}), s["desirable"])
+               for s in (dataset[i] for i in range(4))]
+    assert [(text, good) for text, _, good in answers] == [
+        ("user2+2?assistant4", True), ("userhiassistantyo", False), ("usersky?assistantblue", True),
+        ("usersky?assistantgreen", False)]
+    assert [target for _, target, _ in answers] == ["4", "yo", "blue", "green"]  # (and end of turn, eos)
+    # Each prompt is scored with another row's answer: a cycle through all rows, drawn from kl_seed.
+    partners = dataset.partner.tolist()
+    assert sorted(partners) == [0, 1, 2, 3] and all(p != i for i, p in enumerate(partners))
+    for i, j in enumerate(partners):
+        own, other = dataset[i], dataset[j]
+        kl_text = TOK.decode(dataset[i]["kl_tokens"])
+        prompt = TOK.decode(own["completion_tokens"]).rsplit("assistant", 1)[0]
+        assert kl_text == prompt + "assistant" + answers[j][0].rsplit("assistant", 1)[1]
+        assert _targets({"labels": own["kl_labels"]}) == _targets({"labels": other["completion_labels"]})
+        assert len(own["kl_labels"]) == len(own["kl_tokens"])
+    # From the cache: the labels (the store's tags) come back with the tokens.
+    again = kto_dataset(TOK, source=source, cache_dir=str(cache))
+    assert again.cache_hit and again.desirable.tolist() == dataset.desirable.tolist()
+    batch = kto_collate([dataset[0], dataset[1]], pad_id=TOK.pad_id)
+    assert batch["tokens"].shape[0] == 4 and batch["desirable"].tolist() == [True, False]
+    assert batch["tokens"][2, : len(dataset[0]["kl_tokens"])].tolist() == dataset[0]["kl_tokens"]
+
+
+def test_kto_kl_sequences_are_cut_to_max_seq_len_and_labels_read_from_csv(tmp_path: Path) -> None:
+    path = tmp_path / "d.csv"
+    path.write_text("prompt,completion,label\nshort,a much longer answer than the other,TRUE\n"
+                    "a rather long prompt here,b,false\n")
+    dataset = kto_dataset(TOK, source=str(path), cache_dir=None, max_seq_len=48)
+    assert dataset.desirable.tolist() == [True, False]
+    long_prompt = dataset[1]  # its prompt with the other's long answer: cut to 48, still training on some of it
+    assert len(long_prompt["kl_tokens"]) == 48 and long_prompt["kl_labels"][-1] == CROSS_ENTROPY_IGNORE_INDEX
+    assert _targets({"labels": long_prompt["kl_labels"]}) == "a mu"
+
+
+def test_kto_needs_two_rows(tmp_path: Path) -> None:
+    source = _jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "completion": "a", "label": True}])
+    with pytest.raises(UserError, match="kto needs at least two rows"):
+        kto_dataset(TOK, source=source, cache_dir=None)

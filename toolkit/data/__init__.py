@@ -13,7 +13,7 @@ Label convention (the whole project relies on it):
 * Padding (see :func:`padded_collate`) fills tokens with the tokenizer's ``pad_id`` and labels with -100.
 
 Datasets from files or the hub: :func:`instruct_dataset`, :func:`chat_dataset`, :func:`text_completion_dataset`
-and :func:`preference_dataset`, each ``(tokenizer, *, source, ...)``. They tokenize the source once, checking
+:func:`preference_dataset` and :func:`kto_dataset`, each ``(tokenizer, *, source, ...)``. They tokenize the source once, checking
 every row (a bad one stops the build naming file and line, or is skipped with ``skip_bad_rows``), cache the result
 on disk keyed by a fingerprint of source, tokenizer and options, and with ``packed=True`` pack documents into
 sequences of ``max_seq_len`` whose ``input_pos`` restart per document; :func:`padded_collate` turns those into
@@ -24,17 +24,19 @@ of processes, and resumes mid-epoch from its ``state_dict``.
 """
 
 from toolkit.data.chat import ChatDataset
-from toolkit.data.collate import padded_collate, preference_collate
+from toolkit.data.collate import kto_collate, padded_collate, preference_collate
 from toolkit.data.datasets import (
     PackedDataset,
     PreferenceDataset,
     TokenizedDataset,
+    UnpairedDataset,
     chat_dataset,
     instruct_dataset,
+    kto_dataset,
     preference_dataset,
     text_completion_dataset,
 )
-from toolkit.data.demo import demo_dataset, demo_preference_dataset, demo_tasks
+from toolkit.data.demo import demo_dataset, demo_preference_dataset, demo_tasks, demo_unpaired_dataset
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX, shifted_labels
 from toolkit.data.packing import document_ids, pack_documents, packed_attention_mask
 from toolkit.data.sampler import GlobalBatchSampler
@@ -46,12 +48,16 @@ __all__ = [
     "PackedDataset",
     "PreferenceDataset",
     "TokenizedDataset",
+    "UnpairedDataset",
     "chat_dataset",
     "demo_dataset",
     "demo_preference_dataset",
     "demo_tasks",
+    "demo_unpaired_dataset",
     "document_ids",
     "instruct_dataset",
+    "kto_collate",
+    "kto_dataset",
     "pack_documents",
     "packed_attention_mask",
     "padded_collate",

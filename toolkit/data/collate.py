@@ -92,29 +92,38 @@ def preference_collate(
     ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX,
     pad_to_multiple_of: int = 1,
     lengths: Sequence[int] | None = None,
+    rows: tuple[str, str] = ("chosen", "rejected"),
 ) -> dict[str, torch.Tensor]:
     """Pads preference pairs into one batch: the ``b`` chosen sequences, then the ``b`` rejected ones.
 
     One forward pass then scores both halves, as preference losses (DPO and kin) need. ``pad_to_multiple_of`` and
-    ``lengths`` as in :func:`padded_collate`.
+    ``lengths`` as in :func:`padded_collate`. ``rows`` names the two sequences of a sample (``<name>_tokens``,
+    ``<name>_labels``): ``("completion", "kl")`` for KTO's (:class:`~toolkit.data.UnpairedDataset`).
 
     Returns:
         ``{"tokens": LongTensor[2b, s], "labels": LongTensor[2b, s], "lengths": LongTensor[2b]}``; rows ``:b`` are
-        chosen, ``b:`` rejected. Samples that carry their reference's log-probabilities (``ref_chosen``,
-        ``ref_rejected``: :class:`~toolkit.training.preference.WithReferenceLogps`) also give ``"ref_logps":
-        FloatTensor[2b]`` in the same order.
+        chosen, ``b:`` rejected. Samples that carry their reference's log-probabilities (``ref_logps``, one per
+        sequence: :class:`~toolkit.training.preference.WithReferenceLogps`) also give ``"ref_logps":
+        FloatTensor[2b]`` in the same order; KTO's samples give ``"desirable": BoolTensor[b]``.
     """
     halves = [
         {"tokens": sample[f"{name}_tokens"], "labels": sample[f"{name}_labels"]}
-        for name in ("chosen", "rejected")
+        for name in rows
         for sample in batch
     ]
     out = padded_collate(halves, pad_id=pad_id, ignore_index=ignore_index, pad_to_multiple_of=pad_to_multiple_of,
                          lengths=lengths)
-    if "ref_chosen" in batch[0]:
-        out["ref_logps"] = torch.tensor([s[f"ref_{name}"] for name in ("chosen", "rejected") for s in batch],
-                                        dtype=torch.float32)
+    if "ref_logps" in batch[0]:
+        out["ref_logps"] = torch.tensor([s["ref_logps"][k] for k in range(2) for s in batch], dtype=torch.float32)
+    if "desirable" in batch[0]:
+        out["desirable"] = torch.tensor([s["desirable"] for s in batch], dtype=torch.bool)
     return out
+
+
+def kto_collate(batch: list[dict], **kwargs) -> dict[str, torch.Tensor]:
+    """:func:`preference_collate` for KTO's samples: rows ``:b`` the answers, ``b:`` each prompt with another
+    sample's answer (the KL estimate's), and ``"desirable": BoolTensor[b]``; the same keyword arguments."""
+    return preference_collate(batch, rows=("completion", "kl"), **kwargs)
 
 
 def _pad(rows: Sequence[Sequence[int]], seq_len: int, value: int) -> torch.Tensor:

@@ -22,13 +22,22 @@ from toolkit.data.formats import (
     InstructFormat,
     PreferenceFormat,
     TextFormat,
+    UnpairedFormat,
     check_column_map,
     template_fields,
 )
-from toolkit.data.labels import shifted_labels
+from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX, shifted_labels
 from toolkit.data.packing import STRATEGIES, pack_documents
 from toolkit.data.sources import open_source
-from toolkit.data.store import DEFAULT_CACHE_DIR, BuildReport, Sequence, TokenStore, build_store, cached_store
+from toolkit.data.store import (
+    DEFAULT_CACHE_DIR,
+    BuildReport,
+    Sequence,
+    TaggedSequence,
+    TokenStore,
+    build_store,
+    cached_store,
+)
 from toolkit.errors import UserError
 from toolkit.tokenizers import TRAIN_ON, ChatTokenizer
 
@@ -140,6 +149,67 @@ class PreferenceDataset(Dataset):
             sample[f"{name}_tokens"] = tokens
             sample[f"{name}_labels"] = shifted_labels(tokens, mask)
         return sample
+
+
+class UnpairedDataset(Dataset):
+    """Answers judged one at a time, desirable or not, for KTO: ``{"completion_tokens", "completion_labels",
+    "kl_tokens", "kl_labels", "desirable"}``.
+
+    ``completion_*`` is the sample itself (labels already shifted, only its answer trained on); ``kl_*`` is its
+    prompt followed by another sample's answer, on which KTO estimates how far the policy has moved from its
+    reference (the KL term of its reference point). The other sample is the next one on a cycle through all of
+    them in an order drawn from ``seed``: never the sample itself, each answer used once. It is fixed by the seed,
+    not drawn per batch, so a global batch's estimate is the same whatever its split into ranks and micro-steps,
+    and the reference's scores of these sequences can be computed once (``precompute_reference``).
+
+    Args:
+        samples: ``{"tokens", "labels"}`` items, each a prompt and its answer (the trained tokens, at the end).
+        desirable: per sample, whether its answer is desirable.
+        max_seq_len: the longest sequence; a prompt with another's answer is cut to it.
+        seed: draws the cycle.
+
+    Raises:
+        UserError: fewer than two samples (no other answer to pair a prompt with).
+    """
+
+    def __init__(self, samples: Dataset, desirable, *, max_seq_len: int | None, seed: int = 0) -> None:
+        if len(samples) < 2:
+            raise UserError(f"kto needs at least two rows (each prompt is also scored with another row's answer); "
+                            f"got {len(samples)}")
+        self.samples, self.max_seq_len = samples, max_seq_len
+        self.desirable = torch.as_tensor(desirable, dtype=torch.bool)
+        # Kept where the caller looks for the tokenized data (preference.reference_logps_file) and the build report.
+        self.store, self.report = getattr(samples, "store", None), getattr(samples, "report", None)
+        self.cache_hit = getattr(samples, "cache_hit", False)
+        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed))
+        self.partner = torch.empty_like(order)
+        self.partner[order] = order.roll(-1)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_desirable(self) -> int:
+        return int(self.desirable.sum())
+
+    def __getitem__(self, index: int) -> dict:
+        own, other = self.samples[index], self.samples[int(self.partner[index])]
+        prompt = _answer_start(own["labels"])
+        start = _answer_start(other["labels"])
+        # Positions before the prompt's end predict prompt tokens (not trained); from its last one on, the
+        # other's labels: labels[t] is the target of position t (see toolkit.data).
+        tokens = own["tokens"][:prompt] + other["tokens"][start:]
+        labels = [CROSS_ENTROPY_IGNORE_INDEX] * (prompt - 1) + other["labels"][start - 1:]
+        if self.max_seq_len is not None and len(tokens) > self.max_seq_len:
+            tokens = tokens[: self.max_seq_len]
+            labels = labels[: self.max_seq_len - 1] + [CROSS_ENTROPY_IGNORE_INDEX]
+        return {"completion_tokens": own["tokens"], "completion_labels": own["labels"], "kl_tokens": tokens,
+                "kl_labels": labels, "desirable": bool(self.desirable[index])}
+
+
+def _answer_start(labels: list[int]) -> int:
+    """The position of a sample's first trained token (its answer's start): one after the first label."""
+    return next(i for i, label in enumerate(labels) if label != CROSS_ENTROPY_IGNORE_INDEX) + 1
 
 
 def instruct_dataset(
@@ -346,6 +416,61 @@ def preference_dataset(
     )
 
 
+def kto_dataset(
+    tokenizer: ChatTokenizer,
+    *,
+    source: str,
+    format: str | None = None,
+    column_map: dict[str, str] | None = None,
+    system_prompt: str | None = None,
+    max_seq_len: int | None = None,
+    truncation: bool = True,
+    skip_bad_rows: bool = False,
+    split: str = "train",
+    name: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | None = DEFAULT_CACHE_DIR,
+    kl_seed: int = 0,
+) -> UnpairedDataset:
+    """Answers judged one at a time, desirable or not, for KTO (``preference_loss: kto``; see
+    :class:`UnpairedDataset`).
+
+    A row is a ``prompt`` with a ``completion`` and its ``label`` (true: desirable; TRL's unpaired layout), or a
+    preference pair (``prompt``, ``chosen``, ``rejected``, as :func:`preference_dataset` reads them), which gives
+    two rows, the chosen answer desirable and the rejected one not. Only the answer (the conversation's last turn)
+    is trained on.
+
+    Args:
+        tokenizer: any :class:`~toolkit.tokenizers.ChatTokenizer`.
+        source, format, split, name, revision, max_seq_len, truncation, skip_bad_rows, cache_dir: as in
+            :func:`instruct_dataset`.
+        column_map: our names (``prompt``, ``completion``, ``label``, ``chosen``, ``rejected``) to the file's.
+        system_prompt: prepended to conversations that do not start with a system message.
+        kl_seed: draws which other answer each prompt is scored with for the KL estimate.
+
+    Raises:
+        UserError: on bad options, a missing source, a bad row (naming file and line or row: a missing or
+            non-boolean ``label`` too), or fewer than two rows.
+    """
+    columns = check_column_map(column_map, {"prompt", "completion", "label", "chosen", "rejected"},
+                               builder="kto_dataset")
+    fmt = UnpairedFormat(column_map=columns, system_prompt=system_prompt)
+
+    def encode(tok: ChatTokenizer) -> Callable[[Any], list[TaggedSequence]]:
+        return lambda row: [
+            (*tok.tokenize_messages(messages, add_eos=True, train_on="last_turn"), int(desirable))
+            for messages, desirable in fmt.rows(row)
+        ]
+
+    samples = _build(
+        tokenizer, "kto", {"format": repr(fmt)}, encode, source=source, format=format, split=split, name=name,
+        revision=revision, max_seq_len=max_seq_len, truncation=truncation, packed=False,
+        packing_strategy="best_fit", skip_bad_rows=skip_bad_rows, cache_dir=cache_dir, tagged=True,
+    )
+    limit = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
+    return UnpairedDataset(samples, samples.store.tags.bool(), max_seq_len=limit, seed=kl_seed)
+
+
 def _messages_encoder(
     fmt: InstructFormat | ChatFormat, train_on: str
 ) -> Callable[[ChatTokenizer], Callable[[Any], list[Sequence]]]:
@@ -379,8 +504,10 @@ def _build(
     packing_strategy: str,
     skip_bad_rows: bool,
     cache_dir: str | None,
+    tagged: bool = False,
 ) -> Dataset:
-    """Shared by the builders: open the source, tokenize or load from cache, report, wrap."""
+    """Shared by the builders: open the source, tokenize or load from cache, report, wrap. ``tagged``: the
+    encoder's sequences carry a tag each (see :func:`~toolkit.data.store.build_store`)."""
     if max_seq_len is None:
         max_seq_len = tokenizer.max_seq_len
     if max_seq_len is not None and (type(max_seq_len) is not int or max_seq_len < 1):  # bool is an int too
@@ -410,7 +537,7 @@ def _build(
         logger.info("tokenizing %s", data.name)
         return build_store(
             data, encode, max_seq_len=max_seq_len, truncation=truncation, skip_bad_rows=skip_bad_rows,
-            directory=directory,
+            directory=directory, tagged=tagged,
         )
 
     store, hit = cached_store(key_inputs, build, cache_dir=cache_dir)

@@ -14,6 +14,7 @@ from typing import Callable
 from torch.utils.data import Dataset
 
 from toolkit.data.chat import ChatDataset
+from toolkit.data.datasets import UnpairedDataset
 from toolkit.errors import UserError
 from toolkit.tokenizers import ChatTokenizer
 
@@ -170,11 +171,40 @@ def demo_preference_dataset(
     """
     samples = demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks, word_len=word_len)
     rng = random.Random(f"tunekit-demo-pairs:{seed}:{split}")
-    rejected = []
-    for sample in samples:
-        word = sample["prompt"].split(": ", 1)[1]
-        wrong = sorted({TASKS[task](word) for task in TASKS} - {sample["answer"]})  # never empty: "repeat" is longer
-        rejected.append(rng.choice(wrong))
+    rejected = [_wrong_answer(sample, rng) for sample in samples]
     chosen = [_exchange(s["prompt"], s["answer"]) for s in samples]
     rejected = [_exchange(s["prompt"], answer) for s, answer in zip(samples, rejected)]
     return _Pairs(*(ChatDataset(conversations, tokenizer, train_on=train_on) for conversations in (chosen, rejected)))
+
+
+def _wrong_answer(sample: dict[str, str], rng: random.Random) -> str:
+    """Another task's answer on the sample's word, one that differs from the right one."""
+    word = sample["prompt"].split(": ", 1)[1]
+    wrong = sorted({TASKS[task](word) for task in TASKS} - {sample["answer"]})  # never empty: "repeat" is longer
+    return rng.choice(wrong)
+
+
+def demo_unpaired_dataset(
+    tokenizer: ChatTokenizer,
+    *,
+    split: str = "train",
+    num_samples: int = 20000,
+    seed: int = 0,
+    tasks: list[str] | None = None,
+    word_len: tuple[int, int] = DEFAULT_WORD_LEN,
+    desirable_share: float = 0.5,
+) -> UnpairedDataset:
+    """The demo tasks as answers judged one at a time, for KTO: each prompt once, with its right answer (desirable)
+    for a ``desirable_share`` of them drawn from ``(split, seed)``, else with another task's answer on the same
+    word (undesirable), so that no prompt has both: unpaired, as KTO's data are. Other arguments as
+    :func:`demo_dataset`'s.
+    """
+    if not 0 <= desirable_share <= 1:
+        raise UserError(f"desirable_share must be in [0, 1]; got {desirable_share!r}")
+    samples = demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks, word_len=word_len)
+    rng = random.Random(f"tunekit-demo-unpaired:{seed}:{split}")
+    desirable = [rng.random() < desirable_share for _ in samples]
+    answers = [s["answer"] if good else _wrong_answer(s, rng) for s, good in zip(samples, desirable)]
+    conversations = [_exchange(s["prompt"], answer) for s, answer in zip(samples, answers)]
+    return UnpairedDataset(ChatDataset(conversations, tokenizer, train_on="last_turn"), desirable,
+                           max_seq_len=tokenizer.max_seq_len, seed=seed)

@@ -331,3 +331,47 @@ class PreferenceFormat:
         if not isinstance(value, list):
             raise BadRowError(f"column {name!r} must be a string or a list of messages, got {_type_name(value)}")
         return normalize_messages(value, name=name)
+
+
+@dataclass(frozen=True)
+class UnpairedFormat(PreferenceFormat):
+    """Answers judged one at a time, desirable or not (KTO's data): a ``prompt`` with a ``completion`` and its
+    ``label`` (true: desirable), or a preference pair (``chosen`` and ``rejected``, as :class:`PreferenceFormat`
+    reads them), which gives two rows: the chosen answer desirable, the rejected one not.
+
+    A ``completion`` is a response string or a list of messages: messages that start with the assistant's are the
+    answer to the ``prompt``; any other list is a whole conversation. ``label`` is a boolean, or ``0``/``1``, or
+    ``"true"``/``"false"`` (CSV).
+
+    Attributes:
+        column_map: our names (``prompt``, ``completion``, ``label``, ``chosen``, ``rejected``) to the file's.
+        system_prompt: prepended to conversations that do not start with a system message.
+    """
+
+    def rows(self, row: Any) -> list[tuple[list[dict[str, str]], bool]]:
+        """``[(conversation, desirable)]``: one for an unpaired row, two for a pair."""
+        if isinstance(row, dict) and self.column_map.get("completion", "completion") not in row and all(
+            self.column_map.get(key, key) in row for key in ("chosen", "rejected")
+        ):
+            chosen, rejected = self.pair(row)
+            return [(chosen, True), (rejected, False)]
+        return [(self._completion(row), self._label(row))]
+
+    def _completion(self, row: Any) -> list[dict[str, str]]:
+        name = self.column_map.get("completion", "completion")
+        value = column(row, name, mapped_from="completion")
+        if isinstance(value, list) and value and isinstance(value[0], dict) and value[0].get("role") == "assistant":
+            return _with_system(self._prompt(row) + normalize_messages(value, name=name), self.system_prompt)
+        return self._conversation(row, "completion")
+
+    def _label(self, row: Any) -> bool:
+        name = self.column_map.get("label", "label")
+        value = column(row, name, mapped_from="label")
+        if isinstance(value, bool):
+            return value
+        if type(value) is int and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise BadRowError(f"column {name!r} must be true (a desirable answer) or false, got {_type_name(value)} "
+                          f"{value!r:.40}")

@@ -6,7 +6,8 @@ the first step rather than an hour in. The cache key is a fingerprint of the sou
 times, or the hub dataset's fingerprint), the tokenizer and every option that changes the result.
 
 On disk, a store is a folder ``<cache_dir>/<key>/`` holding ``tokens.bin`` (int32), ``mask.bin`` (uint8, 1 where
-the token is trained on), ``offsets.bin`` (int64, samples + 1) and ``meta.json``. It is written under a temporary
+the token is trained on), ``offsets.bin`` (int64, samples + 1), for builders that label their samples ``tags.bin``
+(int8, one per sample: a KTO row's desirable flag) and ``meta.json``. It is written under a temporary
 name and renamed when complete, so a crashed build never leaves a half store behind; a file lock makes the
 processes of a node (torchrun ranks) build it once and the others wait and load it.
 """
@@ -40,6 +41,7 @@ _EXAMPLES = 5
 _FLUSH_TOKENS = 1 << 22
 
 Sequence = tuple[list[int], list[bool]]  # tokens and their "trained on" mask
+TaggedSequence = tuple[list[int], list[bool], int]  # and the sample's tag (an int8 label), for tagged builds
 
 
 @dataclass
@@ -63,7 +65,8 @@ class TokenStore:
     """Samples as flat ``tokens`` (int32), ``mask`` (uint8) and ``offsets`` (int64, ``len + 1``) tensors.
 
     A store opened from disk is memory-mapped; pickling it (DataLoader workers started by spawn) sends only its
-    path, and each process maps the files itself.
+    path, and each process maps the files itself. ``tags`` (int8, one per sample) is there for tagged builds
+    (:func:`build_store` with ``tagged=True``), else None.
     """
 
     def __init__(
@@ -74,12 +77,14 @@ class TokenStore:
         *,
         report: BuildReport,
         path: Path | None = None,
+        tags: torch.Tensor | None = None,
     ) -> None:
         self.tokens = tokens
         self.mask = mask
         self.offsets = offsets
         self.report = report
         self.path = path
+        self.tags = tags
 
     @classmethod
     def open(cls, path: Path) -> "TokenStore":
@@ -92,6 +97,7 @@ class TokenStore:
             _map(path / "offsets.bin", num_samples + 1, torch.int64),
             report=BuildReport(**meta["report"]),
             path=path,
+            tags=_map(path / "tags.bin", num_samples, torch.int8) if meta.get("tagged") else None,
         )
 
     def __len__(self) -> int:
@@ -161,19 +167,26 @@ def _map(path: Path, size: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Writer:
-    """Appends sequences to in-memory arrays, spilling them to files when building on disk."""
+    """Appends sequences (and, ``tagged``, their tags) to in-memory arrays, spilling them to files when building on
+    disk."""
 
-    def __init__(self, directory: Path | None) -> None:
-        self.tokens, self.mask, self.offsets = array("i"), array("B"), array("q", [0])
+    def __init__(self, directory: Path | None, *, tagged: bool = False) -> None:
+        self.tokens, self.mask, self.offsets, self.tags = array("i"), array("B"), array("q", [0]), array("b")
+        self.tagged = tagged
         self.num_tokens = 0
         self.num_samples = 0
         self._files: dict[str, BinaryIO] = {}
         if directory is not None:
-            self._files = {name: open(directory / f"{name}.bin", "wb") for name in ("tokens", "mask", "offsets")}
+            self._files = {name: open(directory / f"{name}.bin", "wb") for name in self._arrays()}
 
-    def add(self, tokens: list[int], mask: list[bool]) -> None:
+    def _arrays(self) -> tuple[str, ...]:
+        return ("tokens", "mask", "offsets", "tags") if self.tagged else ("tokens", "mask", "offsets")
+
+    def add(self, tokens: list[int], mask: list[bool], tag: int | None = None) -> None:
         self.tokens.extend(tokens)
         self.mask.extend(mask)
+        if self.tagged:
+            self.tags.append(tag)
         self.num_tokens += len(tokens)
         self.num_samples += 1
         self.offsets.append(self.num_tokens)
@@ -181,7 +194,7 @@ class _Writer:
             self._flush()
 
     def _flush(self) -> None:
-        for name in ("tokens", "mask", "offsets"):
+        for name in self._arrays():
             buffer = getattr(self, name)
             buffer.tofile(self._files[name])
             del buffer[:]
@@ -193,12 +206,14 @@ class _Writer:
                 torch.frombuffer(self.mask, dtype=torch.uint8),
                 torch.frombuffer(self.offsets, dtype=torch.int64),
             )
-            return TokenStore(*tensors, report=report)
+            tags = torch.tensor(self.tags.tolist(), dtype=torch.int8) if self.tagged else None
+            return TokenStore(*tensors, report=report, tags=tags)
         self._flush()
         for f in self._files.values():
             f.close()
         assert path is not None
-        meta = {"num_samples": self.num_samples, "num_tokens": self.num_tokens, "report": asdict(report)}
+        meta = {"num_samples": self.num_samples, "num_tokens": self.num_tokens, "report": asdict(report),
+                "tagged": self.tagged}
         (path / "meta.json").write_text(json.dumps(meta, indent=1))
         return TokenStore.open(path)
 
@@ -209,12 +224,13 @@ class _Writer:
 
 def build_store(
     source: Source,
-    encode: Callable[[Any], list[Sequence]],
+    encode: Callable[[Any], list[Sequence] | list[TaggedSequence]],
     *,
     max_seq_len: int | None,
     truncation: bool,
     skip_bad_rows: bool,
     directory: Path | None = None,
+    tagged: bool = False,
 ) -> TokenStore:
     """Tokenizes every row in one pass.
 
@@ -226,13 +242,15 @@ def build_store(
         truncation: cut longer sequences to ``max_seq_len``; if False, such a row is bad.
         skip_bad_rows: skip bad rows (counted in the report) instead of stopping at the first.
         directory: write the arrays into this (existing, empty) folder and map them; ``None`` keeps them in memory.
+        tagged: ``encode`` gives each sequence a tag, ``(tokens, mask, tag)`` with an int8 ``tag`` (a label of the
+            sample: a KTO row's desirable flag), kept as the store's ``tags``.
 
     Raises:
         UserError: at the first bad row unless ``skip_bad_rows``, naming the file, the row and the reason; or
             when no row gave a sample, saying why (empty files, only blank lines, every row bad).
     """
     report = BuildReport()
-    writer = _Writer(directory)
+    writer = _Writer(directory, tagged=tagged)
     try:
         for location, row in source.rows():
             report.rows += 1
@@ -246,8 +264,8 @@ def build_store(
                 if len(report.skipped_examples) < _EXAMPLES:
                     report.skipped_examples.append(message)
                 continue
-            for tokens, mask in sequences:
-                writer.add(tokens, mask)
+            for tokens, mask, *tag in sequences:
+                writer.add(tokens, mask, *tag)
     except BaseException:
         writer.close()
         raise
@@ -263,13 +281,14 @@ def build_store(
 
 
 def _checked(
-    row: Any, encode: Callable[[Any], list[Sequence]], *, max_seq_len: int | None, truncation: bool, report: BuildReport
-) -> list[Sequence]:
+    row: Any, encode: Callable[[Any], list[Sequence] | list[TaggedSequence]], *, max_seq_len: int | None,
+    truncation: bool, report: BuildReport,
+) -> list[Sequence] | list[TaggedSequence]:
     if isinstance(row, UnreadableRow):
         raise BadRowError(str(row))
     checked = []
     truncated = 0
-    for tokens, mask in encode(row):
+    for tokens, mask, *tag in encode(row):
         if not tokens:
             raise BadRowError("tokenizes to no tokens")
         # The first token is never a target (labels are shifted): a sample must train on a later one, or it only
@@ -290,7 +309,7 @@ def _checked(
                 )
             tokens, mask = tokens[:max_seq_len], mask[:max_seq_len]
             truncated += 1
-        checked.append((tokens, mask))
+        checked.append((tokens, mask, *tag))
     # Counted only once the whole row is good, so a skipped row adds nothing.
     report.truncated += truncated
     return checked
