@@ -1,4 +1,5 @@
-"""Preference tuning: DPO, IPO, SimPO and ORPO on chosen/rejected pairs, full fine-tuning or LoRA/DoRA/QLoRA.
+"""Preference tuning: DPO, IPO, SimPO and ORPO on chosen/rejected pairs, KTO on answers judged one at a time;
+full fine-tuning or LoRA/DoRA/QLoRA.
 
 One file for one device and for many, and for every method: the model builder decides (a ``lora_*`` or
 ``qlora_*`` builder trains adapters, a plain one every weight), ``preference_loss`` the objective:
@@ -13,6 +14,10 @@ adapters switched off (no second copy in memory); for full fine-tuning, a frozen
 the first step, kept beside the cached tokenized data (or in ``output_dir`` for a dataset built in memory) and
 read again by any run on the same data and starting model, and no reference runs during training. ``simpo`` and
 ``orpo`` take none.
+
+``kto`` reads answers labelled desirable or not (toolkit.data.kto_dataset; ``batch_size`` counts answers): each step
+first scores every prompt of the global batch with another sample's answer, without grad, for its KL reference
+point, then trains on the answers (toolkit.training.kto). Its held-out data are pairs, scored as DPO's.
 
 Each micro-batch of ``b`` pairs is one forward of ``2b`` rows (chosen, then rejected) that returns each row's summed
 log-probability from the fused projection-and-loss path (no logits kept); the loss of a step is the mean over
@@ -31,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from toolkit.config import Bool, Choice, Float, instantiate, recipe_main, rule
-from toolkit.data import GlobalBatchSampler, preference_collate
+from toolkit.data import GlobalBatchSampler, kto_collate, preference_collate
 from toolkit.errors import UserError
 from toolkit.generation import report_exact_match
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
@@ -65,6 +70,7 @@ from toolkit.training import (
     static_lengths,
     step_metrics,
 )
+from toolkit.training.kto import check_kto_balance, kto_forward_backward
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.peft import fill_adapter_model, save_adapter_and_merged
 from toolkit.training.preference import (
@@ -85,14 +91,17 @@ from toolkit.training.preference import (
 from toolkit.training.schema import TRAINING_SCHEMA
 
 
-@rule("preference_loss", "precompute_reference", "label_smoothing")
+@rule("preference_loss", "precompute_reference", "label_smoothing", "desirable_weight", "undesirable_weight")
 def preference_options_fit_the_loss(ctx):
     """What only some losses read, refused with the others rather than silently unused."""
     loss = ctx.get("preference_loss")
     if ctx.get("precompute_reference") and not PreferenceSettings(loss=loss).needs_reference:
-        yield "precompute_reference", f"{loss} takes no reference model; remove precompute_reference or use dpo/ipo"
+        yield "precompute_reference", f"{loss} takes no reference model; remove precompute_reference or use dpo/ipo/kto"
     if ctx.get("label_smoothing", 0.0) and loss != "dpo":
         yield "label_smoothing", f"only dpo smooths its labels, and preference_loss is {loss}; remove it"
+    for key in ("desirable_weight", "undesirable_weight"):
+        if ctx.get(key) is not None and loss != "kto":
+            yield key, f"only kto weighs its answers, and preference_loss is {loss}; remove it"
 
 
 # Every config key this recipe reads: the shared training vocabulary (toolkit/training/schema.py) and the
@@ -105,6 +114,8 @@ SCHEMA = TRAINING_SCHEMA.without(
         "beta": Float(gt=0),
         "label_smoothing": Float(ge=0, lt=0.5, required=False),  # dpo (conservative DPO)
         "simpo_gamma": Float(ge=0, required=False),  # simpo's target reward margin
+        "desirable_weight": Float(gt=0, required=False),  # kto: lambda_D, the desirable answers' weight
+        "undesirable_weight": Float(gt=0, required=False),  # kto: lambda_U
         "precompute_reference": Bool(required=False),
         "save_merged": Bool(required=False),  # adapters: also write the merged model
     },
@@ -112,11 +123,16 @@ SCHEMA = TRAINING_SCHEMA.without(
 )
 
 
-def check_pairs(dataset, key: str) -> None:
-    """A dataset of pairs (``chosen_*`` and ``rejected_*``), or one line naming the config key."""
-    if len(dataset) == 0 or "chosen_tokens" not in dataset[0]:
-        what = "is empty" if len(dataset) == 0 else "yields no chosen/rejected pairs"
-        raise UserError(f"{key}: the dataset {what}; give a preference dataset such as toolkit.data.preference_dataset")
+def check_pairs(dataset, key: str, *, unpaired: bool = False, note: str = "") -> None:
+    """A dataset of pairs (``chosen_*`` and ``rejected_*``), or with ``unpaired`` (KTO's training data) of answers
+    judged one at a time (``completion_*``, ``desirable``), or one line naming the config key (and ``note``)."""
+    wanted, what, builder = (("completion", "answers labelled desirable or not", "a KTO dataset such as "
+                              "toolkit.data.kto_dataset") if unpaired else
+                             ("chosen", "chosen/rejected pairs", "a preference dataset such as "
+                              "toolkit.data.preference_dataset"))
+    if len(dataset) == 0 or f"{wanted}_tokens" not in dataset[0]:
+        found = "is empty" if len(dataset) == 0 else f"yields no {what}"
+        raise UserError(f"{key}: the dataset {found}; give {builder}{note}")
 
 
 def train(cfg: DictConfig) -> None:
@@ -124,8 +140,11 @@ def train(cfg: DictConfig) -> None:
     env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
     precision = precision_policy(cfg.dtype, device=env.device)
     output_dir = Path(cfg.output_dir).expanduser()
-    settings = PreferenceSettings(loss=cfg.preference_loss, beta=cfg.beta, label_smoothing=cfg.get("label_smoothing", 0.0),
-                                  simpo_gamma=cfg.get("simpo_gamma", 0.5))
+    settings = PreferenceSettings(
+        loss=cfg.preference_loss, beta=cfg.beta, label_smoothing=cfg.get("label_smoothing", 0.0),
+        simpo_gamma=cfg.get("simpo_gamma", 0.5), desirable_weight=cfg.get("desirable_weight") or 1.0,
+        undesirable_weight=cfg.get("undesirable_weight") or 1.0)
+    kto = settings.loss == "kto"
     precompute = bool(cfg.get("precompute_reference")) and settings.needs_reference
     # The checkpoint to resume from (`resume_from`; after a restart by torchrun, the run's own newest), or None.
     base_checkpoint = cfg.checkpointer.get("checkpoint_dir")
@@ -201,36 +220,37 @@ def train(cfg: DictConfig) -> None:
     # --- Data: pairs; every data-parallel rank reads its slice of each global batch ------------------------------
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer)
-    check_pairs(dataset, "dataset")
+    check_pairs(dataset, "dataset", unpaired=kto)
     multiple = dims.tp if sequence_parallel else 1
-    collate = partial(preference_collate, pad_id=tokenizer.pad_id, pad_to_multiple_of=multiple,
-                      lengths=static_lengths(cfg.max_seq_len, multiple=multiple) if cfg.get("compile") and dims.tp > 1
-                      else None)
+    val_collate = partial(preference_collate, pad_id=tokenizer.pad_id, pad_to_multiple_of=multiple,
+                          lengths=static_lengths(cfg.max_seq_len, multiple=multiple)
+                          if cfg.get("compile") and dims.tp > 1 else None)
+    collate = partial(kto_collate, **val_collate.keywords) if kto else val_collate
     val_dataset = None
     if cfg.get("validation_dataset"):
         val_dataset = instantiate(cfg.validation_dataset, tokenizer)
-        check_pairs(val_dataset, "validation_dataset")
+        check_pairs(val_dataset, "validation_dataset", note=" (kto too is validated on held-out pairs)" if kto else "")
     eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None
     if precompute:
         # Read back if computed from the same model, data and precision (beside the cached tokenized data, or in
         # output_dir); else computed now (never from a trained full fine-tune: then the file must be there).
         resolved = OmegaConf.to_container(cfg, resolve=True)
-        sets = {"train": ("dataset", dataset), **({"validation": ("validation_dataset", val_dataset)}
-                                                  if val_dataset is not None else {})}
+        sets = {"train": ("dataset", dataset, collate), **({"validation": (
+            "validation_dataset", val_dataset, val_collate)} if val_dataset is not None else {})}
         fingerprints = {name: json.dumps({key: resolved.get(key) for key in (
             "model", "checkpointer", "dtype", "max_seq_len", data_key)}, sort_keys=True)
-            for name, (data_key, _) in sets.items()}
+            for name, (data_key, *_) in sets.items()}
         files = {name: reference_logps_file(data, output_dir=output_dir, fingerprint=fingerprints[name])
-                 for name, (_, data) in sets.items()}
+                 for name, (_, data, _) in sets.items()}
         logps = {name: load_reference_logps(files[name], name=name, num_pairs=len(data),
-                                            fingerprint=fingerprints[name]) for name, (_, data) in sets.items()}
+                                            fingerprint=fingerprints[name]) for name, (_, data, _) in sets.items()}
         missing = [name for name, found in logps.items() if found is None]
         if missing and reference is None:
             raise UserError(f"resume_from: {files[missing[0]]} is missing or was computed for other data; a full "
                             "fine-tune cannot recompute its reference once trained: start afresh")
         for name in missing:
             logps[name] = precompute_reference_logps(
-                reference, sets[name][1], collate, batch_size=plan.micro_batch_size, device=env.device,
+                reference, sets[name][1], sets[name][2], batch_size=plan.micro_batch_size, device=env.device,
                 dp_rank=dims.dp_rank, dp_size=dims.dp_size, data_parallel_group=dp_group, autocast=autocast,
                 flex_attention=kernels.flex_attention)
         dataset = WithReferenceLogps(dataset, logps["train"])
@@ -243,7 +263,7 @@ def train(cfg: DictConfig) -> None:
     )
     loader = DataLoader(dataset, batch_size=plan.micro_batch_size, sampler=sampler, collate_fn=collate)
     val_loader = None if val_dataset is None else DataLoader(
-        val_dataset, batch_size=plan.micro_batch_size, collate_fn=collate,
+        val_dataset, batch_size=plan.micro_batch_size, collate_fn=val_collate,
         sampler=ValidationSampler(len(val_dataset), rank=dims.dp_rank, world_size=dims.dp_size),
     )
     total_steps = cfg.epochs * sampler.steps_per_epoch
@@ -285,11 +305,20 @@ def train(cfg: DictConfig) -> None:
     log.print(
         f"{settings.loss} (beta {settings.beta}), reference: {reference_kind}; {n_params / 1e6:.2f}M parameters, "
         f"{n_trainable / 1e6:.3f}M trainable; {env.world_size} process(es) on {env.device.type}, {dims.label}, "
-        f"{precision.name}; global batch {cfg.batch_size} pairs = {dims.dp_size} x {plan.micro_batch_size} x "
+        f"{precision.name}; global batch {cfg.batch_size} {'answers' if kto else 'pairs'} = {dims.dp_size} x "
+        f"{plan.micro_batch_size} x "
         f"{plan.accumulation_steps} accumulation step(s); {total_steps} steps"
     )
     for reason in plan.reasons:
         log.print(reason)
+    if kto:
+        unpaired = getattr(dataset, "dataset", dataset)  # (under its precomputed reference)
+        log.print(f"kto: {unpaired.num_desirable} desirable and {len(unpaired) - unpaired.num_desirable} undesirable "
+                  f"answers (weights {settings.desirable_weight} and {settings.undesirable_weight})")
+        if advice := check_kto_balance(unpaired.num_desirable, len(unpaired) - unpaired.num_desirable,
+                                       desirable_weight=settings.desirable_weight,
+                                       undesirable_weight=settings.undesirable_weight):
+            log.print(advice)
     for name in files if precompute else ():
         how = "computed into" if name in missing else "read from"
         log.print(f"reference log-probabilities of the {name} pairs {how} {files[name]}")
@@ -317,7 +346,7 @@ def train(cfg: DictConfig) -> None:
             break
         start = time.perf_counter()
         data_wait_s = start - data_requested
-        result = preference_forward_backward(
+        result = (kto_forward_backward if kto else preference_forward_backward)(
             model, micro_batches, settings=settings, device=env.device, data_parallel_size=dims.dp_size,
             data_parallel_group=dp_group, reference=reference, autocast=autocast, grad_scaler=grad_scaler,
             flex_attention=kernels.flex_attention,

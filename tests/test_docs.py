@@ -134,7 +134,7 @@ def commands() -> list[Command]:
         doc = ast.get_docstring(ast.parse(recipe.read_text())) or ""
         lines = [line for line in doc.splitlines() if re.match(r"    (tune|python) ", line)]
         found += _commands_of(f"recipes/{recipe.name}", lines)
-    for config in sorted((REPO / "recipe_configs").glob("*/demo.yaml")):
+    for config in sorted((REPO / "recipe_configs").glob("*/demo*.yaml")):
         header = re.match(r"(#.*\n)*", config.read_text()).group(0)
         lines = [line[1:] for line in header.splitlines() if re.match(r"#\s+(tune|python) ", line)]
         found += _commands_of(str(config.relative_to(REPO)), lines)

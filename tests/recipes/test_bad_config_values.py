@@ -99,7 +99,7 @@ PREFERENCE_CASES = [
     ("beta=0", "beta"),
     ("beta=-0.1", "beta"),
     ("beta=abc", "beta"),
-    ("preference_loss=kto", "preference_loss"),
+    ("preference_loss=kpo", "preference_loss"),
     ("preference_loss=DPO", "preference_loss"),
     ("label_smoothing=0.5", "label_smoothing"),
     ("label_smoothing=-0.1", "label_smoothing"),
@@ -108,6 +108,11 @@ PREFERENCE_CASES = [
     # What only some losses read, refused with the others rather than silently unused.
     ("preference_loss=simpo|precompute_reference=true", "precompute_reference"),
     ("preference_loss=orpo|label_smoothing=0.1", "label_smoothing"),
+    ("desirable_weight=2.0", "desirable_weight"),  # only kto weighs its answers
+    ("preference_loss=ipo|undesirable_weight=0.5", "undesirable_weight"),
+    ("preference_loss=kto|desirable_weight=0", "desirable_weight"),
+    ("preference_loss=kto|undesirable_weight=-1", "undesirable_weight"),
+    ("preference_loss=kto|desirable_weight=lots", "desirable_weight"),
     ("fused_loss=false", "fused_loss"),  # keys the recipe does not read are not silently ignored
 ]
 

@@ -1,7 +1,8 @@
 """The preference_finetune recipe end to end, on the demo's synthetic pairs: DPO with each kind of reference (a
 frozen copy of a full fine-tune, the LoRA base with its adapters off, log-probabilities precomputed once) gives the
 same losses on 1 and 2 processes under ddp, zero3 and tp=2; a precomputed reference trains exactly as the live one;
-a run killed mid-way and resumed ends bitwise equal to an uninterrupted one; bad input is refused in one line.
+a run killed mid-way and resumed ends bitwise equal to an uninterrupted one; bad input is refused in one line. KTO
+on the demo's unpaired answers (config demo_kto) likewise.
 
 The 1-process runs go through `tune run` in the test's own process; the 2-process runs share one launch.
 Tolerances: on 2 processes the sums are rounded in another order (and the precomputed reference is scored in other
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.launch import RecipeRun, run_recipes, run_tune, run_tune_here
+from toolkit.training import kto
 from toolkit.training.preference import METRICS
 
 FAST = [
@@ -28,7 +30,9 @@ LORA = [
     "model.lora_rank=8", "model.lora_alpha=16", "model.apply_lora_to_mlp=true",
 ]
 PRECOMPUTED = ["precompute_reference=true"]
-VARIANTS = {"full": [], "full_precomputed": PRECOMPUTED, "lora": LORA, "lora_precomputed": LORA + PRECOMPUTED}
+VARIANTS = {"full": [], "full_precomputed": PRECOMPUTED, "lora": LORA, "lora_precomputed": LORA + PRECOMPUTED,
+            "kto_full": [], "kto_lora": LORA, "kto_lora_precomputed": LORA + PRECOMPUTED}
+CONFIGS = {name: "demo_kto" if name.startswith("kto") else "demo" for name in VARIANTS}
 
 
 def records(out: Path) -> list[dict]:
@@ -36,11 +40,11 @@ def records(out: Path) -> list[dict]:
 
 
 def steps(out: Path) -> list[dict]:
-    return [r for r in records(out) if "reward_accuracy" in r]
+    return [r for r in records(out) if "reward_accuracy" in r or "kl" in r]
 
 
-def run_here(out: Path, *overrides: str):
-    result = run_tune_here("run", "preference_finetune_single_device", "--config", "demo", f"output_dir={out}",
+def run_here(out: Path, *overrides: str, config: str = "demo"):
+    result = run_tune_here("run", "preference_finetune_single_device", "--config", config, f"output_dir={out}",
                            *FAST, *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -50,7 +54,7 @@ def run_here(out: Path, *overrides: str):
 def single(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("preference_single")
     for name, extra in VARIANTS.items():
-        run_here(root / name, *extra)
+        run_here(root / name, *extra, config=CONFIGS[name])
     return {name: root / name for name in VARIANTS}
 
 
@@ -65,13 +69,18 @@ TWO_PROCESS_RUNS = {
     "lora_precomputed_ddp": ("lora_precomputed", ["data_parallel=ddp"]),
     "lora_precomputed_zero3": ("lora_precomputed", ["data_parallel=zero3"]),
     "lora_precomputed_tp2": ("lora_precomputed", ["tensor_parallel=2"]),
+    "kto_full_zero3": ("kto_full", ["data_parallel=zero3"]),
+    "kto_lora_ddp": ("kto_lora", ["data_parallel=ddp"]),
+    "kto_lora_tp2": ("kto_lora", ["tensor_parallel=2"]),
+    "kto_lora_precomputed_zero3": ("kto_lora_precomputed", ["data_parallel=zero3"]),
 }
 
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("preference_two")
-    runs = {name: RecipeRun("preference_finetune", root / name, *FAST, *VARIANTS[variant], *extra)
+    runs = {name: RecipeRun("preference_finetune", root / name, *FAST, *VARIANTS[variant], *extra,
+                            config=CONFIGS[variant])
             for name, (variant, extra) in TWO_PROCESS_RUNS.items()}
     result = run_recipes(list(runs.values()), nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -83,13 +92,19 @@ def assert_same_training(a: Path, b: Path, *, rtol: float = 1e-5) -> None:
     assert len(sa) == len(sb) == 5
     for x, y in zip(sa, sb):
         assert x["loss"] == pytest.approx(y["loss"], rel=rtol, abs=1e-6)
-        assert x["num_tokens"] == y["num_tokens"] and x["pairs"] == y["pairs"] == 8
-        for name in METRICS:
+        assert x["num_tokens"] == y["num_tokens"]
+        if "kl" in x:  # kto: answers of each kind, and its metrics where the batch has both kinds
+            assert x["desirable"] == y["desirable"] and x["desirable"] + x["undesirable"] == 8
+            names = [name for name in kto.METRICS if name in x]
+        else:
+            assert x["pairs"] == y["pairs"] == 8
+            names = METRICS
+        for name in names:
             assert x[name] == pytest.approx(y[name], rel=rtol, abs=1e-5), name
 
 
 def test_every_step_records_the_preference_metrics(single):
-    for out in single.values():
+    for out in (out for name, out in single.items() if not name.startswith("kto")):
         for record in steps(out):
             assert set(METRICS) <= set(record)
             assert record["reward_margin"] == pytest.approx(
@@ -99,17 +114,33 @@ def test_every_step_records_the_preference_metrics(single):
         assert first["loss"] == pytest.approx(0.6931472, abs=1e-6)
 
 
+def test_every_kto_step_records_its_metrics_and_starts_at_its_reference(single):
+    for name in ("kto_full", "kto_lora", "kto_lora_precomputed"):
+        records_ = steps(single[name])
+        for record in records_:
+            assert {"kl", "desirable", "undesirable"} <= set(record) and record["kl"] >= 0
+            if record["desirable"] and record["undesirable"]:
+                assert set(kto.METRICS) <= set(record)
+                assert record["reward_margin"] == pytest.approx(
+                    record["rewards_desirable"] - record["rewards_undesirable"], abs=1e-6)
+        # The policy is still its reference: r = z0 = 0, so every answer's loss is 1 - sigmoid(0) = 1/2.
+        first = records_[0]
+        assert first["kl"] == 0 and first["rewards_desirable"] == first["rewards_undesirable"] == 0
+        assert first["loss"] == pytest.approx(0.5, abs=1e-7)
+
+
 @pytest.mark.parametrize("name", list(TWO_PROCESS_RUNS))
 def test_two_processes_train_as_one(name, single, two_processes):
     assert_same_training(two_processes[name], single[TWO_PROCESS_RUNS[name][0]])
 
 
-@pytest.mark.parametrize("kind", ["full", "lora"])
+@pytest.mark.parametrize("kind", ["full", "lora", "kto_lora"])
 def test_a_precomputed_reference_trains_as_the_live_one(kind, single):
     # Scored once before training in batches of other pairs (other padding), against each step's own forward.
     assert_same_training(single[f"{kind}_precomputed"], single[kind], rtol=1e-6)
     stored = load_file(single[f"{kind}_precomputed"] / "reference_logps.safetensors")
-    assert stored["train"].shape == (128, 2) and stored["validation"].shape == (24, 2)
+    assert stored["train"].shape == (128, 2) and stored["validation"].shape == (24, 2)  # kto: each answer and
+    # its KL sequence; validation: pairs
     assert (stored["train"] < 0).all()
 
 
@@ -146,10 +177,11 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return {f"{f.name}:{k}": v for f in files for k, v in load_file(f).items()}
 
 
-@pytest.mark.parametrize("variant", ["full", "full_precomputed"])
+@pytest.mark.parametrize("variant", ["full", "full_precomputed", "kto_full"])
 def test_sigkill_then_resume_is_bitwise_exact(variant, single, tmp_path):
     out = tmp_path / variant
-    killed = run_tune("run", "preference_finetune_single_device", "--config", "demo", f"output_dir={out}", *FAST,
+    killed = run_tune("run", "preference_finetune_single_device", "--config", CONFIGS[variant], f"output_dir={out}",
+                      *FAST,
                       *VARIANTS[variant], env={"TUNE_INJECT_FAULT": "after_step:3"})
     assert killed.returncode != 0 and not (out / "final").exists()
     if variant == "full_precomputed":
@@ -161,7 +193,7 @@ def test_sigkill_then_resume_is_bitwise_exact(variant, single, tmp_path):
                                 f"output_dir={broken}", *FAST, *VARIANTS[variant], "resume_from=auto")
         assert refused.returncode == 2 and "reference_logps.safetensors is missing" in refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
-    resumed = run_here(out, *VARIANTS[variant], "resume_from=auto")
+    resumed = run_here(out, *VARIANTS[variant], "resume_from=auto", config=CONFIGS[variant])
     assert "resumed at step 2" in resumed.stdout
     assert [r["loss"] for r in steps(out)] == [r["loss"] for r in steps(single[variant])]
     a, b = final_weights(out), final_weights(single[variant])
@@ -177,6 +209,23 @@ def test_a_dataset_without_pairs_is_refused_in_one_line(tmp_path):
         "error: dataset: the dataset yields no chosen/rejected pairs; give a preference dataset such as "
         "toolkit.data.preference_dataset"
     ]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("dataset._component_=toolkit.data.demo_preference_dataset",
+     "error: dataset: the dataset yields no answers labelled desirable or not; give a KTO dataset such as "
+     "toolkit.data.kto_dataset"),
+    ("validation_dataset._component_=toolkit.data.demo_unpaired_dataset",
+     "error: validation_dataset: the dataset yields no chosen/rejected pairs; give a preference dataset such as "
+     "toolkit.data.preference_dataset (kto too is validated on held-out pairs)"),
+])
+def test_kto_on_the_wrong_kind_of_data_is_refused_in_one_line(override, message, tmp_path):
+    out = tmp_path / "run"
+    result = run_tune_here("run", "preference_finetune_single_device", "--config", "demo_kto", f"output_dir={out}",
+                           *FAST, override)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [message]
     assert not out.exists()
 
 
@@ -207,3 +256,16 @@ def test_the_demo_raises_held_out_preference_accuracy_from_chance_to_over_90_per
     assert held_out[0]["val_reward_accuracy"] == 0.5  # the policy is its reference: every reward ties
     assert held_out[1]["val_reward_accuracy"] >= 0.9
     assert "held-out preference accuracy after training" in result.stdout
+
+
+@pytest.mark.slow  # 250 steps of the KTO demo: about three minutes
+def test_the_kto_demo_raises_held_out_preference_accuracy_from_unpaired_answers(tmp_path):
+    out = tmp_path / "demo"
+    result = run_tune_here("run", "preference_finetune_single_device", "--config", "demo_kto", f"output_dir={out}",
+                           "~eval_tasks", "progress_bar=false", "save_every_n_steps=null", "eval_every_n_steps=null")
+    assert result.returncode == 0, result.stderr[-3000:]
+    held_out = [r for r in records(out) if "val_reward_accuracy" in r]
+    assert [r["step"] for r in held_out] == [0, 250] and held_out[0]["val_pairs"] == 200
+    assert held_out[0]["val_reward_accuracy"] == 0.5
+    assert held_out[1]["val_reward_accuracy"] >= 0.9
+    assert "kto: " in result.stdout and "desirable and" in result.stdout

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from toolkit.training.preference import LOSSES, PairLogprobs, preference_losses
+from toolkit.training.preference import PAIR_LOSSES, PairLogprobs, preference_losses
 
 BETA = 0.3
 
@@ -40,7 +40,7 @@ def pairs() -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("kind,eps", [(kind, 0.0) for kind in LOSSES] + [("dpo", 0.1)])  # smoothing is DPO's
+@pytest.mark.parametrize("kind,eps", [(kind, 0.0) for kind in PAIR_LOSSES] + [("dpo", 0.1)])  # smoothing is DPO's
 def test_each_loss_and_its_gradients_are_the_published_formula(kind, eps):
     data = pairs()
     chosen, rejected = (data[k].clone().requires_grad_() for k in ("chosen", "rejected"))
@@ -78,7 +78,7 @@ def test_rewards_are_the_implicit_ones():
 
 
 @pytest.mark.parametrize("kind,kwargs,message", [
-    ("kto", {}, "unknown preference loss 'kto'"),
+    ("kto", {}, "unknown pair loss 'kto'"),  # (toolkit.training.kto: not a pair loss)
     ("dpo", {"beta": 0.0}, "beta must be positive"),
     ("dpo", {"label_smoothing": 0.5}, r"label_smoothing must be in \[0, 0.5\)"),
     ("dpo", {"reference": None}, "dpo needs a reference model"),

@@ -21,6 +21,9 @@ over every pair whatever the split into ranks and micro-steps.
 
 The implicit rewards reported beside them are ``beta (pi - ref)`` (``dpo``), ``beta (pi - ref) / n`` (``ipo``) and
 ``beta pi / n`` (``simpo``, ``orpo``).
+
+``kto`` (:mod:`toolkit.training.kto`) learns from answers judged one at a time rather than from pairs; its held-out
+pairs are scored here as ``dpo``'s, with the same implicit reward.
 """
 
 import contextlib
@@ -51,7 +54,8 @@ from toolkit.training.output_dir import REFERENCE_LOGPS_FILE
 from toolkit.training.step import StepResult, taken_routing_metrics
 from toolkit.training.validation import ValidationSampler, batches_in_step, idle_batch, scoring
 
-LOSSES = ("dpo", "ipo", "simpo", "orpo")
+PAIR_LOSSES = ("dpo", "ipo", "simpo", "orpo")
+LOSSES = (*PAIR_LOSSES, "kto")  # kto: toolkit.training.kto, on unpaired answers
 REFERENCE_FREE = ("simpo", "orpo")
 
 
@@ -84,14 +88,15 @@ def preference_losses(
     label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5,
 ) -> PairLosses:
-    """The per-pair losses of ``kind`` (one of :data:`LOSSES`, see the module docstring) and the implicit rewards.
+    """The per-pair losses of ``kind`` (one of :data:`PAIR_LOSSES`, see the module docstring) and the implicit
+    rewards.
 
     Raises:
         ValueError: an unknown ``kind``, ``beta`` not positive, ``label_smoothing`` outside ``[0, 0.5)``, or a
             reference missing for ``dpo``/``ipo`` (or given to a reference-free loss).
     """
-    if kind not in LOSSES:
-        raise ValueError(f"unknown preference loss {kind!r}; choose one of {', '.join(LOSSES)}")
+    if kind not in PAIR_LOSSES:
+        raise ValueError(f"unknown pair loss {kind!r}; choose one of {', '.join(PAIR_LOSSES)}")
     if beta <= 0:
         raise ValueError(f"beta must be positive, got {beta}")
     if not 0 <= label_smoothing < 0.5:
@@ -127,12 +132,20 @@ def preference_losses(
 
 @dataclass(frozen=True)
 class PreferenceSettings:
-    """The loss of a preference run (``preference_loss``, ``beta``...: see :func:`preference_losses`)."""
+    """The loss of a preference run (``preference_loss``, ``beta``...: see :func:`preference_losses`, and for
+    ``kto``, whose answers have weights by kind, :func:`~toolkit.training.kto.kto_losses`)."""
 
     loss: str = "dpo"
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+    @property
+    def pair_loss(self) -> str:
+        """The loss held-out pairs are scored with: the run's own, or for ``kto``, ``dpo`` (the same reward)."""
+        return "dpo" if self.loss == "kto" else self.loss
 
     @property
     def needs_reference(self) -> bool:
@@ -141,10 +154,11 @@ class PreferenceSettings:
 
 def preference_kernels(kernels: StepKernels, *, loss: str, adapters: bool, precompute: bool) -> StepKernels:
     """What the memory plan counts for a preference step (:class:`~toolkit.training.StepKernels`): each pair is two
-    rows of one forward, and a full fine-tune with a live reference (not ``precompute``d, for a loss that has one)
-    holds a frozen copy of the model (:func:`frozen_reference`); adapters' reference is their own base."""
+    rows of one forward (a KTO sample, one answer: its KL sequence is scored apart, without grad), and a full
+    fine-tune with a live reference (not ``precompute``d, for a loss that has one) holds a frozen copy of the model
+    (:func:`frozen_reference`); adapters' reference is their own base."""
     live_copy = loss not in REFERENCE_FREE and not adapters and not precompute
-    return dataclasses.replace(kernels, sequences_per_sample=2, reference_model=live_copy)
+    return dataclasses.replace(kernels, sequences_per_sample=1 if loss == "kto" else 2, reference_model=live_copy)
 
 
 # The metrics of a step, means over the pairs of the global batch (metrics.jsonl's names).
@@ -220,7 +234,8 @@ def model_reference(reference: nn.Module) -> Reference:
     return Reference(reference)
 
 
-def _pair_inputs(mb: dict[str, torch.Tensor], *, flex_attention: bool) -> dict:
+def pair_inputs(mb: dict[str, torch.Tensor], *, flex_attention: bool) -> dict:
+    """The model's keyword arguments for scoring ``mb``'s rows: each row's summed log-probability of its labels."""
     return dict(mask=batch_attention_mask(mb, flex_attention=flex_attention), input_pos=mb.get("input_pos"),
                 labels=mb["labels"], lengths=mb.get("lengths"), per_sequence=True)
 
@@ -237,7 +252,7 @@ def score_pairs(
     policy's per-pair log-probabilities and the per-pair losses (the reference from ``reference``, else from the
     batch's ``ref_logps``; none for a reference-free loss). Call it inside the step's autocast."""
     half = mb["labels"].shape[0] // 2
-    inputs = _pair_inputs(mb, flex_attention=flex_attention)
+    inputs = pair_inputs(mb, flex_attention=flex_attention)
     logps = model(mb["tokens"], **inputs)  # [2b]
     counts = (mb["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum(dim=1).float()
     policy = PairLogprobs(logps[:half], logps[half:], counts[:half], counts[half:])
@@ -246,7 +261,7 @@ def score_pairs(
         ref_logps = (mb["ref_logps"] if reference is None else reference(mb["tokens"], **inputs)).float()
         ref = PairLogprobs(ref_logps[:half], ref_logps[half:], counts[:half], counts[half:])
     losses = preference_losses(
-        settings.loss, policy, ref, beta=settings.beta, label_smoothing=settings.label_smoothing,
+        settings.pair_loss, policy, ref, beta=settings.beta, label_smoothing=settings.label_smoothing,
         simpo_gamma=settings.simpo_gamma,
     )
     return policy, losses
@@ -350,9 +365,9 @@ def preference_validation(
         for mb, real in batches_in_step(loader, device=device, idle=idle_batch(device, rows=2)):
             with autocast or contextlib.nullcontext():
                 if not real:  # forwards only, so sharded layers' gathers stay in step
-                    plain(mb["tokens"], **_pair_inputs(mb, flex_attention=flex_attention))
+                    plain(mb["tokens"], **pair_inputs(mb, flex_attention=flex_attention))
                     if reference is not None and settings.needs_reference:
-                        reference(mb["tokens"], **_pair_inputs(mb, flex_attention=flex_attention))
+                        reference(mb["tokens"], **pair_inputs(mb, flex_attention=flex_attention))
                     continue
                 policy, out = score_pairs(plain, mb, settings=settings, reference=reference,
                                           flex_attention=flex_attention)
@@ -372,8 +387,9 @@ REFERENCE_FILE = REFERENCE_LOGPS_FILE  # in output_dir: a run file (overwrite=tr
 
 
 class WithReferenceLogps(Dataset):
-    """A preference dataset whose samples also carry the reference's summed log-probabilities of their answers
-    (``ref_chosen``, ``ref_rejected``), which :func:`~toolkit.data.preference_collate` batches as ``ref_logps``."""
+    """A preference dataset whose samples also carry the reference's summed log-probabilities of their two
+    sequences (``ref_logps``: chosen and rejected, or KTO's answer and KL sequence), which
+    :func:`~toolkit.data.preference_collate` batches."""
 
     def __init__(self, dataset: Dataset, logps: torch.Tensor) -> None:
         if logps.shape != (len(dataset), 2):
@@ -384,8 +400,7 @@ class WithReferenceLogps(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict:
-        chosen, rejected = self.logps[index].tolist()
-        return {**self.dataset[index], "ref_chosen": chosen, "ref_rejected": rejected}
+        return {**self.dataset[index], "ref_logps": self.logps[index].tolist()}
 
 
 @torch.no_grad()
@@ -414,7 +429,7 @@ def precompute_reference_logps(
     with scoring(reference.module):
         for mb, real in batches_in_step(loader, device=device, idle=idle_batch(device, rows=2)):
             with autocast or contextlib.nullcontext():
-                logps = reference(mb["tokens"], **_pair_inputs(mb, flex_attention=flex_attention)).double()
+                logps = reference(mb["tokens"], **pair_inputs(mb, flex_attention=flex_attention)).double()
             if real:
                 half = logps.shape[0] // 2
                 out[start : start + half] = torch.stack([logps[:half], logps[half:]], dim=1)
