@@ -429,6 +429,13 @@ def encode_row(text: str, seq_len: int) -> list[int]:
     return ([NUM_BYTES] + list(text.encode("utf-8")))[:seq_len]
 
 
+def checkpoint_command(shape_name: str, folder: Path, *, dtype: str, seq_len: int) -> list[str]:
+    """The command that writes a random ``shape_name`` checkpoint into ``folder`` (:func:`make_checkpoint`, in a
+    process of its own: run it with our recipes' ``PYTHONPATH``)."""
+    spec = json.dumps({"shape": shape_name, "dir": str(folder), "dtype": dtype, "seq_len": seq_len})
+    return [sys.executable, str(Path(__file__).resolve()), "--_make-checkpoint", spec]
+
+
 def make_checkpoint(spec: dict[str, Any]) -> None:
     """(In a subprocess.) Random weights in Hugging Face layout, written by our ``HFCheckpointer``."""
     import torch
@@ -455,6 +462,17 @@ def _our_dims(shape: Shape, seq_len: int) -> dict[str, Any]:
     )
 
 
+def model_overrides(shape: Shape, seq_len: int, *, builder: str = "llama3", key: str = "model") -> list[str]:
+    """Config overrides that make a recipe's ``key`` section (``model``, or a distillation's ``teacher_model``) our
+    ``toolkit.models.llama3.<builder>`` (``llama3`` or ``lora_llama3``) of ``shape``."""
+    return [
+        f"{key}._component_=toolkit.models.llama3.{builder}",
+        *(f"{key}.{k}={v}" for k, v in _our_dims(shape, seq_len).items()),
+        f"{key}.rope_scaling._component_=toolkit.modules.Llama3RopeScaling",
+        f"{key}.rope_scaling.factor={float(shape.rope_scaling)}",
+    ]
+
+
 # --- The three commands ----------------------------------------------------------------------------------------------
 
 
@@ -465,10 +483,7 @@ def ours_command(job: Job, out: Path) -> list[str]:
         f"output_dir={out}", "overwrite=true", f"device={job.device}", f"dtype={job.dtype}", "seed=0",
         "progress_bar=false", "metric_loggers=[]", f"max_seq_len={job.seq_len}",
         "tokenizer._component_=toolkit.tokenizers.llama3_tokenizer", f"tokenizer.path={job.tokenizer}",
-        f"model._component_=toolkit.models.llama3.{'lora_llama3' if lora else 'llama3'}",
-        *(f"model.{k}={v}" for k, v in _our_dims(shape, job.seq_len).items() if k != "max_seq_len"),
-        "model.rope_scaling._component_=toolkit.modules.Llama3RopeScaling",
-        f"model.rope_scaling.factor={float(shape.rope_scaling)}",
+        *model_overrides(shape, job.seq_len, builder="lora_llama3" if lora else "llama3"),
         f"checkpointer.checkpoint_dir={job.checkpoint_dir}",
         "dataset._component_=toolkit.data.text_completion_dataset", f"dataset.source={job.data}",
         "~dataset.num_samples", "~dataset.seed", "dataset.cache_dir=null", "~eval_tasks",
@@ -960,8 +975,7 @@ def main() -> None:
     checkpoint = work / f"checkpoint_{shape_name}"
     if not checkpoint.exists():
         started = time.perf_counter()
-        spec = json.dumps({"shape": shape_name, "dir": str(checkpoint), "dtype": dtype, "seq_len": seq_len})
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_make-checkpoint", spec],
+        subprocess.run(checkpoint_command(shape_name, checkpoint, dtype=dtype, seq_len=seq_len),
                        env=env_with(args.ours_pythonpath), check=True)
         print(f"random {shape_name} checkpoint written in {time.perf_counter() - started:.0f} s", flush=True)
 

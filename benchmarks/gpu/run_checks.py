@@ -1,5 +1,6 @@
-"""The checks a single-GPU machine without network runs, in about 8 minutes: install the wheels brought along, run
-the GPU tests, compare our recipes with torchtune and transformers on real Llama shapes, and write a results table.
+"""The checks a single-GPU machine without network runs, in about 9 minutes: install the wheels brought along, run
+the GPU tests, compare our recipes with torchtune and transformers on real Llama shapes, run the preference and
+distillation recipes, and write a results table.
 
     python benchmarks/gpu/run_checks.py                          # on the GPU machine; wheels in benchmarks/gpu/wheels
     python benchmarks/gpu/run_checks.py --results "$OUT"         # the table and logs where the caller collects them
@@ -20,11 +21,19 @@ Before: ``bash benchmarks/gpu/fetch_wheels.sh`` where PyPI is reachable (README.
    bytes and step time of data- and tensor-parallel layouts of Llama 3.2 1B over all of them (skipped on one).
    Then ``benchmarks/moe.py --device cuda``: our grouped experts against ``transformers``' experts implementations
    and an equal-active dense model, on a Qwen3-MoE of 8 layers of 64 experts (bf16).
-4. ``results.md`` (and ``results.json``) in ``--results``: one row per tool, the ratio lines and the attention
-   table.
+4. The preference and distillation recipes on one GPU, each a short ``tune run`` of our wheel's recipe from its
+   shipped config with overrides (``RecipeSetup``): ``preference_finetune_single_device`` (LoRA DPO on Llama 3.2
+   1B, the reference its base with the adapters off) and ``distill_single_device`` (that 1B as the teacher of a
+   student of half its width and depth, from random initialization), 8 steps of 2 x 2048 tokens, bf16, random
+   weights from one checkpoint written as compare.py writes its own. Each run's ``metrics.jsonl`` gives its row:
+   steps/s, tokens/s, peak memory, the first and last loss; a run that fails, stops short or logs a loss that is
+   not finite is FAILED.
+5. ``results.md`` (and ``results.json``) in ``--results``: one row per tool, the ratio lines, then each benchmark's
+   section (attention, tensor-parallel, MoE, recipes).
 
 ``--dry-run`` does the same on CPU with the tiny shapes, a few steps and short sequences, into ``/tmp``.
-``--only SHAPE ...`` runs those shapes' comparisons alone (a second call, when the first ran out of time), and
+``--only SHAPE ...`` runs those shapes' comparisons alone (a second call, when the first ran out of time),
+``--only-recipes`` the preference and distillation runs alone (after pytest unless ``--skip-pytest``), and
 ``--ours-variant NAME:KEY=VALUE[,...]`` (passed to compare.py) also runs ours with those overrides, as ``ours[NAME]``,
 next to ours and torchtune: ``cudnn:sdpa_backend=cudnn`` measures cuDNN's attention end to end.
 """
@@ -35,17 +44,24 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import compare  # noqa: E402  (its shapes, random checkpoints, tokenizer and data, for the recipe runs too)
+
 COMPARE = REPO / "benchmarks" / "compare.py"
 ATTENTION = REPO / "benchmarks" / "attention.py"
 TENSOR_PARALLEL = REPO / "benchmarks" / "tensor_parallel.py"
@@ -74,6 +90,30 @@ DRY_RUNS = [
     ("tiny", ["full"], [*_FEW_STEPS, "--interleave", "off", "--compile", "on", "--peak-tflops", "0.1"], 300),
     ("tiny_untied", ["lora", "qlora"], _FEW_STEPS, 400),
 ]
+
+
+@dataclass(frozen=True)
+class RecipeSetup:
+    """The preference and distillation runs: ``base`` (a compare.py shape, from one random checkpoint) is the DPO
+    policy, whose reference is itself with the adapters off, and the teacher distilled into ``student`` (random
+    initialization); ``batch_size`` pairs or rows of ``seq_len`` tokens a step, ``limit`` seconds a run."""
+
+    base: str
+    student: compare.Shape
+    steps: int
+    batch_size: int
+    seq_len: int
+    dtype: str
+    limit: int
+
+
+# Estimated for one H200: the 1B checkpoint ~15 s, each run ~40 s (start, load, 8 eager steps); the student is Llama
+# 3.2 1B's layout at half the width and depth (0.26B parameters, 0.13B of them the embedding).
+GPU_RECIPES = RecipeSetup("llama3_2_1b", compare.Shape(128_256, 8, 16, 8, 1024, 4096, rope_scaling=32,
+                                                       tie_word_embeddings=True),
+                          steps=8, batch_size=2, seq_len=2048, dtype="bf16", limit=90)
+DRY_RECIPES = RecipeSetup("tiny", compare.Shape(8192, 2, 4, 2, 128, 384, rope_scaling=32, tie_word_embeddings=True),
+                          steps=3, batch_size=2, seq_len=64, dtype="fp32", limit=60)
 
 
 def log(message: str) -> None:
@@ -121,12 +161,14 @@ def preflight(peers: Path, ours: Path) -> dict[str, str]:
     return found
 
 
-def run_logged(cmd: list[str], *, log_path: Path, timeout: int, env: dict[str, str] | None = None) -> int:
-    """Run ``cmd`` with its output both on the console and in ``log_path``; the exit code (124 on timeout)."""
+def run_logged(cmd: list[str], *, log_path: Path, timeout: int, env: dict[str, str] | None = None,
+               cwd: Path = REPO) -> int:
+    """Run ``cmd`` in ``cwd`` with its output both on the console and in ``log_path``; the exit code (124 on
+    timeout)."""
     log(f"$ {' '.join(cmd)}  (limit {timeout} s, log {log_path.name})")
     with open(log_path, "w") as out:
         # A new session: on the time limit the whole group goes (compare.py's training processes too).
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
         timer.start()
@@ -141,6 +183,114 @@ def run_logged(cmd: list[str], *, log_path: Path, timeout: int, env: dict[str, s
         return code
 
 
+def write_pairs(path: Path, *, rows: int, seq_len: int) -> None:
+    """``rows`` identical preference pairs of ASCII text (one byte, one token with compare.py's tokenizer): a prompt
+    and two answers (the words in order, chosen, and reversed, rejected) of ``seq_len / 2 - 16`` bytes each, so that
+    each conversation, with the chat template's ~25 tokens, fills most of ``seq_len`` and none is cut."""
+    n = seq_len // 2 - 16
+    words = [compare.WORDS[i % len(compare.WORDS)] for i in range(n)]
+    pair = {"prompt": " ".join(words)[:n], "chosen": " ".join(words)[:n], "rejected": " ".join(words[::-1])[:n]}
+    path.write_text((json.dumps(pair) + "\n") * rows)
+
+
+def recipe_commands(setup: RecipeSetup, work: Path, *, device: str) -> dict[str, tuple[Path, list[str]]]:
+    """Each run's output folder and ``tune run`` command, by its row's label: the shipped config for its real model
+    with overrides for the shape, the random checkpoint, the data written into ``work``, and a short run logging
+    every step: DPO with LoRA on ``setup.base`` (the config's adapters), and ``setup.base`` distilled into the
+    student."""
+    base = compare.SHAPES[setup.base]
+
+    def tune_run(recipe: str, config: str, out: str, data: str, *overrides: str) -> tuple[Path, list[str]]:
+        common = [
+            f"output_dir={work / out}", "overwrite=true", f"device={device}", f"dtype={setup.dtype}",
+            "progress_bar=false", "metric_loggers=[]", f"max_seq_len={setup.seq_len}",
+            "tokenizer._component_=toolkit.tokenizers.llama3_tokenizer",
+            f"tokenizer.path={work / 'tokenizer' / 'tokenizer.model'}", "~tokenizer.chat_format",
+            f"dataset.source={work / data}", "~dataset.num_samples", "~dataset.seed", "dataset.cache_dir=null",
+            f"batch_size={setup.batch_size}", f"micro_batch_size={setup.batch_size}", f"max_steps={setup.steps}",
+            "lr_scheduler.warmup_steps=0", "log_every_n_steps=1", "save_every_n_steps=null",
+        ]
+        return work / out, [sys.executable, "-m", "toolkit.cli", "run", f"{recipe}_single_device", "--config", config,
+                            *common, *overrides]
+
+    student = f"{setup.student.num_layers} layers x {setup.student.embed_dim}"
+    return {
+        f"preference_finetune: LoRA DPO, {setup.base}": tune_run(
+            "preference_finetune", "llama3_2_1b_lora_dpo", "dpo", "pairs.jsonl",
+            *compare.model_overrides(base, setup.seq_len, builder="lora_llama3"),
+            f"checkpointer.checkpoint_dir={work / 'checkpoint'}", "save_merged=false",
+            "dataset._component_=toolkit.data.preference_dataset"),
+        f"distill: {setup.base} into {student}": tune_run(
+            "distill", "llama3_2_1b_from_llama3_1_8b", "distill", "text.jsonl",
+            *compare.model_overrides(setup.student, setup.seq_len),
+            *compare.model_overrides(base, setup.seq_len, key="teacher_model"),
+            "checkpointer.checkpoint_dir=null", f"teacher_checkpointer.checkpoint_dir={work / 'checkpoint'}",
+            "data_parallel=ddp", "dataset._component_=toolkit.data.text_completion_dataset"),
+    }
+
+
+def read_recipe_metrics(path: Path, *, exit_code: int, steps: int) -> dict:
+    """A run's row from its ``metrics.jsonl``: medians over the steps after the first (which warms up), the peak
+    memory the recipe logged (GPU allocated on CUDA, RSS on CPU), the first and last loss. Its status is ``ok`` only
+    if the run exited 0, logged all ``steps`` steps and every loss of every step (``loss``, ``ce_loss``, ...) is
+    finite; otherwise FAILED and why."""
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    logged = [r for r in records if "step_time_s" in r]  # the steps' records (not validation's)
+    timed = logged[1:] or logged
+    losses = [value for r in logged for key, value in r.items() if key.endswith("loss")]
+    problems = [{124: "time limit"}.get(exit_code, f"exit {exit_code}")] if exit_code else []
+    if len(logged) < steps:
+        problems.append(f"{len(logged)} of {steps} steps logged")
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in losses):
+        problems.append("a loss is not finite")
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in timed if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    step_s = median("step_time_s")
+    peaks = [r["rank_peak_memory_gib_max"] for r in logged if "rank_peak_memory_gib_max" in r]
+    return {
+        "status": "FAILED (" + "; ".join(problems) + ")" if problems else "ok", "steps": len(logged),
+        "steps_per_s": step_s and 1 / step_s, "tokens_per_s": median("tokens_per_second"),
+        "positions_per_s": median("rank_positions_per_second_max"), "peak_gib": max(peaks) if peaks else None,
+        "first_loss": logged[0]["loss"] if logged else None, "last_loss": logged[-1]["loss"] if logged else None,
+    }
+
+
+def run_recipe_checks(setup: RecipeSetup, *, work: Path, results: Path, ours: Path, device: str,
+                      left: Callable[[], int]) -> list[dict]:
+    """The preference and distillation rows: one random ``setup.base`` checkpoint (compare.py's) and the data for
+    both runs in ``work``, then each run with our wheel's recipes, under its own limit while ``--budget`` allows
+    (a run that cannot start says so in its row); ``work`` is removed afterwards."""
+    env = {**os.environ, "PYTHONPATH": str(ours), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    commands = recipe_commands(setup, work, device=device)
+    shape = f"{setup.batch_size} x {setup.seq_len}"
+    rows = [{"run": name, "batch x seq": shape, "dtype": setup.dtype, "status": f"not run: {left()} s of --budget left"}
+            for name in commands]
+    if left() < 60:
+        return rows
+    shutil.rmtree(work, ignore_errors=True)
+    compare.write_tokenizer(work / "tokenizer")
+    write_pairs(work / "pairs.jsonl", rows=setup.steps * setup.batch_size, seq_len=setup.seq_len)
+    compare.write_data(work / "text.jsonl", rows=setup.steps * setup.batch_size, seq_len=setup.seq_len)
+    code = run_logged(compare.checkpoint_command(setup.base, work / "checkpoint", dtype=setup.dtype,
+                                                 seq_len=setup.seq_len),
+                      log_path=results / "recipes_checkpoint.log", timeout=min(60, left()), env=env)
+    for row, (name, (out, cmd)) in zip(rows, commands.items()):
+        if code != 0:
+            row["status"] = f"FAILED (random {setup.base} checkpoint: exit {code})"
+        elif left() >= 60:
+            exit_code = run_logged(cmd, log_path=results / f"{out.name}.log", timeout=min(setup.limit, left()),
+                                   env=env, cwd=work)
+            row.update(read_recipe_metrics(out / "metrics.jsonl", exit_code=exit_code, steps=setup.steps))
+        else:
+            row["status"] = f"not run: {left()} s of --budget left"
+        log(f"{name}: {row['status']}")
+    shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
 def device_name(dry_run: bool) -> str:
     if dry_run:
         return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
@@ -151,9 +301,9 @@ def device_name(dry_run: bool) -> str:
 
 def write_table(
     results: Path, runs: list[dict], versions: dict[str, str], *, device: str, pytest_status: str, attention: list[str],
-    tensor_parallel: list[str], moe: list[str],
+    tensor_parallel: list[str], moe: list[str], recipes: list[dict],
 ) -> str:
-    """Markdown: the setup, one row per tool and method, then the ratio lines."""
+    """Markdown: the setup, one row per tool and method, the ratio lines, then each benchmark's section."""
     lines = [
         f"# compare.py on {device}",
         "",
@@ -188,10 +338,30 @@ def write_table(
     lines += ["", "## Packed rows: attention kernels (benchmarks/attention.py)", "", *attention]
     lines += ["", "## Data- and tensor-parallel layouts (benchmarks/tensor_parallel.py)", "", *tensor_parallel]
     lines += ["", "## Mixture of experts (benchmarks/moe.py)", "", *moe]
+    lines += ["", "## Preference and distillation recipes (one GPU)", "", *recipe_table(recipes)]
     text = "\n".join(lines) + "\n"
     (results / "results.md").write_text(text)
-    (results / "results.json").write_text(json.dumps({"versions": versions, "runs": runs}, indent=1))
+    (results / "results.json").write_text(json.dumps({"versions": versions, "runs": runs, "recipes": recipes},
+                                                     indent=1))
     return text
+
+
+def recipe_table(rows: list[dict]) -> list[str]:
+    """The recipe runs' rows (:func:`run_recipe_checks`), and what their columns count."""
+    lines = ["| run | batch x seq | dtype | steps | steps/s | tokens/s | positions/s | peak memory GiB | loss first "
+             "| loss last | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['run']} | {r['batch x seq']} | {r['dtype']} | {r.get('steps', '-')} | "
+            f"{_num(r.get('steps_per_s'), '.2f')} | {_num(r.get('tokens_per_s'), '.0f')} | "
+            f"{_num(r.get('positions_per_s'), '.0f')} | {_num(r.get('peak_gib'), '.2f')} | "
+            f"{_num(r.get('first_loss'), '.4f')} | {_num(r.get('last_loss'), '.4f')} | {r['status']} |")
+    return lines + ["", "`tune run` on the shipped configs (llama3_2_1b_lora_dpo, llama3_2_1b_from_llama3_1_8b), "
+                    "random weights, eager; batch: pairs for DPO (reference: the base, adapters off), rows for "
+                    "distillation (the student from random initialization). From each run's metrics.jsonl: medians "
+                    "after the first step; tokens/s counts the recipe's trained tokens (DPO: both answers), "
+                    "positions/s every input position; peak memory: GPU allocated (RSS on CPU); ok: exit 0, every "
+                    "step logged, every loss finite."]
 
 
 def _gpu_count() -> int:
@@ -210,8 +380,12 @@ def main() -> None:
     parser.add_argument("--wheels", type=Path, default=REPO / "benchmarks" / "gpu" / "wheels")
     parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "gpu" / "results")
     parser.add_argument("--skip-pytest", action="store_true")
-    parser.add_argument("--only", nargs="+", default=None, metavar="SHAPE",
-                        help="run only these shapes' comparisons (e.g. llama3_1_8b, when a first call ran out of time)")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--only", nargs="+", default=None, metavar="SHAPE",
+                      help="run only these shapes' comparisons (e.g. llama3_1_8b, when a first call ran out of time)")
+    only.add_argument("--only-recipes", action="store_true",
+                      help="run only the preference and distillation recipes (no comparisons, attention, tensor-"
+                           "parallel or MoE benchmarks), when an earlier call's budget cut them")
     parser.add_argument("--ours-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
                         help="passed to every compare.py run: ours also runs with these overrides, as ours[NAME] "
                              "(e.g. cudnn:sdpa_backend=cudnn); each run's time limit grows by half per variant")
@@ -222,6 +396,12 @@ def main() -> None:
 
     def left() -> int:
         return int(args.budget - (time.monotonic() - started))
+
+    def benchmark_skipped() -> str | None:
+        """Why a benchmark step (attention, tensor-parallel, MoE) does not start, or None when it does."""
+        if args.only_recipes:
+            return "not run (--only-recipes)"
+        return f"not run: {left()} s of --budget left" if left() < 60 else None
 
     scratch = Path("/tmp/tunekit-bench-dry" if args.dry_run else "/dev/shm/tunekit-bench")
     args.results.mkdir(parents=True, exist_ok=True)
@@ -242,7 +422,7 @@ def main() -> None:
         pytest_status = named.get(code, f"FAILED (exit {code})")
         log(f"pytest -m gpu: {pytest_status}")
 
-    planned = DRY_RUNS if args.dry_run else GPU_RUNS
+    planned = [] if args.only_recipes else DRY_RUNS if args.dry_run else GPU_RUNS
     if args.only:
         unknown = set(args.only) - {shape for shape, *_ in planned}
         if unknown:
@@ -274,10 +454,11 @@ def main() -> None:
         runs.append(run)
         log(f"{shape}: {run['status']} ({time.monotonic() - started:.0f} s so far)")
 
-    attention = [f"not run: {left()} s of --budget left"]
+    skipped = benchmark_skipped()
+    attention = [skipped]
     attention_cmd = [sys.executable, str(ATTENTION), *(["--device", "cpu", "--shape", "tiny"] if args.dry_run else
                                                        ["--device", "cuda", "--shape", "8b"])]
-    if left() >= 60:
+    if not skipped:
         code = run_logged(attention_cmd, log_path=args.results / "attention.log", timeout=min(90, left()),
                           env={**os.environ, "PYTHONPATH": str(ours)})
         attention = [line for line in (args.results / "attention.log").read_text().splitlines()
@@ -287,11 +468,12 @@ def main() -> None:
     gpus = 2 if args.dry_run else _gpu_count()
     tensor_parallel = [f"not run: {gpus} GPU(s); the layouts need 2 or more"]
     if gpus >= 2:
-        tensor_parallel = [f"not run: {left()} s of --budget left"]
+        skipped = benchmark_skipped()
+        tensor_parallel = [skipped]
         tp_args = (["--nproc", "2", "--layouts", "ddp", "tp2", "--steps", "2"] if args.dry_run else
                    ["--device", "cuda", "--nproc", str(gpus), "--model", "toolkit.models.llama3.llama3_2_1b",
                     "--seq_len", "2048", "--micro_batch_size", "1", "--layouts", "ddp", "zero3", "tp2", "tp2_sp", "zero3_tp2"])
-        if left() >= 60:
+        if not skipped:
             code = run_logged([sys.executable, str(TENSOR_PARALLEL), *tp_args],
                               log_path=args.results / "tensor_parallel.log", timeout=min(150, left()),
                               env={**os.environ, "PYTHONPATH": str(ours)})
@@ -300,12 +482,13 @@ def main() -> None:
             if code != 0:
                 tensor_parallel = [f"FAILED (exit {code})"]
 
-    moe = [f"not run: {left()} s of --budget left"]
+    skipped = benchmark_skipped()
+    moe = [skipped]
     moe_args = (["--steps", "2", "--warmup", "1", "--seq_len", "128", "--num_layers", "2"] if args.dry_run else
                 ["--device", "cuda", "--dtype", "bfloat16", "--embed_dim", "2048", "--num_layers", "8", "--num_heads",
                  "16", "--num_kv_heads", "4", "--head_dim", "128", "--num_experts", "64", "--top_k", "8",
                  "--expert_dim", "768", "--vocab_size", "32768", "--seq_len", "4096", "--micro_batch_size", "2"])
-    if left() >= 60:
+    if not skipped:
         code = run_logged([sys.executable, str(MOE), *moe_args], log_path=args.results / "moe.log",
                           timeout=min(120, left()), env={**os.environ, "PYTHONPATH": str(ours)})
         moe = [line for line in (args.results / "moe.log").read_text().splitlines()
@@ -313,11 +496,14 @@ def main() -> None:
         if code != 0:
             moe = [f"FAILED (exit {code})"]
 
+    recipes = run_recipe_checks(DRY_RECIPES if args.dry_run else GPU_RECIPES, work=scratch / "recipes",
+                                results=args.results, ours=ours, device="cpu" if args.dry_run else "cuda", left=left)
+
     table = write_table(args.results, runs, versions, device=device_name(args.dry_run), pytest_status=pytest_status,
-                        attention=attention, tensor_parallel=tensor_parallel, moe=moe)
+                        attention=attention, tensor_parallel=tensor_parallel, moe=moe, recipes=recipes)
     print("\n" + table)
     log(f"done in {time.monotonic() - started:.0f} s; {args.results / 'results.md'}")
-    if any(run["status"] != "ok" for run in runs):
+    if any(run["status"] != "ok" for run in [*runs, *recipes]):
         sys.exit(1)
 
 
