@@ -76,12 +76,19 @@ def one_process(moe_folder, tmp_path_factory) -> Path:
 
 
 DPO = ["save_every_n_steps=null", "optimizer.lr=1e-3"]
+KTO = [*DPO, "preference_loss=kto", "dataset._component_=toolkit.data.demo_unpaired_dataset"]
 
 
 @pytest.fixture(scope="module")
 def dpo_one_process(moe_folder, tmp_path_factory) -> Path:
     return _one_process_run(tmp_path_factory.mktemp("moe_dpo_one"), "preference_finetune", "any_model_dpo",
                             moe_folder, *DPO)
+
+
+@pytest.fixture(scope="module")
+def kto_one_process(moe_folder, tmp_path_factory) -> Path:
+    return _one_process_run(tmp_path_factory.mktemp("moe_kto_one"), "preference_finetune", "any_model_dpo",
+                            moe_folder, *KTO)
 
 
 # The 2-process runs, in one launch: (recipe, config, overrides). ep2: the experts shared out over the 2 ranks
@@ -98,6 +105,7 @@ TWO_PROCESS_RUNS = {
     **{f"dpo_{name}": ("preference_finetune", "any_model_dpo", [*DPO, *extra]) for name, extra in {
         "ddp": ["data_parallel=ddp"], "zero3": ["data_parallel=zero3"],
         "ep2": ["data_parallel=zero3", "expert_parallel=2"]}.items()},
+    "kto_ep2": ("preference_finetune", "any_model_dpo", [*KTO, "data_parallel=zero3", "expert_parallel=2"]),
 }
 
 
@@ -140,6 +148,18 @@ def test_dpo_on_experts_adds_their_load_balancing_loss_and_trains_alike_on_two_p
         torch.testing.assert_close([r[key] for r in ours], [r[key] for r in reference], rtol=1e-5, atol=1e-7, msg=key)
     for key in ("expert_load_min", "expert_load_max"):
         assert [r[key] for r in ours] == [r[key] for r in reference], key
+
+
+def test_kto_on_experts_adds_their_load_balancing_loss_and_trains_alike_on_two_processes(
+    kto_one_process, two_processes
+):
+    reference = _records(kto_one_process)
+    assert len(reference) == STEPS
+    # At the first step the policy is its reference: every answer's KTO loss is exactly 1/2, the rest the routers'.
+    assert reference[0]["loss"] - 0.5 == pytest.approx(reference[0]["router_aux_loss"], rel=1e-5)
+    ours = _records(two_processes["kto_ep2"])
+    for key in ("loss", "router_aux_loss", "kl", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in ours], [r[key] for r in reference], rtol=1e-5, atol=1e-7, msg=key)
 
 
 def test_the_expert_parallel_export_and_checkpoint_are_the_one_process_runs(moe_folder, one_process, two_processes,
