@@ -93,7 +93,6 @@ class GroupedQueryAttention(nn.Module):
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, n_h, s, h_d]
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, n_kv, s, h_d]
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        grouped = k.shape[1] != q.shape[1]
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.k_norm is not None:
@@ -102,16 +101,13 @@ class GroupedQueryAttention(nn.Module):
             q = self.pos_embeddings(q, input_pos)
             k = self.pos_embeddings(k, input_pos)
 
-        if isinstance(mask, BlockMask):
+        if isinstance(mask, SplitSequenceAttention):  # context parallelism: the sequence is split over ranks
             if self.kv_cache is not None:
-                raise ValueError("a FlexAttention block mask is for training and scoring, not for a KV cache")
-            out = _flex_attention(q.device)(
-                q, k, v, score_mod=self._flex_score_mod, block_mask=mask, scale=self.softmax_scale, enable_gqa=grouped,
-            )  # [b, n_h, s, h_d]
-            return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-        is_causal = mask is None
+                raise ValueError("attention over a split sequence is for training and scoring, not for a KV cache")
+            return self.o_proj(mask.attend(self, q, k, v).transpose(1, 2).reshape(b, s, -1))
         if self.kv_cache is not None:
+            if isinstance(mask, BlockMask):
+                raise ValueError("a FlexAttention block mask is for training and scoring, not for a KV cache")
             if input_pos is None:
                 raise ValueError("attention with a KV cache needs input_pos")
             k, v = self.kv_cache.update(input_pos, k, v)
@@ -119,20 +115,37 @@ class GroupedQueryAttention(nn.Module):
                 # Query at position p sees cached positions 0..p; later slots hold zeros or stale values.
                 cache_pos = torch.arange(self.kv_cache.max_seq_len, device=x.device)
                 mask = cache_pos[None, :] <= input_pos.reshape(-1, 1)  # [s, max_seq_len]
-            is_causal = False
+        out = self.attend(q, k, v, mask=mask, input_pos=input_pos)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: torch.Tensor | BlockMask | None = None,
+        input_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This layer's attention of queries ``[b, n_h, s, h_d]`` over keys and values ``[b, n_kv, s_kv, h_d]``
+        (rotated, normed, from the cache where there is one), ``mask`` and ``input_pos`` as in :meth:`forward`;
+        returns ``[b, n_h, s, h_d]``. Its sliding window and soft-cap are applied here."""
+        grouped = k.shape[1] != q.shape[1]
+        if isinstance(mask, BlockMask):
+            return _flex_attention(q.device)(
+                q, k, v, score_mod=self._flex_score_mod, block_mask=mask, scale=self.softmax_scale, enable_gqa=grouped,
+            )
+        is_causal = mask is None and self.kv_cache is None
         if self.sliding_window is not None or (self.logit_softcap is not None and mask is None):
-            mask = self._restrict_mask(mask, input_pos, s, x.device)
+            mask = self._restrict_mask(mask, input_pos, q.shape[2], q.device)
             is_causal = False
         if mask is not None and mask.dim() == 3:
             mask = mask[:, None]  # [b, 1, s, s_kv]: the same mask for every head
-
         if self.logit_softcap is None:
-            out = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.softmax_scale, enable_gqa=grouped,
-            )  # [b, n_h, s, h_d]
-        else:
-            out = self._softcapped_attention(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+            )
+        return self._softcapped_attention(q, k, v, mask)
 
     def _restrict_mask(
         self, mask: torch.Tensor | None, input_pos: torch.Tensor | None, seq_len: int, device: torch.device
@@ -160,6 +173,25 @@ class GroupedQueryAttention(nn.Module):
         scores = scores.masked_fill(~mask, float("-inf"))
         # The softmax runs in float32 whatever the compute dtype, as in Gemma 2's reference code.
         return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v  # [b, n_h, s, h_d]
+
+
+class SplitSequenceAttention:
+    """Attention over a sequence split across processes (context parallelism), given as the layer's ``mask``.
+
+    The layer computes its projections, norms and rotary embedding on its own positions as always, then hands the
+    queries, keys and values to :meth:`attend`, which exchanges what it needs with the other processes holding the
+    row and returns this layer's attention output for the local positions. Implementations live in
+    :mod:`toolkit.parallel.context_parallel`; modules never import them.
+    """
+
+    def for_layer(self, attention: "GroupedQueryAttention") -> "SplitSequenceAttention":
+        return self  # one object serves every layer: each call reads the layer's window and soft-cap
+
+    def attend(
+        self, layer: "GroupedQueryAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """``[b, n_h, s, h_d]`` attention outputs for the local queries ``q`` and keys/values ``k``, ``v``."""
+        raise NotImplementedError
 
 
 # tl.dot in FlexAttention's Triton kernels needs at least 16 features per head (PyTorch raises otherwise).
