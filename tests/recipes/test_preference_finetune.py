@@ -100,6 +100,8 @@ def assert_same_training(a: Path, b: Path, *, rtol: float = 1e-5) -> None:
             assert x["pairs"] == y["pairs"] == 8
             names = METRICS
         for name in names:
+            if name == "reward_accuracy" and max(abs(x["reward_margin"]), abs(y["reward_margin"])) < 1e-6:
+                continue  # the policy is its reference (step 1): each pair's margin is float rounding, its sign noise
             assert x[name] == pytest.approx(y[name], rel=rtol, abs=1e-5), name
 
 
@@ -109,8 +111,11 @@ def test_every_step_records_the_preference_metrics(single):
             assert set(METRICS) <= set(record)
             assert record["reward_margin"] == pytest.approx(
                 record["rewards_chosen"] - record["rewards_rejected"], abs=1e-6)  # float32 rewards
-        first = steps(out)[0]  # the policy is still its reference: no margin, chance accuracy, loss log 2
-        assert first["reward_margin"] == 0 and first["reward_accuracy"] == 0.5
+        first = steps(out)[0]  # the policy is still its reference: no margin, loss log 2
+        # (No margin up to float32 rounding: the reference's log-probabilities come from other forwards, and MKL's
+        # matmuls on some CPUs depend on the memory alignment of their operands: 4.8e-8 measured on an AMD EPYC, where
+        # such a margin also decides some pairs' accuracy, so the first step's is not checked.)
+        assert first["reward_margin"] == pytest.approx(0, abs=1e-6)
         assert first["loss"] == pytest.approx(0.6931472, abs=1e-6)
 
 
@@ -125,7 +130,10 @@ def test_every_kto_step_records_its_metrics_and_starts_at_its_reference(single):
                     record["rewards_desirable"] - record["rewards_undesirable"], abs=1e-6)
         # The policy is still its reference: r = z0 = 0, so every answer's loss is 1 - sigmoid(0) = 1/2.
         first = records_[0]
-        assert first["kl"] == 0 and first["rewards_desirable"] == first["rewards_undesirable"] == 0
+        # (0 up to float32 rounding, as for the pairs above.)
+        assert first["kl"] == pytest.approx(0, abs=1e-6)
+        assert first["rewards_desirable"] == pytest.approx(0, abs=1e-6)
+        assert first["rewards_undesirable"] == pytest.approx(0, abs=1e-6)
         assert first["loss"] == pytest.approx(0.5, abs=1e-7)
 
 
