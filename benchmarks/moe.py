@@ -38,14 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _hwm_kib() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-
-
-def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scaling import host_high_water_kib as _hwm_kib, reset_host_high_water as _reset_hwm  # noqa: E402
 
 
 def write_checkpoints(folder: Path, args: argparse.Namespace) -> None:

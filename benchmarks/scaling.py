@@ -303,6 +303,26 @@ def _probe_worker(rank: int, world_size: int, port: int, recipe: str, config: st
     os._exit(0)
 
 
+def host_high_water_kib() -> int:
+    """This process's peak resident memory since the last :func:`reset_host_high_water` (Linux ``VmHWM``), KiB."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def reset_host_high_water() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+
+
+def print_markdown_table(rows: list[tuple[str, ...]]) -> None:
+    """``rows`` (the header first) as a Markdown table, columns padded to their widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        print("| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
 def free_port() -> int:
     """A port nothing listens on now (the kernel's choice from the ephemeral range)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

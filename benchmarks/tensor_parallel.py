@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scaling import collective_counter, free_port  # noqa: E402 (the benchmarks folder is no package)
+from scaling import collective_counter, free_port, print_markdown_table  # noqa: E402 (the benchmarks folder is no package)
 
 # name: (data_parallel, tensor_parallel, sequence_parallel)
 LAYOUTS = {
@@ -146,11 +146,7 @@ def main() -> None:
         kinds = ", ".join(f"{kind} {b / 1e6:.2f}" for kind, b in sorted(r["bytes"].items()))
         calls = ", ".join(f"{n} {kind}" for kind, n in sorted(r["calls"].items()))
         table.append((r["label"], f"{total / 1e6:.2f}", kinds, calls, f"{r['step_s'] * 1e3:.0f}"))
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for i, row in enumerate(table):
-        print("| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |")
-        if i == 0:
-            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    print_markdown_table(table)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ the optimizer holds state only for them. The result is written as a PEFT adapter
 (``final/merged``). Loss normalization, accumulation and data parallelism are the full fine-tune's (toolkit).
 """
 
+import math
 import time
 from functools import partial
 from pathlib import Path
@@ -118,6 +119,7 @@ def train(cfg: DictConfig) -> None:
         optimizer=optimizer_memory_model(cfg.optimizer._component_) or "adamw",  # one it does not know: as AdamW
         tensor_parallel=cfg.get("tensor_parallel", 1),
         expert_parallel=cfg.get("expert_parallel", 1),  # experts shared out over data-parallel ranks (MoE models)
+        context_parallel=cfg.get("context_parallel", 1),  # each sequence split over this many data-parallel ranks
     )
     accum_steps = plan.accumulation_steps
     dims = parallel_dims(
@@ -130,11 +132,15 @@ def train(cfg: DictConfig) -> None:
         tensor_parallel=plan.tensor_parallel,
         rank=env.rank,
         expert_parallel=cfg.get("expert_parallel", 1),
+        context_parallel=cfg.get("context_parallel", 1),
     )
     # The one device mesh (dp_replicate x dp_shard x tp) every dimension is cut from, and the data-parallel peers
     # of this rank, over which tokens and losses are summed (the ranks of a TP group share their micro-batches).
     mesh = dims.build_mesh(env.device.type)
     dp_group = dims.dp_group(mesh)
+    # Context parallelism: the data-parallel ranks of a CP group read the same rows, each computing its positions of
+    # them, and exchange keys and values (ring) or heads (alltoall) inside every attention layer.
+    context_parallel = dims.context_parallel(env.device.type, cfg.get("context_parallel_method", "ring"))
     if cfg.get("optimizer_in_backward"):  # what it cannot do is refused here, before any weight is loaded
         check_optimizer_in_backward(
             dims=dims, micro_batch_size=plan.micro_batch_size, accumulation_steps=accum_steps,
@@ -173,13 +179,14 @@ def train(cfg: DictConfig) -> None:
     # Masks are made on the device (FlexAttention's or SDPA's); packed batches all get the pack's shape.
     # Under sequence parallelism every batch's length is a multiple of the TP degree: each rank then holds its part;
     # compiled for static shapes, it is one of 8 lengths, each compiled once.
-    multiple = dims.tp if cfg.get("sequence_parallel", False) else 1
+    # Under context parallelism every row is padded to a multiple of 2 x context_parallel, the chunks it is cut into.
+    multiple = math.lcm(dims.tp if cfg.get("sequence_parallel", False) else 1, 2 * dims.cp if dims.cp > 1 else 1)
     collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.max_seq_len,
                       pad_to_multiple_of=multiple,
                       lengths=static_lengths(cfg.max_seq_len, multiple=multiple) if cfg.get("compile") and dims.tp > 1
                       else None)
     sampler = GlobalBatchSampler(
-        len(dataset), global_batch_size=cfg.batch_size, rank=dims.dp_rank, world_size=dims.dp_size, seed=cfg.seed,
+        len(dataset), global_batch_size=cfg.batch_size, rank=dims.batch_rank, world_size=dims.batch_ranks, seed=cfg.seed,
         shuffle=cfg.get("shuffle", True),  # false: the dataset's own order (curricula, comparing with another tool)
     )
     loader = DataLoader(
@@ -195,7 +202,7 @@ def train(cfg: DictConfig) -> None:
         val_loader = DataLoader(
             val_dataset,
             batch_size=plan.micro_batch_size,
-            sampler=ValidationSampler(len(val_dataset), rank=dims.dp_rank, world_size=dims.dp_size),
+            sampler=ValidationSampler(len(val_dataset), rank=dims.batch_rank, world_size=dims.batch_ranks),
             collate_fn=collate,
         )
     eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None  # held-out accuracy, if set
@@ -243,7 +250,7 @@ def train(cfg: DictConfig) -> None:
     n_trainable = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
     log.print(
         f"{n_params / 1e6:.2f}M parameters, {n_trainable / 1e6:.3f}M trainable; {env.world_size} process(es) on {env.device.type}, {dims.label}, "
-        f"{precision.name}; global batch {cfg.batch_size} = {dims.dp_size} x {plan.micro_batch_size} x "
+        f"{precision.name}; global batch {cfg.batch_size} = {dims.batch_ranks} x {plan.micro_batch_size} x "
         f"{accum_steps} accumulation step(s); {total_steps} steps"
     )
     for reason in plan.reasons:
@@ -269,7 +276,7 @@ def train(cfg: DictConfig) -> None:
         result = forward_backward(
             model, micro_batches, device=env.device, data_parallel_size=dims.dp_size, data_parallel_group=dp_group,
             autocast=autocast, grad_scaler=grad_scaler, num_output_chunks=kernels.loss_chunks,
-            fused_loss=kernels.fused_loss, flex_attention=kernels.flex_attention,
+            fused_loss=kernels.fused_loss, flex_attention=kernels.flex_attention, context_parallel=context_parallel,
         )
         forward_backward_s = time.perf_counter() - start
         grad_norm = optimizer_step(model, optimizer, max_grad_norm=cfg.clip_grad_norm, grad_scaler=grad_scaler)
@@ -290,6 +297,7 @@ def train(cfg: DictConfig) -> None:
             log.log({"step": step, **validation_loss(
                 model, val_loader, device=env.device, autocast=autocast, flex_attention=kernels.flex_attention,
                 loss_chunks=kernels.loss_chunks, data_parallel_group=dp_group,
+                context_parallel=context_parallel,
             )})
         if checkpoints.due(step, total_steps):
             checkpoints.save(step, state, config=cfg, strategy=dims.strategy)

@@ -18,7 +18,9 @@ Before: ``bash benchmarks/gpu/fetch_wheels.sh`` where PyPI is reachable (README.
    ``/dev/shm`` (removed after each shape). Then, budget permitting,
    ``benchmarks/attention.py``: packed rows on SDPA with a dense mask against FlexAttention block masks, in Llama 3.1
    8B's attention layer. Where the machine has several GPUs, ``benchmarks/tensor_parallel.py --device cuda``:
-   bytes and step time of data- and tensor-parallel layouts of Llama 3.2 1B over all of them (skipped on one).
+   bytes and step time of data- and tensor-parallel layouts of Llama 3.2 1B over all of them, and
+   ``benchmarks/context_parallel.py --device cuda``: peak memory and tokens/s of one 32k-token row of Llama 3.2 1B
+   on one GPU and split over 2 by each method (both skipped on one GPU).
    Then ``benchmarks/moe.py --device cuda``: our grouped experts against ``transformers``' experts implementations
    and an equal-active dense model, on a Qwen3-MoE of 8 layers of 64 experts (bf16).
 4. The preference and distillation recipes on one GPU, each a short ``tune run`` of our wheel's recipe from its
@@ -65,6 +67,7 @@ import compare  # noqa: E402  (its shapes, random checkpoints, tokenizer and dat
 COMPARE = REPO / "benchmarks" / "compare.py"
 ATTENTION = REPO / "benchmarks" / "attention.py"
 TENSOR_PARALLEL = REPO / "benchmarks" / "tensor_parallel.py"
+CONTEXT_PARALLEL = REPO / "benchmarks" / "context_parallel.py"
 MOE = REPO / "benchmarks" / "moe.py"
 OURS_WHEEL = "tunekit"
 # Wheels of packages ours needs too: added to ours' folder when this interpreter cannot import them.
@@ -301,7 +304,7 @@ def device_name(dry_run: bool) -> str:
 
 def write_table(
     results: Path, runs: list[dict], versions: dict[str, str], *, device: str, pytest_status: str, attention: list[str],
-    tensor_parallel: list[str], moe: list[str], recipes: list[dict],
+    tensor_parallel: list[str], moe: list[str], recipes: list[dict], context_parallel: list[str] | None = None,
 ) -> str:
     """Markdown: the setup, one row per tool and method, the ratio lines, then each benchmark's section."""
     lines = [
@@ -337,6 +340,8 @@ def write_table(
     lines += ["", *(f"    {run['shape']}: {line}" for run in runs for line in run.get("ratio_lines", []))]
     lines += ["", "## Packed rows: attention kernels (benchmarks/attention.py)", "", *attention]
     lines += ["", "## Data- and tensor-parallel layouts (benchmarks/tensor_parallel.py)", "", *tensor_parallel]
+    lines += ["", "## Context parallelism: one long row whole and split (benchmarks/context_parallel.py)", "",
+              *(context_parallel or ["not run"])]
     lines += ["", "## Mixture of experts (benchmarks/moe.py)", "", *moe]
     lines += ["", "## Preference and distillation recipes (one GPU)", "", *recipe_table(recipes)]
     text = "\n".join(lines) + "\n"
@@ -482,6 +487,23 @@ def main() -> None:
             if code != 0:
                 tensor_parallel = [f"FAILED (exit {code})"]
 
+    # Context-parallel rows too: one row of 32k tokens on one GPU and split over 2 (ring and alltoall).
+    context_parallel = [f"not run: {gpus} GPU(s); the split needs 2 or more"]
+    if gpus >= 2:
+        skipped = benchmark_skipped()
+        context_parallel = [skipped]
+        cp_args = (["--nproc", "2", "--seq_len", "512", "--steps", "1", "--layers", "2", "--dim", "64"] if args.dry_run
+                   else ["--device", "cuda", "--nproc", "2", "--model", "toolkit.models.llama3.llama3_2_1b",
+                         "--seq_len", "32768", "--steps", "2", "--activation_checkpointing"])
+        if not skipped:
+            code = run_logged([sys.executable, str(CONTEXT_PARALLEL), *cp_args],
+                              log_path=args.results / "context_parallel.log", timeout=min(150, left()),
+                              env={**os.environ, "PYTHONPATH": str(ours)})
+            context_parallel = [line for line in (args.results / "context_parallel.log").read_text().splitlines()
+                                if line.startswith(("|", "one row"))]
+            if code != 0:
+                context_parallel = [f"FAILED (exit {code})"]
+
     skipped = benchmark_skipped()
     moe = [skipped]
     moe_args = (["--steps", "2", "--warmup", "1", "--seq_len", "128", "--num_layers", "2"] if args.dry_run else
@@ -500,7 +522,8 @@ def main() -> None:
                                 results=args.results, ours=ours, device="cpu" if args.dry_run else "cuda", left=left)
 
     table = write_table(args.results, runs, versions, device=device_name(args.dry_run), pytest_status=pytest_status,
-                        attention=attention, tensor_parallel=tensor_parallel, moe=moe, recipes=recipes)
+                        attention=attention, tensor_parallel=tensor_parallel, moe=moe, recipes=recipes,
+                        context_parallel=context_parallel)
     print("\n" + table)
     log(f"done in {time.monotonic() - started:.0f} s; {args.results / 'results.md'}")
     if any(run["status"] != "ok" for run in [*runs, *recipes]):

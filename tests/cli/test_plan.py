@@ -437,3 +437,42 @@ def test_plan_of_a_distillation_run_counts_the_teacher(plan) -> None:
     teacher = float(_row(result.stdout, "frozen model")[0])
     copy = plan("preference_finetune", "--config", "demo", "--device-memory-gb", "24")
     assert teacher == float(_row(copy.stdout, "frozen model")[0]) > 0
+
+
+def test_plan_of_a_long_context_config_counts_each_process_share_of_the_sequence(plan) -> None:
+    # 128k tokens split over context_parallel 4: every estimate is for 32768 positions per process, the batch over
+    # 8 / 4 = 2 reading processes; and the longest max_seq_len per layout, under the strategy holding least.
+    result = plan("lora_finetune", "--config", "llama3_1_8b_lora_128k", "--nproc_per_node", "8",
+                  "--device-memory-gb", "80")
+    assert result.returncode == 0, result.err
+    out = result.stdout
+    assert ("context_parallel 4: each sequence split over 4 processes (alltoall), each holding 32768 of its 131072 "
+            "positions; the batch over 2 reading process(es)") in out
+    assert "longest max_seq_len that fits 72.00 GiB per device (multiples of 1024), by layout:" in out
+    longest = {line.split(":")[0].strip(): int(line.split(": ")[1].split()[0]) for line in out.splitlines()
+               if line.startswith("  ") and " tokens under " in line}
+    # Splitting the sequence over N processes holds 1/N of every row's activations: about N times the length fits.
+    one, two, four = longest["data parallel only"], longest["context_parallel 2"], longest["context_parallel 4"]
+    assert 1.9 * one <= two <= 2.1 * one and 3.8 * one <= four <= 4.2 * one
+    assert one > 0 and "tensor_parallel 2 x context_parallel 2" in longest
+    # The config's own layout fits its 131072 tokens at cp 4, as its header says.
+    assert four >= 131072 and "config: data_parallel=zero3 needs" in out and ": fits" in out
+
+
+def test_plan_prints_the_longest_sequences_on_request_only(plan) -> None:
+    args = ("full_finetune", "--config", "demo", "--nproc_per_node", "2", "--device-memory-gb", "8")
+    assert "longest max_seq_len" not in plan(*args).stdout
+    out = plan(*args, "--longest").stdout
+    assert "  data parallel only: " in out and "  context_parallel 2: " in out
+
+
+def test_the_longest_sequence_search_finds_the_last_length_that_fits() -> None:
+    from toolkit.cli.plan import longest_fitting_sequence
+
+    linear = lambda n: 1000 + 3 * n  # noqa: E731
+    assert longest_fitting_sequence(linear, 1000 + 3 * 10 * 1024) == 10 * 1024
+    assert longest_fitting_sequence(linear, 1000 + 3 * 10 * 1024 - 1) == 9 * 1024
+    square = lambda n: n * n  # noqa: E731 (a dense mask's term: the line through two lengths overshoots)
+    assert longest_fitting_sequence(square, (7 * 1024) ** 2 + 5) == 7 * 1024
+    assert longest_fitting_sequence(linear, 10) == 0
+    assert longest_fitting_sequence(lambda n: 1, 10, ceiling=1 << 16) == 1 << 16

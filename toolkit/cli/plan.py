@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -58,16 +59,23 @@ layer's experts, sharded over the processes that hold the same ones, and gathers
 token exchange adds its all-to-all buffers and a copy of the experts' output rows to the activations), or only for
 the configured `expert_parallel=N`.
 
+With `context_parallel=N`: every estimate for each process's share of every sequence (max_seq_len / N positions:
+its activations, attention and loss), and the batch split over world size / (tensor_parallel x N) processes. For
+training configs that set context_parallel (or with --longest), the longest max_seq_len that fits per device for
+each layout of tensor and context parallel degrees (context_parallel 1, 2, 4, 8 where it divides the data-parallel
+processes), under the strategy that holds least: what to set for long-context fine-tuning.
+
 Reads the config keys model, micro_batch_size, max_seq_len, dtype (default bf16-mixed), activation_checkpointing,
 activation_offloading, flex_attention, loss_chunks, fused_loss, data_parallel, tensor_parallel, expert_parallel,
-cpu_offload, hsdp_shard_size, batch_size, optimizer, optimizer_in_backward and device_memory_gb. Plans are for GPUs:
+context_parallel, cpu_offload, hsdp_shard_size, batch_size, optimizer, optimizer_in_backward and device_memory_gb. Plans are for GPUs:
 flex_attention auto counts as on.
 
 examples:
   tune plan full_finetune --config demo --device-memory-gb 24
   tune plan full_finetune --config llama3_1_8b --nproc_per_node 8 --device-memory-gb 80 max_seq_len=4096
   tune plan full_finetune --config llama3_1_70b --nproc_per_node 8 --device-memory-gb 80 tensor_parallel=auto
-  tune plan full_finetune --config qwen3_moe_30b_a3b --nproc_per_node 8 --device-memory-gb 80 expert_parallel=8"""
+  tune plan full_finetune --config qwen3_moe_30b_a3b --nproc_per_node 8 --device-memory-gb 80 expert_parallel=8
+  tune plan lora_finetune --config llama3_1_8b_lora_128k --nproc_per_node 8 --device-memory-gb 80"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory of one device in GiB (default: this machine's GPU, else the config's device_memory_gb)",
     )
     parser.add_argument("--headroom", type=float, default=0.9, help="fraction of device memory a plan may use")
+    parser.add_argument(
+        "--longest", action="store_true",
+        help="also the longest max_seq_len that fits for each tensor- and context-parallel layout (shown anyway for "
+             "a config that sets context_parallel)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, as for tune run")
     return parser
 
@@ -164,6 +177,59 @@ def _device_memory(args: argparse.Namespace, cfg: DictConfig) -> tuple[int, str]
     return int(gib * _GIB), source
 
 
+def longest_fitting_sequence(total, usable: int, *, multiple: int = 1024, ceiling: int = 1 << 22) -> int:
+    """The largest multiple of ``multiple`` up to ``ceiling`` whose ``total(seq_len)`` bytes fit ``usable`` (0 for
+    none). The estimates grow with the sequence, linearly where attention's memory is (flash kernels, FlexAttention):
+    the line through two lengths gives the answer, checked; where that check fails (a dense mask's square term), a
+    binary search below it."""
+    if total(multiple) > usable:
+        return 0
+    per_token = (total(2 * multiple) - total(multiple)) / multiple
+    guess = ceiling if per_token <= 0 else min(ceiling, int((usable - total(multiple)) / per_token) + multiple)
+    guess = max(multiple, guess // multiple * multiple)
+    if total(guess) <= usable and (guess == ceiling or total(guess + multiple) > usable):
+        return guess
+    low, high = 1, guess // multiple  # total(low * multiple) fits; past high, nothing is tried
+    while low < high:
+        middle = (low + high + 1) // 2
+        if total(middle * multiple) <= usable:
+            low = middle
+        else:
+            high = middle - 1
+    return low * multiple
+
+
+def print_longest_sequences(model, *, degrees, world_size: int, nnodes: int, usable: int, common) -> None:
+    """For each tensor- and context-parallel layout, the longest ``max_seq_len`` (a multiple of 1024) that a
+    strategy without offloading fits in ``usable`` bytes per device, under the strategy that holds least."""
+    print(f"longest max_seq_len that fits {format_bytes(usable)} per device (multiples of 1024), by layout:")
+    for tp in degrees:
+        dp = world_size // tp
+        for cp in (c for c in (1, 2, 4, 8) if dp % c == 0):
+            candidates = [(s, o) for s, o in candidate_strategies(world_size=dp, num_nodes=nnodes)
+                          if not o and not (tp > 1 and s == "zero1")]
+
+            @functools.cache
+            def estimate(strategy: str, seq_len: int):
+                return estimate_memory(model, strategy=strategy, cpu_offload=False, **common(tp, 1, cp, seq_len))
+
+            try:
+                # The strategies differ in what they hold of the model, not per token: the one holding least at
+                # a short sequence holds least at every length.
+                strategy = min((s for s, _ in candidates), key=lambda s: estimate(s, 1024).total)
+                best = longest_fitting_sequence(lambda n: estimate(strategy, n).total, usable)
+            except UserError:  # the batch does not split over this layout's reading processes
+                continue
+            layout = " x ".join(part for part in (
+                f"tensor_parallel {tp}" if tp > 1 else "", f"context_parallel {cp}" if cp > 1 else "") if part)
+            if best == 0:
+                print(f"  {layout or 'data parallel only'}: not even 1024 tokens")
+                continue
+            there = estimate(strategy, best)
+            print(f"  {layout or 'data parallel only'}: {best} tokens under {there.label} ({format_bytes(there.total)})")
+    print()
+
+
 def plan_command(argv: Sequence[str]) -> int:
     """Run ``tune plan`` with ``argv`` (the arguments after ``plan``): print the per-strategy memory table for a
     config and the strategy ``auto`` picks.
@@ -226,6 +292,9 @@ def plan_command(argv: Sequence[str]) -> int:
     # The expert-parallel degrees to show, each a table: the configured one, or (none) every degree that shares out
     # the experts evenly over the data-parallel processes (a dense model has only 1).
     run_ep = cfg.get("expert_parallel", 1)
+    run_cp = cfg.get("context_parallel", 1)  # each sequence split over this many data-parallel processes
+    if run_cp > 1:  # only the degrees that leave whole context-parallel groups
+        degrees = [tp for tp in degrees if (world_size // tp) % run_cp == 0] or degrees
     ep_degrees = [run_ep] if "expert_parallel" in cfg else expert_parallel_degrees(model, data_parallel_size=world_size)
     layouts = [(tp, 1) for tp in degrees] if run_ep == 1 else []
     layouts += [(1, ep) for ep in ep_degrees if ep > 1]
@@ -241,26 +310,27 @@ def plan_command(argv: Sequence[str]) -> int:
             activation_offloading=activation_offloading, optimizer_in_backward=optimizer_in_backward,
             headroom=args.headroom, kernels=kernels, shard_size=shard_size, optimizer=optimizer,
             offload_candidates=True,  # plans are for GPUs, which may offload; the CPU here has nothing to say
-            tensor_parallel=run_tp, expert_parallel=run_ep,
+            tensor_parallel=run_tp, expert_parallel=run_ep, context_parallel=run_cp,
         )
         micro_batch_size = chosen.micro_batch_size
         auto_note = "; ".join(chosen.reasons)
 
-    def shape(tp: int) -> tuple[int, int]:
-        """The micro batch and accumulation steps on ``world_size / tp`` data-parallel ranks, as tune run cuts them."""
+    def shape(tp: int, cp: int = run_cp) -> tuple[int, int]:
+        """The micro batch and accumulation steps on ``world_size / (tp x cp)`` ranks that read distinct rows, as tune
+        run cuts them."""
         if "batch_size" not in cfg:
             return micro_batch_size, 1
-        dp = world_size // tp
+        dp = world_size // tp // cp
         micro = micro_batch_within_share(batch_size=cfg.batch_size, micro_batch_size=micro_batch_size, world_size=dp)
         return micro, gradient_accumulation_steps(batch_size=cfg.batch_size, micro_batch_size=micro, world_size=dp)
 
-    def common(tp: int, ep: int = 1) -> dict[str, Any]:
-        micro, accumulation = shape(tp)
+    def common(tp: int, ep: int = 1, cp: int = run_cp, seq_len: int = max_seq_len) -> dict[str, Any]:
+        micro, accumulation = shape(tp, cp)
         return dict(
             world_size=world_size // tp,
             num_nodes=nnodes,
             micro_batch_size=micro,
-            max_seq_len=max_seq_len,
+            max_seq_len=-(-seq_len // cp),  # each process's positions of a row split over cp processes
             dtype=dtype,
             activation_checkpointing=activation_checkpointing,
             activation_offloading=activation_offloading,
@@ -303,7 +373,12 @@ def plan_command(argv: Sequence[str]) -> int:
         f"devices: {nnodes} node(s) x {nproc} process(es) = world size {world_size}; {memory / _GIB:.2f} GiB each "
         f"({memory_source}), {usable / _GIB:.2f} GiB usable (headroom {args.headroom:g})"
     )
-    for note in (world_note, optimizer_note, tp_note, auto_note):
+    cp_note = None
+    if run_cp > 1:
+        cp_note = (f"context_parallel {run_cp}: each sequence split over {run_cp} processes "
+                   f"({cfg.get('context_parallel_method', 'ring')}), each holding {-(-max_seq_len // run_cp)} of its "
+                   f"{max_seq_len} positions; the batch over {world_size // run_tp // run_cp} reading process(es)")
+    for note in (world_note, optimizer_note, tp_note, auto_note, cp_note):
         if note:
             print(note)
     print()
@@ -334,6 +409,9 @@ def plan_command(argv: Sequence[str]) -> int:
             )
         print()
 
+    if "batch_size" in cfg and run_ep == 1 and (args.longest or "context_parallel" in cfg):
+        print_longest_sequences(model, degrees=degrees, world_size=world_size, nnodes=nnodes, usable=usable,
+                                common=common)
     configured = str(cfg.get("data_parallel", "auto"))
     if configured != "auto" and configured_tp != "auto":
         offload = bool(cfg.get("cpu_offload", False))

@@ -28,8 +28,13 @@ gradients like any other data-parallel rank's (each holds the gradient of its po
 the data-parallel mesh and strategies are unchanged and ``dp_size`` still counts them. The sampler and the batch
 arithmetic count ``dp_size / cp`` ranks (:attr:`~toolkit.parallel.ParallelDims.batch_ranks`). The ring and the
 all-to-all run over the ``cp`` dimension of the mesh ``(batch, cp, tp)`` over the same ranks
-(:meth:`~toolkit.parallel.ParallelDims.build_context_mesh`): ``cp`` consecutive data-parallel ranks, tensor
-parallelism inside each.
+(:meth:`~toolkit.parallel.ParallelDims.context_parallel`): ``cp`` consecutive data-parallel ranks, tensor
+parallelism inside each. That is DESIGN.md's rank order ``dp_replicate x dp_shard x cp x tp``, held as two meshes
+rather than one with ``cp`` as its own dimension: FSDP2 would otherwise shard over ``dp_shard`` and ``cp`` flattened
+(as torchtitan does), and every strategy, its gradient reduction and the token counts would need the flattened
+dimension; as data-parallel ranks, the CP ranks need none of that. Nor is the model transformed (no ``apply_cp``):
+the split is in the batch and in the attention the decoder is given as its ``mask``
+(:class:`~toolkit.modules.attention.SplitSequenceAttention`), so the same model trains split or whole.
 """
 
 from collections.abc import Callable
@@ -43,9 +48,9 @@ from toolkit.data.packing import document_ids
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention, SplitSequenceAttention
 
 CP_METHODS = ("ring", "alltoall")
-# Scores of the ring's explicit kernel are computed for this many (query, key) pairs at a time, at most (float32:
-# 64 MiB per head group and row), so the memory of one step does not grow with the square of the sequence.
-RING_SCORE_BLOCK = 1 << 24
+# Scores of the ring's explicit kernel are computed for this many (query, key, row, head) tuples at a time, at most
+# (float32: 8 MiB per buffer, a few buffers at once), so its memory does not grow with the square of the sequence.
+RING_SCORE_BLOCK = 1 << 21
 
 
 def local_positions(seq_len: int, *, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -100,6 +105,10 @@ class ContextParallel:
     rank: int
     method: str = "ring"
 
+    def local(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of ``rows`` ``[b, s, ...]``."""
+        return rows[:, local_positions(rows.shape[1], cp=self.size, rank=self.rank, device=rows.device)]
+
     def shard(self, batch: dict[str, torch.Tensor], *, full_mask: Callable[[dict], object] | None = None):
         """This rank's part of a micro-batch (on its device), and the ``mask`` to give the decoder with it.
 
@@ -116,7 +125,7 @@ class ContextParallel:
         local = {key: value for key, value in batch.items() if key not in ("mask", "lengths")}
         for key in ("tokens", "labels"):
             if key in batch:
-                local[key] = batch[key][:, positions]
+                local[key] = batch[key][:, positions]  # (labels are already shifted: each stays with its token)
         local["input_pos"] = positions if input_pos is None else input_pos[:, positions]
         if self.method == "alltoall":
             whole = full_mask(batch) if full_mask is not None else None
@@ -189,7 +198,9 @@ class RingAttention(SplitSequenceAttention):
             window=layer.sliding_window, softcap=layer.logit_softcap,
         )
         q5 = q.reshape(b, k.shape[1], groups, s, d)  # [b, kv heads, groups, s, d]: GQA without copying k and v
-        out = _RingFunction.apply(q5, k, v, spec)
+        # Its float32 sums are its own: autocast (mixed precision) would run them in bfloat16.
+        with torch.autocast(q.device.type, enabled=False):
+            out = _RingFunction.apply(q5, k, v, spec)
         return out.reshape(b, h, s, d)
 
 
@@ -222,6 +233,16 @@ class _RingSpec:
                     continue  # every key is outside the sliding window (the nearest pair is this far apart)
                 yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), q_chunk * c, k_chunk * c
 
+    def blocks(self, kv_rank: int, *, lead: int, device: torch.device):
+        """``(local query rows, local key slice, mask)`` for every block of this rank's queries against ``kv_rank``'s
+        keys that has a key its query may see: the chunk pairs, each cut into pieces of at most
+        :data:`RING_SCORE_BLOCK` scores per ``lead`` (batch x heads)."""
+        for q_sl, k_sl, q0, k0 in self.pairs(self.cp.rank, kv_rank):
+            k_rows = k0 + torch.arange(k_sl.stop - k_sl.start, device=device)
+            for rows in _query_blocks(q_sl, k_sl.stop - k_sl.start, lead):
+                q_rows = q0 + torch.arange(rows.start - q_sl.start, rows.stop - q_sl.start, device=device)
+                yield rows, k_sl, self.mask(q_rows, k_rows)
+
     def mask(self, q_rows: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor | None:
         # [b or 1, 1, 1, sq, sk] True where allowed; None where all is (a key chunk wholly before the query chunk,
         # no documents, no window).
@@ -239,13 +260,13 @@ class _RingSpec:
 
 def _score(spec: _RingSpec, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None):
     # q [b, kv, g, sq, d], k [b, kv, sk, d], float32 -> (masked scores, tanh of the soft-cap or None)
-    scores = torch.einsum("bhgsd,bhtd->bhgst", q, k) * spec.scale
+    scores = torch.einsum("bhgsd,bhtd->bhgst", q, k).mul_(spec.scale)  # (in place: one buffer of scores at a time)
     tanh = None
     if spec.softcap is not None:
-        tanh = torch.tanh(scores / spec.softcap)
+        tanh = scores.div_(spec.softcap).tanh_()
         scores = tanh * spec.softcap
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores.masked_fill_(~mask, float("-inf"))
     return scores, tanh
 
 
@@ -270,25 +291,21 @@ class _RingFunction(torch.autograd.Function):
         lse = torch.full(qf.shape[:-1], float("-inf"), device=q.device, dtype=acc)  # [b, kv, g, s]
         ring = _Ring(cp)
         block = (kf, vf)
+        lead = qf.shape[0] * qf.shape[1] * qf.shape[2]
         for step in range(cp.size):
             source = (cp.rank - step) % cp.size
             pending = ring.pass_on(block) if step < cp.size - 1 else None
             k_b, v_b = block
-            lead = qf.shape[0] * qf.shape[1] * qf.shape[2]
-            for q_sl, k_sl, q0, k0 in spec.pairs(cp.rank, source):
-                k_part, v_part = k_b[:, :, k_sl], v_b[:, :, k_sl]
-                for rows in _query_blocks(q_sl, k_sl.stop - k_sl.start, lead):
-                    q_rows = q0 + torch.arange(rows.start - q_sl.start, rows.stop - q_sl.start, device=q.device)
-                    k_rows = k0 + torch.arange(k_sl.stop - k_sl.start, device=q.device)
-                    scores, _ = _score(spec, qf[:, :, :, rows], k_part, spec.mask(q_rows, k_rows))
-                    part_lse = torch.logsumexp(scores, dim=-1)  # [b, kv, g, rows]
-                    weights = torch.exp(scores - part_lse[..., None]).nan_to_num_(0.0)
-                    part = weights @ v_part[:, :, None]
-                    new_lse = torch.logaddexp(lse[..., rows], part_lse)
-                    keep = torch.exp(lse[..., rows] - new_lse).nan_to_num_(0.0)
-                    gain = torch.exp(part_lse - new_lse).nan_to_num_(0.0)
-                    out[..., rows, :] = out[..., rows, :] * keep[..., None] + part * gain[..., None]
-                    lse[..., rows] = new_lse
+            for rows, k_sl, mask in spec.blocks(source, lead=lead, device=q.device):
+                scores, _ = _score(spec, qf[:, :, :, rows], k_b[:, :, k_sl], mask)
+                part_lse = torch.logsumexp(scores, dim=-1)  # [b, kv, g, rows]
+                weights = scores.sub_(part_lse[..., None]).exp_().nan_to_num_(0.0)
+                part = weights @ v_b[:, :, None, k_sl]
+                new_lse = torch.logaddexp(lse[..., rows], part_lse)
+                keep = torch.exp(lse[..., rows] - new_lse).nan_to_num_(0.0)
+                gain = torch.exp(part_lse - new_lse).nan_to_num_(0.0)
+                out[..., rows, :] = out[..., rows, :] * keep[..., None] + part * gain[..., None]
+                lse[..., rows] = new_lse
             if pending is not None:
                 block = pending()
         ctx.spec = spec
@@ -296,6 +313,7 @@ class _RingFunction(torch.autograd.Function):
         return out.to(dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         spec = ctx.spec
         cp = spec.cp
@@ -312,22 +330,19 @@ class _RingFunction(torch.autograd.Function):
             source = (cp.rank - step) % cp.size
             pending = ring.pass_on(kv) if step < cp.size - 1 else None  # the next block travels meanwhile
             (k_b, v_b), (dk_b, dv_b) = kv, grads
-            for q_sl, k_sl, q0, k0 in spec.pairs(cp.rank, source):
+            for rows, k_sl, mask in spec.blocks(source, lead=lead, device=q.device):
                 k_part, v_part = k_b[:, :, k_sl], v_b[:, :, k_sl]
-                for rows in _query_blocks(q_sl, k_sl.stop - k_sl.start, lead):
-                    q_rows = q0 + torch.arange(rows.start - q_sl.start, rows.stop - q_sl.start, device=q.device)
-                    k_rows = k0 + torch.arange(k_sl.stop - k_sl.start, device=q.device)
-                    scores, tanh = _score(spec, qf[:, :, :, rows], k_part, spec.mask(q_rows, k_rows))
-                    probs = torch.exp(scores - lse[..., rows, None])  # [b, kv, g, rows, sk]; 0 where masked
-                    d_rows = dout[:, :, :, rows]
-                    dv_b[:, :, k_sl] += torch.einsum("bhgst,bhgsd->bhtd", probs, d_rows)
-                    dprobs = torch.einsum("bhgsd,bhtd->bhgst", d_rows, v_part)
-                    dscores = probs * (dprobs - delta[..., rows, None])
-                    if tanh is not None:
-                        dscores = dscores * (1 - tanh * tanh)
-                    dscores = dscores * spec.scale
-                    dq[:, :, :, rows] += torch.einsum("bhgst,bhtd->bhgsd", dscores, k_part)
-                    dk_b[:, :, k_sl] += torch.einsum("bhgst,bhgsd->bhtd", dscores, qf[:, :, :, rows])
+                scores, tanh = _score(spec, qf[:, :, :, rows], k_part, mask)
+                probs = scores.sub_(lse[..., rows, None]).exp_()  # [b, kv, g, rows, sk]; 0 where masked
+                d_rows = dout[:, :, :, rows]
+                dv_b[:, :, k_sl] += torch.einsum("bhgst,bhgsd->bhtd", probs, d_rows)
+                dscores = torch.einsum("bhgsd,bhtd->bhgst", d_rows, v_part)  # d probs, then d scores in place
+                dscores.sub_(delta[..., rows, None]).mul_(probs)
+                if tanh is not None:
+                    dscores.mul_(1 - tanh * tanh)
+                dscores.mul_(spec.scale)
+                dq[:, :, :, rows] += torch.einsum("bhgst,bhtd->bhgsd", dscores, k_part)
+                dk_b[:, :, k_sl] += torch.einsum("bhgst,bhgsd->bhtd", dscores, qf[:, :, :, rows])
             # This block's gradients, with this rank's share added, follow the block; after cp moves they are home.
             grads = ring.pass_on(grads)()
             if pending is not None:

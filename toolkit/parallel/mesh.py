@@ -4,9 +4,14 @@
 so with ``tp`` up to the GPUs of a node its all-reduces stay on the node's fast links). Expert parallelism is
 carved out of the data-parallel ranks: with ``ep`` > 1, ``dp_shard`` is laid out as ``dp_shard_mod_ep x ep``
 (flattened back into ``dp_shard`` for everything but the experts: :meth:`ParallelDims.fsdp_mesh`), each group of ``ep`` consecutive ranks
-sharing out the experts (:mod:`toolkit.parallel.expert_parallel`). Context parallelism (``cp``) will slot in
-between ``dp_shard`` and ``tp``. Everything that counts samples or tokens (the sampler, the global batch, the loss
-normalization, the metrics) asks for ``dp_size`` and ``dp_rank``; nothing else needs the world size.
+sharing out the experts (:mod:`toolkit.parallel.expert_parallel`). Context parallelism (``cp``) groups ``cp``
+consecutive data-parallel ranks that share their samples, each holding part of every sequence
+(:mod:`toolkit.parallel.context_parallel`): to FSDP2 and DDP they are data-parallel ranks like any other (each
+holds the gradient of its positions' share of the loss), so the strategies below span them; their ring and
+all-to-all run on the ``cp`` dimension of a second mesh over the same ranks, ``(batch, cp, tp)``
+(:meth:`ParallelDims.context_parallel`). Everything that counts tokens (the loss normalization, the metrics) asks
+for ``dp_size`` and ``dp_rank``; what counts samples (the sampler, the global batch) for ``batch_ranks`` and
+``batch_rank``, the same without context parallelism; nothing else needs the world size.
 
 | strategy | parameters            | gradients | optimizer state | built on                                  |
 |----------|-----------------------|-----------|-----------------|-------------------------------------------|
@@ -22,11 +27,15 @@ shard group of one (replicating over ``dp_replicate``): DistributedDataParallel 
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from toolkit.errors import UserError
+
+if TYPE_CHECKING:
+    from toolkit.parallel.context_parallel import ContextParallel
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 SHARDED_STRATEGIES = ("zero2", "zero3", "hsdp")
@@ -52,6 +61,8 @@ class ParallelDims:
         rank: this process's global rank.
         ep: data-parallel ranks the experts of a mixture-of-experts layer are shared out over (expert
             parallelism; a divisor of ``dp_shard``).
+        cp: consecutive data-parallel ranks each sequence is split over (context parallelism; a divisor of
+            ``dp_size``).
     """
 
     strategy: str
@@ -61,6 +72,7 @@ class ParallelDims:
     cpu_offload: bool = False
     rank: int = 0
     ep: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
@@ -77,6 +89,17 @@ class ParallelDims:
         return self.rank // self.tp
 
     @property
+    def batch_ranks(self) -> int:
+        """Ranks that read distinct samples: the data-parallel ranks over ``cp`` (the ranks of a CP group read the
+        same ones). The sampler and the global batch's split into micro-batches count these."""
+        return self.dp_size // self.cp
+
+    @property
+    def batch_rank(self) -> int:
+        """This rank's index among :attr:`batch_ranks`."""
+        return self.dp_rank // self.cp
+
+    @property
     def is_sharded(self) -> bool:
         """Whether FSDP2 shards the model (never for one data-parallel rank: it is then left unsharded)."""
         return self.strategy in SHARDED_STRATEGIES and self.dp_size > 1
@@ -90,9 +113,14 @@ class ParallelDims:
     @property
     def label(self) -> str:
         """The layout in a few words, for the run's summary line: ``zero3``, ``zero3 x tensor_parallel 2``."""
+        parts = [self.strategy]
         if self.ep > 1:
-            return f"{self.strategy} x expert_parallel {self.ep}"
-        return self.strategy if self.tp == 1 else f"{self.strategy} x tensor_parallel {self.tp}"
+            parts.append(f"expert_parallel {self.ep}")
+        if self.cp > 1:
+            parts.append(f"context_parallel {self.cp}")
+        if self.tp > 1:
+            parts.append(f"tensor_parallel {self.tp}")
+        return " x ".join(parts)
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """The job's one device mesh, dimensions :data:`MESH_DIMS` (None for one process); with expert
@@ -103,6 +131,17 @@ class ParallelDims:
             return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
         shape = (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
         return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIMS)
+
+    def context_parallel(self, device_type: str, method: str) -> "ContextParallel | None":
+        """This rank's context-parallel group, attending by ``method`` (None without context parallelism): the
+        ``cp`` dimension of the mesh ``(batch, cp, tp)`` over every rank. A collective."""
+        if self.cp == 1:
+            return None
+        from toolkit.parallel.context_parallel import ContextParallel
+
+        shape = (self.world_size // (self.cp * self.tp), self.cp, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("batch", "cp", "tp"))
+        return ContextParallel(mesh["cp"].get_group(), self.cp, self.dp_rank % self.cp, method)
 
     def expert_fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """What FSDP2 shards a layer's experts over under expert parallelism: the ranks holding the same experts
@@ -143,6 +182,7 @@ def parallel_dims(
     tensor_parallel: int = 1,
     rank: int = 0,
     expert_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> ParallelDims:
     """Check a layout against the job's shape and return it.
 
@@ -157,6 +197,7 @@ def parallel_dims(
         tensor_parallel: ranks each layer is split over (config ``tensor_parallel``).
         rank: this process's global rank.
         expert_parallel: data-parallel ranks the experts are shared out over (config ``expert_parallel``).
+        context_parallel: data-parallel ranks each sequence is split over (config ``context_parallel``).
 
     Raises:
         UserError: an unknown strategy, ``cpu_offload`` without sharding or without a GPU, a shape that does not
@@ -179,6 +220,11 @@ def parallel_dims(
         cpu_offload=cpu_offload,
     ):
         raise UserError(": ".join(problem))
+    for problem in context_parallel_layout_problems(
+        context_parallel=context_parallel, data_parallel_size=world_size // tensor_parallel,
+        expert_parallel=expert_parallel,
+    ):
+        raise UserError(": ".join(problem))
     dp_size = world_size // tensor_parallel
     if strategy == "hsdp":
         shard = shard_size or max(1, local_world_size // tensor_parallel)
@@ -187,9 +233,33 @@ def parallel_dims(
                 f"hsdp_shard_size: {dp_size} data-parallel ranks cannot be split into shard groups of {shard}; "
                 f"choose a divisor of {dp_size}"
             )
-        return ParallelDims(strategy, dp_size // shard, shard, tensor_parallel, cpu_offload, rank)
+        return ParallelDims(strategy, dp_size // shard, shard, tensor_parallel, cpu_offload, rank,
+                            cp=context_parallel)
     shard = dp_size if strategy in ("zero2", "zero3") else 1
-    return ParallelDims(strategy, dp_size // shard, shard, tensor_parallel, cpu_offload, rank, expert_parallel)
+    return ParallelDims(strategy, dp_size // shard, shard, tensor_parallel, cpu_offload, rank, expert_parallel,
+                        context_parallel)
+
+
+def context_parallel_layout_problems(
+    *, context_parallel: int, data_parallel_size: int | None, expert_parallel: int = 1,
+) -> list[tuple[str, str]]:
+    """``(key, problem)`` for a context-parallel degree that does not divide the data-parallel ranks (world size
+    over ``tensor_parallel``) or meets expert parallelism (the schema's rule and :func:`parallel_dims` say the
+    same)."""
+    if context_parallel == 1:
+        return []
+    problems = []
+    if data_parallel_size is not None and data_parallel_size % context_parallel:
+        problems.append((
+            "context_parallel", f"{context_parallel} does not divide the {data_parallel_size} data-parallel "
+            "processes (the launch's processes over tensor_parallel); choose a divisor of "
+            f"{data_parallel_size}, or launch a multiple of {context_parallel}",
+        ))
+    if expert_parallel != 1:
+        problems.append((
+            "expert_parallel", f"cannot combine with context_parallel={context_parallel} yet; use one of them",
+        ))
+    return problems
 
 
 def expert_parallel_problems(

@@ -12,6 +12,8 @@ SDPA itself picks among its backends by a fixed priority (flash, memory-efficien
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -20,6 +22,10 @@ from toolkit.data.packing import document_ids, packed_attention_mask
 from toolkit.errors import UserError
 from toolkit.modules import DocumentMasks
 from toolkit.training.compile import _missing_compiler
+
+if TYPE_CHECKING:
+    from toolkit.modules.attention import SplitSequenceAttention
+    from toolkit.parallel.context_parallel import ContextParallel
 
 
 def resolve_flex_attention(setting: bool | str | None, device: torch.device) -> bool:
@@ -76,6 +82,18 @@ def batch_attention_mask(
     if flex_attention:
         return DocumentMasks(document_ids(input_pos), seq_len=tokens.shape[-1], device=tokens.device)
     return batch["mask"] if "mask" in batch else packed_attention_mask(input_pos)
+
+
+def split_for_attention(
+    batch: dict[str, torch.Tensor], *, flex_attention: bool, context_parallel: "ContextParallel | None" = None
+) -> tuple[dict[str, torch.Tensor], "torch.Tensor | DocumentMasks | SplitSequenceAttention | None"]:
+    """The batch this rank computes and the decoder's ``mask`` for it: the whole batch and
+    :func:`batch_attention_mask`, or under context parallelism this rank's positions of every row and the attention
+    across the group (:meth:`~toolkit.parallel.context_parallel.ContextParallel.shard`)."""
+    full_mask = partial(batch_attention_mask, flex_attention=flex_attention)
+    if context_parallel is None:
+        return batch, full_mask(batch)
+    return context_parallel.shard(batch, full_mask=full_mask)
 
 
 # SDPA's backends by their config names, in PyTorch's own order of preference.

@@ -910,6 +910,7 @@ def plan_parallelism(
     offload_candidates: bool | None = None,
     tensor_parallel: int | str = 1,
     expert_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> ParallelPlan:
     """Resolve ``tensor_parallel: auto``, ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory
     estimate.
@@ -945,6 +946,9 @@ def plan_parallelism(
         tensor_parallel: the config's ``tensor_parallel``: a degree, or ``auto``.
         expert_parallel: the config's ``expert_parallel``, which every estimate counts (and which only ``zero2`` and
             ``zero3`` without tensor parallelism or offloading combine with).
+        context_parallel: the config's ``context_parallel``: the batch splits over the data-parallel ranks over it
+            (the ranks of a CP group share their samples), and each rank's activations are those of
+            ``max_seq_len / context_parallel`` positions.
 
     Raises:
         UserError: ``auto`` without a known device memory, nothing fits, sizes that do not divide, or an invalid
@@ -963,19 +967,23 @@ def plan_parallelism(
         raise UserError(f"tensor_parallel: {tp} does not divide the {world_size} processes")
     num_nodes = max(1, world_size // max(1, local_world_size))
     reasons = []
+    if (auto_batch or auto_tp) and context_parallel > 1:
+        raise UserError(f"{'micro_batch_size' if auto_batch else 'tensor_parallel'}: auto cannot combine with "
+                        f"context_parallel={context_parallel} yet; give it a number")
+    batch_world = world_size // tp // context_parallel  # ranks reading distinct samples
     if not auto_batch and not auto_tp:
         given = micro_batch_size
         micro_batch_size = micro_batch_within_share(
-            batch_size=batch_size, micro_batch_size=given, world_size=world_size // tp
+            batch_size=batch_size, micro_batch_size=given, world_size=batch_world
         )
         if micro_batch_size != given:
             reasons.append(
                 f"micro_batch_size: {given} -> {micro_batch_size}, each process's share of batch_size {batch_size} "
-                f"on {world_size // tp} {'processes' if tp == 1 else 'data-parallel ranks'}"
+                f"on {batch_world} {'processes' if batch_world == world_size else 'data-parallel ranks'}"
             )
     if strategy != "auto" and not auto_batch and not auto_tp:
         steps = gradient_accumulation_steps(
-            batch_size=batch_size, micro_batch_size=micro_batch_size, world_size=world_size // tp
+            batch_size=batch_size, micro_batch_size=micro_batch_size, world_size=batch_world
         )
         return ParallelPlan(strategy, cpu_offload, micro_batch_size, steps, tuple(reasons), tp)
     memory = device_memory_bytes(device)
@@ -990,7 +998,8 @@ def plan_parallelism(
             )
         memory = int(device_memory_gb * 2**30)
     offload = device.type != "cpu" if offload_candidates is None else offload_candidates
-    common = dict(max_seq_len=max_seq_len, dtype=dtype,
+    # Under context parallelism each rank holds max_seq_len / cp positions of every row.
+    common = dict(max_seq_len=-(-max_seq_len // context_parallel), dtype=dtype,
                   activation_checkpointing=activation_checkpointing, activation_offloading=activation_offloading,
                   optimizer_in_backward=optimizer_in_backward, kernels=kernels, shard_size=shard_size,
                   optimizer=optimizer, expert_parallel=expert_parallel)
@@ -1008,7 +1017,8 @@ def plan_parallelism(
         else:
             reasons.append(f"data_parallel, tensor_parallel: auto -> {strategy}"
                            f"{' with cpu_offload' if cpu_offload else ''}, tensor_parallel {tp} ({reason})")
-    dp_world = world_size // tp
+    dp_world = world_size // tp  # what the strategy shards over (context-parallel ranks among them)
+    batch_world = dp_world // context_parallel  # (tp may have been chosen since)
     micro = micro_batch_size
     if auto_batch:
         # The step inside backward takes this rank's share of the batch at once (it cannot accumulate).
@@ -1016,13 +1026,13 @@ def plan_parallelism(
         micro = batch_size // dp_world if whole else 1
     else:
         given = micro_batch_size
-        micro = micro_batch_within_share(batch_size=batch_size, micro_batch_size=given, world_size=dp_world)
+        micro = micro_batch_within_share(batch_size=batch_size, micro_batch_size=given, world_size=batch_world)
         if auto_tp and micro != given:
             reasons.append(
                 f"micro_batch_size: {given} -> {micro}, each process's share of batch_size {batch_size} on "
                 f"{dp_world} data-parallel ranks"
             )
-    steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=dp_world)
+    steps = gradient_accumulation_steps(batch_size=batch_size, micro_batch_size=micro, world_size=batch_world)
     if strategy == "auto":
         strategy, estimate, reason = choose_strategy(
             model, device_memory_bytes=memory, world_size=dp_world, num_nodes=num_nodes, micro_batch_size=micro,

@@ -33,7 +33,8 @@ from toolkit.training.accumulation import gradient_accumulation_steps, micro_bat
 from toolkit.training.attention import SDPA_BACKENDS
 from toolkit.training.metric_loggers import parse_metric_logger_spec
 from toolkit.parallel import STRATEGIES
-from toolkit.parallel.mesh import expert_parallel_problems, tensor_parallel_problems
+from toolkit.parallel.context_parallel import CP_METHODS, context_parallel_problems
+from toolkit.parallel.mesh import context_parallel_layout_problems, expert_parallel_problems, tensor_parallel_problems
 from toolkit.parallel.expert_parallel import check_expert_parallel
 from toolkit.parallel.tensor_parallel import check_tensor_parallel
 from toolkit.training.precision import PRECISIONS
@@ -93,6 +94,8 @@ TRAINING_KEYS = {
     # generation take PARALLEL_KEYS' number.
     "tensor_parallel": one_of(Int(ge=1), Choice("auto"), required=False),
     "expert_parallel": Int(ge=1, required=False),
+    "context_parallel": Int(ge=1, required=False),
+    "context_parallel_method": Choice(*CP_METHODS, required=False),
     "device_memory_gb": Float(gt=0, null=True, required=False),
     "epochs": Int(ge=1),
     "max_steps": Int(ge=1, null=True),
@@ -127,20 +130,30 @@ def data_parallel_size(ctx: Context) -> int | None:
     return world // tp
 
 
+def batch_ranks(ctx: Context) -> int | None:
+    """The processes that read distinct samples: the data-parallel ones over ``context_parallel`` (whose ranks share
+    theirs); None when not known or when it does not divide them (:func:`context_parallel_fits` says so)."""
+    dp, cp = data_parallel_size(ctx), ctx.get("context_parallel", 1)
+    if dp is None or not isinstance(cp, int) or cp < 1 or dp % cp:
+        return None
+    return dp // cp
+
+
 def _named_as_data_parallel(problem: str, ctx: Context) -> str:
-    # The accumulation's message speaks of the world size; under TP the batch divides over the data-parallel ranks.
-    tp, dp = ctx.get("tensor_parallel", 1), data_parallel_size(ctx)
-    if tp == 1 or dp is None:
+    # The accumulation's message speaks of the world size; under TP or CP the batch divides over fewer ranks.
+    tp, cp, ranks = ctx.get("tensor_parallel", 1), ctx.get("context_parallel", 1), batch_ranks(ctx)
+    if (tp == 1 and cp == 1) or ranks is None:
         return problem
+    over = " / ".join(f"{key} {n}" for key, n in (("tensor_parallel", tp), ("context_parallel", cp)) if n != 1)
     return problem.replace(
-        f"world size ({dp})", f"data-parallel size ({dp}: {ctx.world_size} processes / tensor_parallel {tp})"
+        f"world size ({ranks})", f"data-parallel size ({ranks}: {ctx.world_size} processes / {over})"
     )
 
 
-@rule("batch_size", "micro_batch_size", "tensor_parallel")
+@rule("batch_size", "micro_batch_size", "tensor_parallel", "context_parallel")
 def batch_divides(ctx: Context) -> Iterator[tuple[str, str]]:
-    """The global batch splits into whole micro-batches on every data-parallel process."""
-    batch, micro, world = ctx.get("batch_size"), ctx.get("micro_batch_size"), data_parallel_size(ctx)
+    """The global batch splits into whole micro-batches on every process that reads its own samples."""
+    batch, micro, world = ctx.get("batch_size"), ctx.get("micro_batch_size"), batch_ranks(ctx)
     if batch is None or micro is None:
         return
     if micro == "auto":
@@ -191,6 +204,48 @@ def expert_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
     )
 
 
+@rule("context_parallel", "context_parallel_method", "tensor_parallel", "expert_parallel", "sequence_parallel",
+      "compile", "micro_batch_size", "model")
+def context_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
+    """``context_parallel`` divides the data-parallel processes and, for ``alltoall``, each tensor-parallel rank's
+    attention heads; what it does not combine with yet is refused by name. (A sequence is padded to a multiple of
+    ``2 x context_parallel`` positions, so no length is refused.)"""
+    cp = ctx.get("context_parallel", 1)
+    if cp == 1:
+        return
+    tp = ctx.get("tensor_parallel", 1)
+    with_cp = f"context_parallel={cp}"
+    layout = context_parallel_layout_problems(
+        context_parallel=cp, data_parallel_size=data_parallel_size(ctx), expert_parallel=ctx.get("expert_parallel", 1),
+    )
+    yield from layout
+    if tp == "auto":
+        yield "tensor_parallel", f"auto cannot combine with {with_cp} yet (the layout search does not split "\
+            "sequences); give tensor_parallel a number"
+    if ctx.get("micro_batch_size") == "auto":
+        yield "micro_batch_size", f"auto cannot combine with {with_cp} yet; give micro_batch_size a number"
+    if ctx.get("sequence_parallel"):
+        yield "sequence_parallel", f"cannot combine with {with_cp} yet; remove one of them"
+    if ctx.get("compile"):
+        yield "compile", f"cannot combine with {with_cp} yet (the ring's exchanges are not traced); remove compile"
+    model = None if layout else _meta_model(ctx.get("model"))  # (a layout that does not fit is the line to read)
+    if model is None:
+        return
+    layers = getattr(model, "layers", None)
+    attention = getattr(layers[0], "self_attn", None) if layers else None
+    if attention is None:
+        yield "context_parallel", f"{with_cp} needs one of the toolkit's decoder models (its attention layers split "\
+            "the sequence)"
+        return
+    if getattr(model, "_moe_blocks", None):
+        yield "context_parallel", f"{with_cp} cannot split a mixture-of-experts model's sequences yet (its "\
+            "load-balancing loss is per whole row); use context_parallel=1"
+    yield from context_parallel_problems(
+        context_parallel=cp, method=ctx.get("context_parallel_method", "ring"), num_heads=attention.num_heads,
+        tensor_parallel=tp if isinstance(tp, int) else 1,
+    )
+
+
 @rule("sequence_parallel", "tensor_parallel")
 def sequence_parallel_needs_tensor_parallel(ctx: Context) -> Iterator[tuple[str, str]]:
     """Sequence parallelism splits the sequence over the ranks of a tensor-parallel group: it needs one."""
@@ -232,12 +287,8 @@ def parallelism_splits_the_model(ctx: Context) -> Iterator[tuple[str, str]]:
         cpu_offload=ctx.get("cpu_offload", False),
     ):
         checks.append(partial(check_expert_parallel, ep=ep))
-    if not checks or node is None:
-        return
-    try:
-        with torch.device("meta"):
-            model = instantiate(node)
-    except Exception:  # noqa: BLE001 (a model that does not build is reported by the component's own checks)
+    model = _meta_model(node) if checks else None
+    if model is None:
         return
     for check in checks:
         try:
@@ -245,6 +296,18 @@ def parallelism_splits_the_model(ctx: Context) -> Iterator[tuple[str, str]]:
         except UserError as e:
             key, _, problem = str(e).partition(": ")
             yield key, problem
+
+
+def _meta_model(node) -> torch.nn.Module | None:
+    """The config's model built on the meta device (free, whatever its size); None without one, or for one that
+    does not build, which the component's own checks report."""
+    if node is None:
+        return None
+    try:
+        with torch.device("meta"):
+            return instantiate(node)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 @rule("optimizer")
@@ -290,7 +353,7 @@ TRAINING_SCHEMA = Schema(
     TRAINING_KEYS,
     rules=(
         batch_divides, shard_groups_divide, tensor_parallel_fits, tensor_parallel_combines, expert_parallel_fits,
-        sequence_parallel_needs_tensor_parallel,
+        context_parallel_fits, sequence_parallel_needs_tensor_parallel,
         parallelism_splits_the_model, optimizer_accepts, profiler_options, metric_logger_options,
     ),
 )

@@ -12,7 +12,8 @@ from torch.optim import Optimizer
 
 from toolkit.data import GlobalBatchSampler
 
-from toolkit.training.attention import batch_attention_mask
+from toolkit.parallel.context_parallel import ContextParallel
+from toolkit.training.attention import split_for_attention
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import gradient_scale, start_global_token_count
 from toolkit.training.optim import OptimizerInBackward
@@ -52,6 +53,7 @@ def forward_backward(
     num_output_chunks: int | None = None,
     fused_loss: bool = True,
     flex_attention: bool = False,
+    context_parallel: ContextParallel | None = None,
 ) -> StepResult:
     """Accumulate the gradients of one global batch's share on this rank.
 
@@ -80,22 +82,28 @@ def forward_backward(
         fused_loss: without a ``loss_fn``, the model projects and takes the loss together, chunk by chunk, keeping
             no logits (:func:`~toolkit.training.loss.linear_cross_entropy_sum`), where its output layer allows.
         flex_attention: attend with FlexAttention block masks (:func:`~toolkit.training.resolve_flex_attention`).
+        context_parallel: this rank's context-parallel group (:meth:`ParallelDims.context_parallel
+            <toolkit.parallel.ParallelDims.context_parallel>`): every micro-batch is cut to this rank's positions of
+            each row first, so the loss, the token count and the gradient are those of its positions (the ranks of the
+            group are data-parallel ranks in ``data_parallel_size`` and ``data_parallel_group``).
     """
     output_kwargs = {} if num_output_chunks is None else {"num_output_chunks": num_output_chunks}
     if loss_fn is None:
         output_kwargs["fused_loss"] = fused_loss
-    # The global token count travels during the first forward; it is waited for before the first backward.
-    wait_for_token_count = start_global_token_count([mb["labels"] for mb in micro_batches], group=data_parallel_group)
+    # The global token count travels during the first forward; it is waited for before the first backward. (Under
+    # context parallelism each rank counts its positions' labels: the group's counts add up to its rows'.)
+    labels = [mb["labels"] if context_parallel is None else context_parallel.local(mb["labels"]) for mb in micro_batches]
+    wait_for_token_count = start_global_token_count(labels, group=data_parallel_group)
     num_tokens = scale = None
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
     num_positions = 0
     for i, mb in enumerate(micro_batches):
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-        num_positions += mb["tokens"].numel()
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             with autocast or contextlib.nullcontext():
                 # Packed batches carry positions that restart per document; attention stays within each document.
-                mask = batch_attention_mask(mb, flex_attention=flex_attention)
+                mb, mask = split_for_attention(mb, flex_attention=flex_attention, context_parallel=context_parallel)
+                num_positions += mb["tokens"].numel()
                 if loss_fn is None:
                     micro_loss = model(
                         mb["tokens"], mask=mask, input_pos=mb.get("input_pos"), labels=mb["labels"],

@@ -20,7 +20,8 @@ from torch.utils.data import Sampler
 
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.errors import UserError
-from toolkit.training.attention import batch_attention_mask
+from toolkit.parallel.context_parallel import ContextParallel
+from toolkit.training.attention import split_for_attention
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.parallel import unwrap
 from toolkit.training.step import iterate_loader
@@ -79,11 +80,12 @@ def max_over_ranks(value: int, *, device: torch.device) -> int:
     return int(out.item())
 
 
-def idle_batch(device: torch.device, *, rows: int = 1) -> dict[str, torch.Tensor]:
-    """``rows`` sequences of one token whose label is ignored: what a rank out of held-out batches runs, scoring
-    nothing, so that sharded layers' all-gathers stay in step with the ranks that still have batches."""
-    return {"tokens": torch.zeros((rows, 1), dtype=torch.long, device=device),
-            "labels": torch.full((rows, 1), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long, device=device)}
+def idle_batch(device: torch.device, *, rows: int = 1, length: int = 1) -> dict[str, torch.Tensor]:
+    """``rows`` sequences of ``length`` tokens whose labels are ignored: what a rank out of held-out batches runs,
+    scoring nothing, so that sharded layers' all-gathers stay in step with the ranks that still have batches (one
+    token, or under context parallelism ``2 x cp``, the shortest row it splits)."""
+    return {"tokens": torch.zeros((rows, length), dtype=torch.long, device=device),
+            "labels": torch.full((rows, length), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long, device=device)}
 
 
 def batches_in_step(
@@ -127,6 +129,7 @@ def validation_loss(
     flex_attention: bool = False,
     loss_chunks: int | None = None,
     data_parallel_group: dist.ProcessGroup | None = None,
+    context_parallel: ContextParallel | None = None,
 ) -> dict[str, float | int]:
     """Mean token cross-entropy of ``model`` over every batch of every rank's ``loader``.
 
@@ -148,6 +151,8 @@ def validation_loss(
             logits (the decoder's ``labels=``).
         data_parallel_group: the ranks whose slices make up the set, over which the sums are taken (default: all;
             under tensor parallelism ``ParallelDims.dp_group``: the ranks of a TP group score the same slice).
+        context_parallel: this rank's context-parallel group: the ranks of a group read the same slice, and each
+            scores its part of every row (:meth:`~toolkit.parallel.context_parallel.ContextParallel.shard`).
 
     Returns:
         ``{"val_loss": sum / count, "val_perplexity": exp(val_loss), "val_tokens": count}`` over all ranks.
@@ -158,9 +163,10 @@ def validation_loss(
     plain = unwrap(model)
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, token count]
     with scoring(plain):
-        for batch, _ in batches_in_step(loader, device=device, idle=idle_batch(device)):
+        idle = idle_batch(device, length=1 if context_parallel is None else 2 * context_parallel.size)
+        for batch, _ in batches_in_step(loader, device=device, idle=idle):
             with autocast or contextlib.nullcontext():
-                mask = batch_attention_mask(batch, flex_attention=flex_attention)
+                batch, mask = split_for_attention(batch, flex_attention=flex_attention, context_parallel=context_parallel)
                 loss_sum = plain(
                     batch["tokens"], mask=mask, input_pos=batch.get("input_pos"), labels=batch["labels"],
                     num_output_chunks=loss_chunks,
