@@ -75,6 +75,7 @@ def jsd_beta_is_jsd_s(ctx):
 # anything is built or written.
 SCHEMA = TRAINING_SCHEMA.without(
     "fused_loss", "optimizer_in_backward", "activation_offloading", "float8", "profiler", "compile", "expert_parallel",
+    "context_parallel", "context_parallel_method",
 ).extend(
     {
         "teacher_model": Component(),

@@ -107,7 +107,8 @@ def preference_options_fit_the_loss(ctx):
 # Every config key this recipe reads: the shared training vocabulary (toolkit/training/schema.py) and the
 # preference objective's own, checked whole before anything is built or written.
 SCHEMA = TRAINING_SCHEMA.without(
-    "fused_loss", "optimizer_in_backward", "activation_offloading", "float8", "profiler"
+    "fused_loss", "optimizer_in_backward", "activation_offloading", "float8", "profiler", "context_parallel",
+    "context_parallel_method",
 ).extend(
     {
         "preference_loss": Choice(*LOSSES),
