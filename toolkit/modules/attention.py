@@ -184,9 +184,6 @@ class SplitSequenceAttention:
     :mod:`toolkit.parallel.context_parallel`; modules never import them.
     """
 
-    def for_layer(self, attention: "GroupedQueryAttention") -> "SplitSequenceAttention":
-        return self  # one object serves every layer: each call reads the layer's window and soft-cap
-
     def attend(
         self, layer: "GroupedQueryAttention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:

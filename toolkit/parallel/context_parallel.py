@@ -121,7 +121,6 @@ class ContextParallel:
         seq_len = tokens.shape[-1]
         positions = local_positions(seq_len, cp=self.size, rank=self.rank, device=tokens.device)
         input_pos = batch.get("input_pos")
-        docs = None if input_pos is None else document_ids(input_pos)
         local = {key: value for key, value in batch.items() if key not in ("mask", "lengths")}
         for key in ("tokens", "labels"):
             if key in batch:
@@ -129,23 +128,21 @@ class ContextParallel:
         local["input_pos"] = positions if input_pos is None else input_pos[:, positions]
         if self.method == "alltoall":
             whole = full_mask(batch) if full_mask is not None else None
-            mask = UlyssesAttention(self, seq_len=seq_len, whole_mask=whole)
-        else:
-            mask = RingAttention(self, seq_len=seq_len, positions=positions, document_ids=docs)
-        return local, mask
+            return local, UlyssesAttention(self, seq_len=seq_len, whole_mask=whole, device=tokens.device)
+        docs = None if input_pos is None else document_ids(input_pos)
+        return local, RingAttention(self, seq_len=seq_len, document_ids=docs)
 
 
 class UlyssesAttention(SplitSequenceAttention):
     """``alltoall``: trade sequence for heads, attend over the whole row, trade back (see the module's notes)."""
 
-    def __init__(self, cp: ContextParallel, *, seq_len: int, whole_mask) -> None:
+    def __init__(self, cp: ContextParallel, *, seq_len: int, whole_mask, device: torch.device) -> None:
         self.cp = cp
-        self.seq_len = seq_len
         self.whole_mask = whole_mask
-        # The row positions in the order the all-to-all gathers them (rank 0's, then rank 1's, ...), and back.
-        order = torch.cat([local_positions(seq_len, cp=cp.size, rank=r) for r in range(cp.size)])
-        self._order = order
-        self._natural = torch.argsort(order)
+        # The row positions in the order the all-to-all gathers them (rank 0's, then rank 1's, ...), and back; made
+        # once per micro-batch on the activations' device, for every layer.
+        self._order = torch.cat([local_positions(seq_len, cp=cp.size, rank=r, device=device) for r in range(cp.size)])
+        self._natural = torch.argsort(self._order)
 
     def attend(self, layer: GroupedQueryAttention, q, k, v):
         n = self.cp.size
@@ -155,13 +152,12 @@ class UlyssesAttention(SplitSequenceAttention):
         if k.shape[1] % n:  # too few key/value heads to share out: each query head gets its own copy
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        natural = self._natural.to(q.device)
-        q, k, v = (self._to_heads(t)[:, :, natural] for t in (q, k, v))  # [b, h / n, S, d], row order
+        q, k, v = (self._to_heads(t)[:, :, self._natural] for t in (q, k, v))  # [b, h / n, S, d], row order
         mask = self.whole_mask
         if isinstance(mask, DocumentMasks):
             mask = mask.for_layer(layer)
         out = layer.attend(q, k, v, mask=mask)  # [b, h / n, S, d]
-        return self._to_sequence(out[:, :, self._order.to(q.device)])
+        return self._to_sequence(out[:, :, self._order])
 
     def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
         # [b, h, s, d] (this rank's positions, every head) -> [b, h / n, n s, d] (every rank's positions, in rank
@@ -182,11 +178,9 @@ class UlyssesAttention(SplitSequenceAttention):
 class RingAttention(SplitSequenceAttention):
     """``ring``: key/value blocks passed round the CP ranks, partial softmaxes combined by log-sum-exp."""
 
-    def __init__(self, cp: ContextParallel, *, seq_len: int, positions: torch.Tensor,
-                 document_ids: torch.Tensor | None) -> None:
+    def __init__(self, cp: ContextParallel, *, seq_len: int, document_ids: torch.Tensor | None) -> None:
         self.cp = cp
         self.seq_len = seq_len
-        self.positions = positions
         self.document_ids = document_ids
 
     def attend(self, layer: GroupedQueryAttention, q, k, v):
@@ -221,31 +215,35 @@ class _RingSpec:
         """The two chunk indices rank ``rank`` holds."""
         return rank, 2 * self.cp.size - 1 - rank
 
-    def pairs(self, q_rank: int, kv_rank: int):
-        """``(local query slice, local key slice, first query row, first key row, diagonal)`` for every chunk pair
-        of these two ranks with a key its query may see."""
+    def pairs(self, kv_rank: int):
+        """``(local query slice, local key slice, first query row, first key row, whole)`` for every chunk pair of
+        this rank's queries and ``kv_rank``'s keys with a key its query may see; ``whole``: every key is visible to
+        every query (an earlier chunk, no sliding window), so the pair needs no mask unless documents restrict it."""
         c = self.chunk
-        for qi, q_chunk in enumerate(self.chunks_of(q_rank)):
+        for qi, q_chunk in enumerate(self.chunks_of(self.cp.rank)):
             for ki, k_chunk in enumerate(self.chunks_of(kv_rank)):
                 if k_chunk > q_chunk:
                     continue  # every key is in the future of every query
                 if self.window is not None and (q_chunk - k_chunk - 1) * c + 1 >= self.window:
                     continue  # every key is outside the sliding window (the nearest pair is this far apart)
-                yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), q_chunk * c, k_chunk * c
+                whole = k_chunk < q_chunk and self.window is None
+                yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), q_chunk * c, k_chunk * c, whole
 
     def blocks(self, kv_rank: int, *, lead: int, device: torch.device):
         """``(local query rows, local key slice, mask)`` for every block of this rank's queries against ``kv_rank``'s
         keys that has a key its query may see: the chunk pairs, each cut into pieces of at most
         :data:`RING_SCORE_BLOCK` scores per ``lead`` (batch x heads)."""
-        for q_sl, k_sl, q0, k0 in self.pairs(self.cp.rank, kv_rank):
+        for q_sl, k_sl, q0, k0, whole in self.pairs(kv_rank):
             k_rows = k0 + torch.arange(k_sl.stop - k_sl.start, device=device)
             for rows in _query_blocks(q_sl, k_sl.stop - k_sl.start, lead):
+                if whole and self.document_ids is None:
+                    yield rows, k_sl, None
+                    continue
                 q_rows = q0 + torch.arange(rows.start - q_sl.start, rows.stop - q_sl.start, device=device)
                 yield rows, k_sl, self.mask(q_rows, k_rows)
 
-    def mask(self, q_rows: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor | None:
-        # [b or 1, 1, 1, sq, sk] True where allowed; None where all is (a key chunk wholly before the query chunk,
-        # no documents, no window).
+    def mask(self, q_rows: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
+        # [b or 1, 1, 1, sq, sk], True where allowed: causal, within the window, within a document.
         distance = q_rows[:, None] - k_rows[None, :]
         allowed = distance >= 0
         if self.window is not None:
@@ -253,8 +251,6 @@ class _RingSpec:
         if self.document_ids is not None:
             docs = self.document_ids
             allowed = allowed & (docs[:, q_rows, None] == docs[:, None, k_rows])  # [b, sq, sk]
-        elif bool(allowed.all()):
-            return None
         return allowed.reshape(-1, 1, 1, *allowed.shape[-2:])
 
 
