@@ -1,6 +1,9 @@
 """NF4 base weights (QLoRA, Dettmers et al., 2023): round-trip error within the format's bound, the meta-device
 fast path, materialization, checkpoint loading into NF4, and QLoRA forward/backward."""
 
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -132,3 +135,45 @@ def test_qlora_trains():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1
+
+
+def test_torchao_is_first_imported_outside_the_meta_device():
+    # The first NF4 weight is usually quantized while a model is built under torch.device("meta"). torchao 0.10
+    # builds tables at import and reads one back (.tolist()), which fails on the meta device: the QLoRA run of the
+    # first GPU measurement stopped there. In a fresh interpreter, record the default device torchao is imported
+    # under when the first quantization happens inside a meta-device block.
+    code = """
+import sys, torch
+seen = []
+class Spy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchao":
+            seen.append(str(torch.get_default_device()))
+        return None
+sys.meta_path.insert(0, Spy())
+from toolkit.modules.peft import nf4
+with torch.device("meta"):
+    weight = nf4.to_nf4(torch.empty(64, 128, dtype=torch.bfloat16))
+assert nf4.is_nf4(weight) and weight.device.type == "meta", weight
+print(seen)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['cpu']", result.stdout
+
+
+def test_torchao_before_0_11_keeps_nf4_in_dtypes(monkeypatch):
+    # torchao 0.10 (the version torchtune 0.6.1 pins, and so what a benchmark machine may bring) has no
+    # torchao.quantization.to_nf4; its NF4Tensor and to_nf4 live in torchao.dtypes.
+    from toolkit.modules.peft import nf4
+
+    old_quantization = types.ModuleType("torchao.quantization")
+    dtypes = types.ModuleType("torchao.dtypes")
+    dtypes.to_nf4, dtypes.NF4Tensor = object(), type("NF4Tensor", (), {})
+    package = types.ModuleType("torchao")
+    package.quantization, package.dtypes = old_quantization, dtypes
+    monkeypatch.setitem(sys.modules, "torchao", package)
+    monkeypatch.setitem(sys.modules, "torchao.quantization", old_quantization)
+    monkeypatch.setitem(sys.modules, "torchao.dtypes", dtypes)
+    monkeypatch.setattr(nf4, "_torchao", None)
+    assert nf4._torchao_quantization() is dtypes

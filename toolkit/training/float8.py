@@ -98,7 +98,8 @@ def apply_float8(model: nn.Module, *, fsdp_float8_all_gather: bool) -> list[str]
     for module in bases:
         module.float8_base = True
     if len(bases) < len(converted):  # plain linear layers too
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # imported only when needed
+        with torch.device("cpu"):  # imported only when needed, outside the meta device (see nf4._torchao_quantization)
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
         convert_to_float8_training(model, module_filter_fn=is_float8_linear, config=config)

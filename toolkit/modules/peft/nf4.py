@@ -36,7 +36,8 @@ _torchao: ModuleType | None = None
 
 
 def _torchao_quantization() -> ModuleType:
-    """``torchao.quantization``, imported once, with the warnings its import logs on CPU silenced."""
+    """The torchao module with ``NF4Tensor`` and ``to_nf4`` (``torchao.quantization``; ``torchao.dtypes`` before
+    0.11), imported once, with the warnings its import logs on CPU silenced."""
     global _torchao
     if _torchao is None:
         loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
@@ -44,9 +45,15 @@ def _torchao_quantization() -> ModuleType:
         for logger in loggers:
             logger.setLevel(logging.ERROR)
         try:
-            with warnings.catch_warnings():
+            # On the CPU: the first import may come while a model is built under ``torch.device("meta")``, and
+            # torchao builds tables at import (0.10's 4-bit optimizer reads one back with .tolist(), which fails on
+            # the meta device); an import outside any device context puts them there too.
+            with warnings.catch_warnings(), torch.device("cpu"):
                 warnings.simplefilter("ignore")
                 import torchao.quantization as quantization
+
+                if not hasattr(quantization, "to_nf4"):  # torchao before 0.11 keeps NF4 in torchao.dtypes
+                    import torchao.dtypes as quantization
         finally:
             for logger, level in zip(loggers, levels):
                 logger.setLevel(level)
