@@ -985,6 +985,18 @@ def main() -> None:
           f"{args.loss_chunks or 'none'}; {threads or 'default'} thread(s); work folder {work}"
           f"{'; ours with ' + ' '.join(args.ours_set) if args.ours_set else ''}", flush=True)
     results: dict[str, list[Result]] = {}
+
+    def write_json() -> None:
+        """The results so far (rewritten after each method, so that a run stopped by a time limit keeps the
+        methods it finished)."""
+        if args.json_out:
+            args.json_out.write_text(json.dumps(
+                {"shape": shape_name, "device": args.device, "dtype": dtype, "batch_size": batch_size,
+                 "seq_len": seq_len, "steps": steps, "activation_checkpointing": ac, "loss_chunks": args.loss_chunks,
+                 "ours_set": args.ours_set, "ours_variants": {name: list(o) for name, o in variants},
+                 "compile": compile_, "packed": args.packed, "peak_flops": peak_flops,
+                 "results": {m: [asdict(r) for r in runs] for m, runs in results.items()}}, indent=1))
+
     for method in methods:
         job = Job(method, shape_name, args.device, dtype, batch_size, seq_len, steps, ac, args.loss_chunks,
                   str(checkpoint), str(data), str(ranks), compile=compile_, packed=args.packed,
@@ -1030,7 +1042,16 @@ def main() -> None:
             runs.append(result)
             if not args.keep:  # outputs of big shapes fill /dev/shm
                 shutil.rmtree(out, ignore_errors=True)
+        for r in runs:
+            if peak_flops and r.step_ms:
+                positions = batch_size * seq_len  # every position runs forward and backward, the last one too
+                r.mfu = matmul_flops_per_token(SHAPES[shape_name], method) * positions / (r.step_ms / 1e3) / peak_flops
         results[method] = runs
+        if not args.ladder:  # this method's lines now, and on file, before the next method's runs
+            for label, ours, peer in comparisons(method, runs):
+                print(f"  so far: {label} vs {peer.tool}: {ratio(ours.tokens_per_s, peer.tokens_per_s)} tokens/s "
+                      f"(memory {ratio(ours.memory_gib, peer.memory_gib)})", flush=True)
+            write_json()
 
     print(f"\n1-minute load average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after\n")
     if args.ladder:
@@ -1039,11 +1060,6 @@ def main() -> None:
         if not args.keep and args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
         return
-    for method, runs in results.items():
-        for r in runs:
-            if peak_flops and r.step_ms:
-                positions = batch_size * seq_len  # every position runs forward and backward, the last one too
-                r.mfu = matmul_flops_per_token(SHAPES[shape_name], method) * positions / (r.step_ms / 1e3) / peak_flops
     if peak_flops:
         print(f"MFU: issue 8's model FLOPs per token (6N full, 4N + 6N_lora LoRA/QLoRA; N the matmul weights) x "
               f"{batch_size} x {seq_len} positions per step / step time, over {peak_flops / 1e12:.4g} TFLOP/s "
@@ -1065,13 +1081,7 @@ def main() -> None:
         for label, ours, peer in comparisons(method, runs):
             print(f"  {label} vs {peer.tool}: {ratio(peer.cpu_s, ours.cpu_s)} "
                   f"(training memory {ratio(ours.training_gib, peer.training_gib)})")
-    if args.json_out:
-        args.json_out.write_text(json.dumps(
-            {"shape": shape_name, "device": args.device, "dtype": dtype, "batch_size": batch_size,
-             "seq_len": seq_len, "steps": steps, "activation_checkpointing": ac, "loss_chunks": args.loss_chunks,
-             "ours_set": args.ours_set, "ours_variants": {name: list(o) for name, o in variants},
-             "compile": compile_, "packed": args.packed, "peak_flops": peak_flops,
-             "results": {m: [asdict(r) for r in runs] for m, runs in results.items()}}, indent=1))
+    write_json()
     if not args.keep and args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     print()
