@@ -12,10 +12,11 @@ Before: ``bash benchmarks/gpu/fetch_wheels.sh`` where PyPI is reachable (README.
    ``peers`` (torchtune and what it needs) and ``ours`` (our wheel, plus omegaconf and torchao when this interpreter
    lacks them). Each tool's runs get only its own folder on ``PYTHONPATH``, so torchtune sees torchao 0.10 while
    ours keeps the machine's torchao where there is one.
-2. ``pytest -m gpu`` (tests that need a GPU; exit code 5, none selected, is reported, not a failure).
-3. ``benchmarks/compare.py --device cuda`` for Llama 3.2 1B and 3B full fine-tuning and Llama 3.1 8B LoRA and QLoRA,
+2. ``benchmarks/compare.py --device cuda`` for Llama 3.2 1B and 3B full fine-tuning and Llama 3.1 8B LoRA and QLoRA,
    random weights, 2 x 4096 tokens without activation checkpointing (issue 8's setup), everything under
-   ``/dev/shm`` (removed after each shape). Then, budget permitting,
+   ``/dev/shm`` (removed after each shape; each method's results are kept as soon as it ends).
+3. Budget permitting, ``pytest -m gpu`` on the files that hold gpu-marked tests (exit code 5, none selected, is
+   reported, not a failure), after the comparisons so that a short budget goes to the targets. Then
    ``benchmarks/attention.py``: packed rows on SDPA with a dense mask against FlexAttention block masks, in Llama 3.1
    8B's attention layer. Where the machine has several GPUs, ``benchmarks/tensor_parallel.py --device cuda``:
    bytes and step time of data- and tensor-parallel layouts of Llama 3.2 1B over all of them, and
@@ -73,8 +74,8 @@ OURS_WHEEL = "tunekit"
 # Wheels of packages ours needs too: added to ours' folder when this interpreter cannot import them.
 SHARED = {"omegaconf": "omegaconf", "torchao": "torchao"}
 
-# (shape, methods, extra compare.py arguments, time limit s). Estimated for one H200: 1B ~100 s, 3B ~130 s, 8B LoRA
-# and QLoRA (one 16 GB checkpoint for both) ~250 s with 12 steps each; --budget cuts what does not fit. Both tools
+# (shape, methods, extra compare.py arguments, time limit s). Measured on one H200 with 10 steps each: 1B 112 s, 3B
+# 124 s, 8B LoRA and QLoRA (one 16 GB checkpoint for both) 193 s; --budget cuts what does not fit. Both tools
 # compile (compare.py's default on CUDA: each at its best); the targets are against torchtune, so the transformers
 # loop is left to a run by hand (compare.py --device cuda --peers transformers).
 # The setup of issue 8's measured table: 2 x 4096 tokens, no activation checkpointing (each tool's best on an H200,
