@@ -57,3 +57,23 @@ def test_alltoall_needs_the_heads_per_tensor_parallel_rank_divisible():
     assert context_parallel_problems(context_parallel=3, method="ring", num_heads=4) == []
     (key, _), = context_parallel_problems(context_parallel=2, method="zigzag")
     assert key == "context_parallel_method"
+
+
+@pytest.mark.parametrize("method", CP_METHODS)
+def test_the_padding_of_unpacked_rows_keeps_within_the_real_positions(method):
+    # context_parallel: 3 pads a 64-token row (max_seq_len 64) to 66 positions; rank 0 holds the last chunk, whose
+    # row positions 64 and 65 lie past a rotary table of 64 (an IndexError mid-run before). The padding's
+    # positions are held at the last real one: nothing attends to it and it has no target.
+    from toolkit.parallel.context_parallel import ContextParallel
+
+    seq_len, cp = 66, 3
+    batch = {"tokens": torch.zeros(2, seq_len, dtype=torch.long), "labels": torch.zeros(2, seq_len, dtype=torch.long),
+             "lengths": torch.tensor([64, 50])}
+    for rank in range(cp):
+        split = ContextParallel(group=None, size=cp, rank=rank, method=method)
+        local, _ = split.shard(batch, full_mask=lambda b: None)
+        row = local_positions(seq_len, cp=cp, rank=rank)
+        assert local["input_pos"].max() <= 63
+        real = row < 64
+        assert torch.equal(local["input_pos"][real], row[real])  # every real token keeps its position
+        assert torch.equal(local["tokens"], batch["tokens"][:, row])

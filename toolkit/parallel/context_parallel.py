@@ -125,7 +125,15 @@ class ContextParallel:
         for key in ("tokens", "labels"):
             if key in batch:
                 local[key] = batch[key][:, positions]  # (labels are already shifted: each stays with its token)
-        local["input_pos"] = positions if input_pos is None else input_pos[:, positions]
+        if input_pos is None:
+            # Unpacked rows: the row positions, those of the padding up to a multiple of 2 x cp held at the last
+            # real one. That padding can reach past max_seq_len, and so past the model's rotary table; no real
+            # token attends to it (it comes after them all) and it has no target, so its position changes nothing.
+            lengths = batch.get("lengths")
+            last = None if lengths is None else (lengths.max() - 1).clamp(min=0).to(positions.device)
+            local["input_pos"] = positions if last is None else torch.minimum(positions, last)  # (no host sync)
+        else:
+            local["input_pos"] = input_pos[:, positions]
         if self.method == "alltoall":
             whole = full_mask(batch) if full_mask is not None else None
             return local, UlyssesAttention(self, seq_len=seq_len, whole_mask=whole, device=tokens.device)
