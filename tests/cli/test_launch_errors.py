@@ -172,3 +172,33 @@ def test_a_node_that_cannot_reach_the_first_one_says_so(tree) -> None:
         "check that the node hosting it was started, that --master_addr and --master_port give an address of it "
         f"that this node can reach, and that no firewall blocks port {port}"
     )
+
+
+def test_more_processes_than_the_nodes_gpus_is_one_line_before_any_launch(tune, tree, monkeypatch) -> None:
+    # tensor_parallel: 8 on a node of 4 GPUs without --nnodes used to pass validation (8 processes) and stop in
+    # torch.cuda.set_device on ranks 4-7 after the launch.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    result = tune("run", "--nproc_per_node", "8", "toy_distributed", "--config", "small")
+    assert result.returncode == USER_ERROR
+    assert one_line(result.stderr) == (
+        "tune: error: --nproc_per_node 8: this node has 4 GPU(s) and each process takes one (device: auto); start at "
+        "most 4 per node (more GPUs for tensor_parallel or the other splits: --nnodes), or device=cpu for CPU "
+        "processes")
+    assert tree.rank_files() == {}
+
+
+def test_cpu_processes_and_one_process_per_gpu_are_not_counted_against_the_gpus(monkeypatch) -> None:
+    import torch
+
+    from toolkit.cli._run import _check_gpus_per_node
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    _check_gpus_per_node(_launch_args("--nproc_per_node", "8"), device="cpu")
+    _check_gpus_per_node(_launch_args("--nproc_per_node", "4"), device="cuda")
+    _check_gpus_per_node(_launch_args("--nproc_per_node", "gpu"), device="auto")  # torchrun counts them itself
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _check_gpus_per_node(_launch_args("--nproc_per_node", "8"), device="auto")  # no GPU: CPU processes on gloo

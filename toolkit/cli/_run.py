@@ -256,6 +256,24 @@ def _world_size(launch: argparse.Namespace) -> int | None:
     return int(nproc) * int(max_nodes)
 
 
+def _check_gpus_per_node(launch: argparse.Namespace, *, device: str) -> None:
+    """Refuse more processes on this node than it has GPUs, where the recipe will use them (``device`` ``cuda``, or
+    ``auto`` on a machine with a GPU): each process takes the GPU of its local rank, and torch would stop the
+    extra ones with 'invalid device ordinal' after the launch."""
+    import torch
+
+    nproc = launch.nproc_per_node
+    if device == "cpu" or not nproc.isdigit() or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if int(nproc) > gpus:
+        raise UserError(
+            f"--nproc_per_node {nproc}: this node has {gpus} GPU(s) and each process takes one (device: {device}); "
+            f"start at most {gpus} per node (more GPUs for tensor_parallel or the other splits: --nnodes), "
+            "or device=cpu for CPU processes"
+        )
+
+
 @dataclass(frozen=True)
 class _Rendezvous:
     """Where this launch's nodes meet, for the messages about it."""
@@ -560,6 +578,8 @@ def run_command(argv: Sequence[str]) -> int:
     world = _world_size(launch) if distributed else 1
     schema = recipe_schema(path)
     validate(cfg, schema=schema, world_size=world)
+    if distributed:
+        _check_gpus_per_node(launch, device=str(cfg.get("device", "auto")))
     if not distributed or launch.node_rank == 0:  # where rank 0, which writes the run, will be
         _check_output_dir(cfg, schema)
 
