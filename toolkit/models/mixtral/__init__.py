@@ -1,4 +1,5 @@
-"""Mixtral: builders, plain and with adapters (LoRA, DoRA, QLoRA), sizes and checkpoint conversion."""
+"""Mixtral: builders, plain and with adapters (LoRA, DoRA; QLoRA is refused: the experts are not stored in NF4
+yet), sizes and checkpoint conversion."""
 
 from toolkit.models.mixtral._component_builders import mixtral
 from toolkit.models.mixtral._convert_weights import (

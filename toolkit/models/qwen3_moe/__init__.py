@@ -1,4 +1,5 @@
-"""Qwen3-MoE: builders, plain and with adapters (LoRA, DoRA, QLoRA), sizes and checkpoint conversion."""
+"""Qwen3-MoE: builders, plain and with adapters (LoRA, DoRA; QLoRA is refused: the experts are not stored in NF4
+yet), sizes and checkpoint conversion."""
 
 from toolkit.models.qwen3_moe._component_builders import qwen3_moe, sparse_layers
 from toolkit.models.qwen3_moe._convert_weights import (
