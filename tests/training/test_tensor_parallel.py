@@ -256,12 +256,17 @@ def _run(name: str, two_processes: dict[str, Path], one_process: Path) -> Path:
 @pytest.mark.parametrize("resumed,source", CROSS_LAYOUT, ids=lambda x: x)
 def test_a_checkpoint_resumes_on_another_layout(resumed, source, two_processes, one_process):
     # The resumed run goes on from step 3 with the same rows (each step's token count) and, the layouts summing in
-    # another order only, the uninterrupted run's losses to float rounding.
+    # another order only, the uninterrupted run's losses and final weights to float rounding (fp32: 1e-5 relative;
+    # 1e-6 absolute for the weights near zero, whose relative error rounding inflates).
     ours, theirs = _records(two_processes[resumed]), _records(_run(source, two_processes, one_process))
     assert [r["step"] for r in ours] == list(range(worker.RESUMED_AT + 1, 6))
     later = theirs[worker.RESUMED_AT :]
     assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in later]
     torch.testing.assert_close([r["loss"] for r in ours], [r["loss"] for r in later], rtol=1e-5, atol=0)
+    weights, expected = _weights(two_processes[resumed]), _weights(_run(source, two_processes, one_process))
+    assert weights.keys() == expected.keys()
+    for key, weight in expected.items():
+        torch.testing.assert_close(weights[key], weight, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_a_tp2_checkpoint_resumes_on_one_process(two_processes, tmp_path):
@@ -271,6 +276,10 @@ def test_a_tp2_checkpoint_resumes_on_one_process(two_processes, tmp_path):
     assert [r["step"] for r in ours] == list(range(worker.RESUMED_AT + 1, 6))
     assert [r["num_tokens"] for r in ours] == [r["num_tokens"] for r in theirs]
     torch.testing.assert_close([r["loss"] for r in ours], [r["loss"] for r in theirs], rtol=1e-5, atol=0)
+    weights, expected = _weights(tmp_path), _weights(two_processes["tp2"])
+    assert weights.keys() == expected.keys()
+    for key, weight in expected.items():
+        torch.testing.assert_close(weights[key], weight, rtol=1e-5, atol=1e-6, msg=key)  # (as above)
 
 
 def test_tp2_and_zero3_train_like_one_process(two_processes, one_process):
