@@ -50,6 +50,7 @@ SKIPPED = {
     r"rdzv_endpoint host:|node0\.example": "several machines",
     r"lm_eval\.tasks=": "lm-evaluation-harness tasks download their data sets from the hub",
     r"^sbatch ": "a Slurm cluster",
+    r"^kubectl ": "a Kubernetes cluster",
     r"^(python|bash) benchmarks/": "a benchmark: minutes each, against peers installed apart (benchmarks/README.md)",
 }
 
