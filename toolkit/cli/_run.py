@@ -45,7 +45,10 @@ TORCHRUN FLAGS (before RECIPE) are passed to torchrun unchanged, e.g. --nproc_pe
 
 On one node without --master_port the processes meet on a free port. A port this node must listen on that is
 taken stops the launch at once. Several nodes wait for each other at most 300 s (--rdzv_conf
-join_timeout=SECONDS to change), then stop with what to check.
+join_timeout=SECONDS to change), then stop with what to check. For the workers, tune sets what the environment
+leaves unset, each said in one line: on several nodes the network interface that reaches the rendezvous host
+(NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); on GPUs the InfiniBand devices, NCCL's error handling and its flight
+recorder, dumped to output_dir on a timeout (see docs/multi_node.md).
 
 examples:
   tune run full_finetune_single_device --config demo
