@@ -5,11 +5,14 @@ interface variable naming no interface of the node is one line before the launch
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 
 import pytest
 
-from tests.cli.conftest import one_line
+from tests.cli.conftest import TUNE_COMMAND, one_line, tune_env
+from tests.launch import free_port
 from tests.cli.test_launch_errors import USER_ERROR
 from toolkit.cli import _cluster_env
 from toolkit.cli._cluster_env import check_interface_names, interface_addresses, worker_environment
@@ -183,3 +186,69 @@ def test_tune_run_says_each_choice_once_and_the_workers_inherit_it(tune, tree, n
                      "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "NCCL_IB_HCA": None}]
     # This process's environment is as it was: a later launch in it chooses again.
     assert "GLOO_SOCKET_IFNAME" not in os.environ and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+
+
+# Writes the interface variables it was started with to out_dir/rank_<RANK>.txt.
+ENV_RECIPE = '''\
+"""Toy recipe: what the launcher set for gloo."""
+import os
+
+from toolkit.config import recipe_main
+
+
+@recipe_main
+def main(cfg):
+    with open(os.path.join(cfg.out_dir, f"rank_{os.environ['RANK']}.txt"), "w") as f:
+        f.write(f"{os.environ.get('GLOO_SOCKET_IFNAME')} {os.environ.get('NCCL_SOCKET_IFNAME')}")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _routable_address() -> tuple[str, str] | None:
+    """An interface of this machine with a non-loopback IPv4 address, and that address."""
+    for name, addresses in sorted(interface_addresses().items()):
+        for address in sorted(addresses):
+            if ":" not in address and not address.startswith("127."):
+                return name, address
+    return None
+
+
+def test_two_nodes_at_a_non_loopback_address_get_its_interface_for_gloo(tree) -> None:
+    # Two launchers on this machine meeting at its own non-loopback address, as two nodes meet at the first one's:
+    # the workers inherit GLOO_SOCKET_IFNAME (CPU processes: NCCL's is left alone) and gloo connects through it.
+    found = _routable_address()
+    if found is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    interface, address = found
+    (tree.recipes / "envtoy.py").write_text(ENV_RECIPE)
+    (tree.configs / "envtoy").mkdir()
+    (tree.configs / "envtoy" / "small.yaml").write_text(f"out_dir: {tree.out}\n")
+    env = {**tune_env(tree), "OMP_NUM_THREADS": "1"}
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.pop(name, None)
+    port = free_port()
+    launchers = [
+        subprocess.Popen(
+            [*TUNE_COMMAND, "run", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+             "--rdzv_endpoint", f"{address}:{port}", "--rdzv_conf", f"is_host={is_host},join_timeout=60",
+             "envtoy_distributed", "--config", "small"],
+            cwd=tree.work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        for is_host in (1, 0)
+    ]
+    try:
+        results = [launcher.communicate(timeout=150) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+    for launcher, (_, err) in zip(launchers, results):
+        assert launcher.returncode == 0, err
+        lines = [line for line in err.splitlines() if line.startswith("tune: network interface")]
+        assert lines == [f"tune: network interface {interface} ({address}, the route to the rendezvous host "
+                         f"{address}): GLOO_SOCKET_IFNAME={interface}"]
+    assert tree.rank_files() == {"rank_0.txt": f"{interface} None", "rank_1.txt": f"{interface} None"}
