@@ -21,7 +21,7 @@ IPV6_ADDRESSES = Path("/proc/net/if_inet6")
 _SIOCGIFADDR = 0x8915
 # The interface variables NCCL and gloo read; both are checked against this node's interfaces.
 INTERFACE_VARIABLES = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-# Collectives each rank's flight recorder keeps: the installed torch's default, set for a torch whose default differs.
+# Collectives each rank's flight recorder keeps (torch 2.13's default, written out so the line says what is kept).
 _TRACE_ENTRIES = 2000
 
 
@@ -156,8 +156,10 @@ def worker_environment(
         groups.append(({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
                        "a timed-out NCCL collective stops its process: TORCH_NCCL_ASYNC_ERROR_HANDLING=1"))
     recorder: dict[str, str] = {}
-    # The TORCH_FR_ names are the ones the installed torch reads first; the TORCH_NCCL_ ones are its older aliases,
-    # which it still reads (with a deprecation warning), so a user's value under either is kept.
+    # The TORCH_FR_ names are the ones torch 2.13's flight recorder reads first; the TORCH_NCCL_ ones are their older
+    # aliases, which it still reads with a deprecation warning in every worker (so we do not set them), and a user's
+    # value under either is kept. ProcessGroupNCCL's own check before a dump reads TORCH_NCCL_TRACE_BUFFER_SIZE,
+    # whose default is 2000 too.
     if _unset(environ, "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         recorder["TORCH_FR_BUFFER_SIZE"] = str(_TRACE_ENTRIES)
     if _unset(environ, "TORCH_NCCL_DUMP_ON_TIMEOUT"):
