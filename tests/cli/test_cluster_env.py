@@ -88,6 +88,8 @@ def test_errors_stop_the_process_and_the_flight_recorder_dumps_into_the_output_d
     assert values["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "nccl_trace_rank_")
     # A relative output_dir is the launcher's folder's, where the workers start too.
     assert chosen(output_dir="run")["TORCH_FR_DUMP_TEMP_FILE"] == os.path.join(os.getcwd(), "run", "nccl_trace_rank_")
+    home = os.path.expanduser("~")
+    assert chosen(output_dir="~/run")["TORCH_FR_DUMP_TEMP_FILE"] == os.path.join(home, "run", "nccl_trace_rank_")
 
 
 @pytest.mark.parametrize(

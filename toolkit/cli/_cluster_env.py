@@ -165,8 +165,9 @@ def worker_environment(
     if _unset(environ, "TORCH_NCCL_DUMP_ON_TIMEOUT"):
         recorder["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if output_dir is not None and _unset(environ, "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
-        # Each rank appends its global rank to this prefix.
-        recorder["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(os.path.abspath(output_dir), "nccl_trace_rank_")
+        # Each rank appends its global rank to this prefix; the folder as the run reads it (~ expanded).
+        folder = os.path.abspath(os.path.expanduser(output_dir))
+        recorder["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "nccl_trace_rank_")
     if recorder:
         where = recorder.get("TORCH_FR_DUMP_TEMP_FILE")
         dump = f", dumped to {where}<RANK> on a timeout" if where else ""
