@@ -50,6 +50,7 @@ SKIPPED = {
     r"rdzv_endpoint host:|node0\.example": "several machines",
     r"lm_eval\.tasks=": "lm-evaluation-harness tasks download their data sets from the hub",
     r"^sbatch ": "a Slurm cluster",
+    r"^kubectl ": "a Kubernetes cluster",
     r"^(python|bash) benchmarks/": "a benchmark: minutes each, against peers installed apart (benchmarks/README.md)",
 }
 
@@ -178,14 +179,18 @@ def test_what_the_docs_mark_gpu_is_skipped():
     "command", [c for c in COMMANDS if skip_reason(c) and c.words[0] == "tune"], ids=lambda c: c.text[:70]
 )
 def test_skipped_tune_commands_still_name_what_exists(command, monkeypatch, tmp_path, capsys):
-    # Not run, but their recipe, config, torchrun flags and overrides are checked: `tune run` with the launch
-    # replaced by a no-op; the other subcommands' arguments are parsed.
     monkeypatch.chdir(tmp_path)
-    args = command.words[1:]
+    check_without_running(command.words[1:], monkeypatch=monkeypatch, capsys=capsys)
+
+
+def check_without_running(args: list[str], *, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Check the arguments of a `tune` command that cannot run here (also those of scripts/k8s's manifest): its
+    recipe, config, torchrun flags and overrides, by `tune run` with the launch replaced by a no-op; the other
+    subcommands' arguments are parsed."""
     if args[0] == "run":
         launched = []
         monkeypatch.setattr(run_module, "_run_single_device", lambda path, argv: launched.append(argv) or 0)
-        monkeypatch.setattr(run_module, "_run_distributed", lambda launch, path, argv: launched.append(argv) or 0)
+        monkeypatch.setattr(run_module, "_run_distributed", lambda launch, path, argv, **_: launched.append(argv) or 0)
         assert main(args) == 0, capsys.readouterr().err
         assert launched, "the recipe would have been launched"
     else:

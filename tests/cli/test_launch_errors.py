@@ -29,10 +29,13 @@ def taken_port() -> Iterator[int]:
 
 
 def launch(tree, *flags: str, env: dict[str, str] | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    """`tune run FLAGS toy_distributed` on one process per node, in a subprocess."""
+    """`tune run FLAGS toy_distributed` on one CPU process per node, in a subprocess."""
+    # No GPU, also on a machine with one: the lines tune run prints about the NCCL settings it makes stay out of the
+    # messages checked here.
     return subprocess.run(
         [*TUNE_COMMAND, "run", *flags, "--nproc_per_node", "1", "toy_distributed", "--config", "small"],
-        cwd=tree.work, capture_output=True, text=True, env={**tune_env(tree), **(env or {})}, timeout=timeout_s,
+        cwd=tree.work, capture_output=True, text=True, timeout=timeout_s,
+        env={**tune_env(tree), "CUDA_VISIBLE_DEVICES": "", **(env or {})},
     )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
+from toolkit.cli._cluster_env import check_interface_names, worker_environment
 from toolkit.config import Schema, apply_overrides, load_config, recipe_keys, validate
 from toolkit.config._parse import split_config_arg
 from toolkit.config._recipe import LAUNCHER_REPORTS_ERRORS_ENV, USER_ERROR_KEY
@@ -44,7 +45,10 @@ TORCHRUN FLAGS (before RECIPE) are passed to torchrun unchanged, e.g. --nproc_pe
 
 On one node without --master_port the processes meet on a free port. A port this node must listen on that is
 taken stops the launch at once. Several nodes wait for each other at most 300 s (--rdzv_conf
-join_timeout=SECONDS to change), then stop with what to check.
+join_timeout=SECONDS to change), then stop with what to check. For the workers, tune sets what the environment
+leaves unset, each said in one line: on several nodes the network interface that reaches the rendezvous host
+(NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); on GPUs the InfiniBand devices, NCCL's error handling and its flight
+recorder, dumped to output_dir on a timeout (see docs/multi_node.md).
 
 examples:
   tune run full_finetune_single_device --config demo
@@ -274,6 +278,13 @@ def _check_gpus_per_node(launch: argparse.Namespace, *, device: str) -> None:
         )
 
 
+def _uses_gpus(device: str) -> bool:
+    """Whether the recipe's processes will run on GPUs, where NCCL carries their collectives."""
+    import torch
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
 @dataclass(frozen=True)
 class _Rendezvous:
     """Where this launch's nodes meet, for the messages about it."""
@@ -442,7 +453,9 @@ def _rendezvous_failure(error: BaseException, rendezvous: _Rendezvous) -> str:
             f"(address, firewall), or wait longer with --rdzv_conf join_timeout=SECONDS")
 
 
-def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[str]) -> int:
+def _run_distributed(
+    launch: argparse.Namespace, path: Path, recipe_args: list[str], *, uses_gpus: bool, output_dir: str | None
+) -> int:
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -457,6 +470,11 @@ def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[s
         launch.standalone = True
     join_timeout_s = _set_join_timeout(launch)
     rendezvous = None if launch.standalone else _prepare_rendezvous(launch, join_timeout_s)
+    # NCCL and gloo set up for the cluster, where the user left them unset (none on one node of CPU processes).
+    several = (rendezvous.host, rendezvous.port) if rendezvous is not None and rendezvous.nodes > 1 else None
+    chosen = worker_environment(rendezvous=several, uses_gpus=uses_gpus, output_dir=output_dir, environ=os.environ)
+    for _, line in chosen:
+        print(f"tune: {line}", file=sys.stderr)
     if rendezvous is not None and rendezvous.nodes > 1:
         print(f"tune: waiting up to {rendezvous.join_timeout_s} s for the {rendezvous.nodes} nodes to meet at "
               f"{rendezvous.host}:{rendezvous.port}", file=sys.stderr)
@@ -467,7 +485,10 @@ def _run_distributed(launch: argparse.Namespace, path: Path, recipe_args: list[s
             if name.startswith(_TORCHRUN_LOGGERS):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     # What the workers inherit, restored afterwards: a later run in this process (a test, a notebook) is on its own.
-    saved_env = {name: os.environ.get(name) for name in (LAUNCHER_REPORTS_ERRORS_ENV, _SHARE_STORE_ENV)}
+    names = [LAUNCHER_REPORTS_ERRORS_ENV, _SHARE_STORE_ENV, *(name for values, _ in chosen for name in values)]
+    saved_env = {name: os.environ.get(name) for name in names}
+    for values, _ in chosen:
+        os.environ.update(values)
     os.environ[LAUNCHER_REPORTS_ERRORS_ENV] = "1"
     # A fresh store for every rendezvous round (c10d), hosted by that round's rank 0, instead of one kept by the
     # launcher across rounds: after a restart, the old round's keys (the dead ranks' addresses) would be read by the
@@ -579,11 +600,17 @@ def run_command(argv: Sequence[str]) -> int:
     schema = recipe_schema(path)
     validate(cfg, schema=schema, world_size=world)
     if distributed:
-        _check_gpus_per_node(launch, device=str(cfg.get("device", "auto")))
+        device = str(cfg.get("device", "auto"))
+        _check_gpus_per_node(launch, device=device)
+        uses_gpus = _uses_gpus(device)
+        check_interface_names(uses_gpus=uses_gpus, environ=os.environ)
     if not distributed or launch.node_rank == 0:  # where rank 0, which writes the run, will be
         _check_output_dir(cfg, schema)
 
     recipe_argv = ["--config", str(config_path), *overrides]
     if distributed:
-        return _run_distributed(launch, path, recipe_argv)
+        output_dir = cfg.get("output_dir")
+        return _run_distributed(
+            launch, path, recipe_argv, uses_gpus=uses_gpus, output_dir=None if output_dir is None else str(output_dir)
+        )
     return _run_single_device(path, recipe_argv)
