@@ -156,12 +156,18 @@ def test_killed_zero3_run_resumes_bitwise_on_two_processes(two_process_runs):
 
 
 @pytest.mark.slow
-def test_checkpoints_resume_on_another_world_size(two_process_runs, reference, tmp_path):
-    # One process's step 3 resumed on 2 (zero3), and 2 processes' (zero3) step 3 on one.
+def test_one_process_checkpoint_resumes_on_two(two_process_runs, reference):
+    # The reference's step 3 resumed on 2 processes under zero3 (in two_process_runs).
     resumed_on_two = two_process_runs["one_process_step_3"]
     torch.testing.assert_close(losses(resumed_on_two)[-3:], losses(reference)[3:], rtol=1e-5, atol=0)
     assert_close_training(weights(resumed_on_two), weights(reference))
-    run_here(tmp_path, f"resume_from={two_process_runs['zero3'] / 'checkpoints' / 'step_3'}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_two_process_checkpoint_resumes_on_one(strategy, two_process_runs, reference, tmp_path):
+    # The momentum sharded by ZeRO-1 (whole matrices per rank) or FSDP2 (rows of every matrix), loaded whole.
+    run_here(tmp_path, f"resume_from={two_process_runs[strategy] / 'checkpoints' / 'step_3'}")
     torch.testing.assert_close(losses(tmp_path)[-3:], losses(reference)[3:], rtol=1e-5, atol=0)
     assert_close_training(weights(tmp_path), weights(reference))
 
