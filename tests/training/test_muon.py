@@ -163,3 +163,18 @@ def test_two_processes_share_the_work_and_take_the_one_process_step(tmp_path):
     assert sum(counted) == len(reference) - 1 and max(counted) < len(reference) - 1  # (the bias is AdamW's)
     assert all(rank["ddp_bytes_sent"] > 0 for rank in ranks)
     assert sum(rank["fsdp_orthogonalized"] for rank in ranks) == len(reference) - 1
+
+
+def test_the_memory_plan_counts_one_buffer_per_muon_matrix():
+    from toolkit.models.llama3 import llama3_demo
+    from toolkit.training import estimate_memory
+    from toolkit.training.muon import step_buffer_bytes
+
+    with torch.device("meta"):
+        model = llama3_demo(max_seq_len=64)
+    muon = [p.numel() for name, p in model.named_parameters() if muon_by_default(name, p, adapters=False)]
+    plan = dict(strategy="ddp", world_size=2, micro_batch_size=1, max_seq_len=64, dtype="fp32")
+    adamw, ours = (estimate_memory(model, optimizer=name, **plan).optimizer_state for name in ("adamw", "muon"))
+    # AdamW's two fp32 buffers less one per Muon element, plus the step's transient buffers (DDP: 2 ranks share).
+    expected = adamw - 4 * sum(muon) + step_buffer_bytes(muon, world=2, sharded=False, update_itemsize=4)
+    assert abs(ours - expected) <= 1  # (the plan rounds a fractional mean of states per element down)

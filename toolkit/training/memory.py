@@ -524,7 +524,10 @@ def estimate_memory(
         trained = [(name, t) for name, t in named if t.requires_grad or not by_flags]
         muon = [t.numel() for name, t in trained if muon_by_default(name, t, adapters=False)]
         states = (2 * sum(t.numel() for _, t in trained) - sum(muon)) / max(1, sum(t.numel() for _, t in trained))
-        step_bytes = step_buffer_bytes(muon, world=world_size, sharded=fsdp, update_itemsize=p)
+        # The ranks that exchange whole matrices: a shard group (hsdp: not the replicas), every rank under ddp;
+        # under zero1 each rank orthogonalizes its own whole matrices and exchanges none.
+        exchange = shards if fsdp else world_size if strategy == "ddp" else 1
+        step_bytes = step_buffer_bytes(muon, world=exchange, sharded=fsdp, update_itemsize=p)
     grad_bytes = p * grad_elems
     opt_bytes = int(_STATE_ELEMENT_BYTES.get(optimizer, p) * states * opt_elems) + step_bytes
     host += reference_host
