@@ -10,7 +10,8 @@ AdamW (torch's, foreach) and Muon (bfloat16 Newton-Schulz, torch.optim.Muon's de
 are counted from every collective the step issues (``benchmarks/scaling.py``'s counter, ring costs; it does not see
 the all-to-all of zero3's row exchange), and by Muon itself (``Muon.stats.bytes_sent``: what rank 0 sent to other
 ranks, in the iteration's dtype); the matrices rank 0 orthogonalized per step are Muon's own count
-(``Muon.stats.orthogonalized``): under ddp and zero3 they fall with the world size, since each matrix has one owner. Not a test; it prints a table (benchmarks/README.md keeps one).
+(``Muon.stats.orthogonalized``): under ddp and zero3 they fall with the world size, since each matrix has one owner.
+Not a test; it prints a table (benchmarks/README.md keeps one).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scaling import collective_counter, end_worker, free_port, print_markdown_table  # noqa: E402 (the benchmarks folder is no package)
+# (the benchmarks folder is no package)
+from scaling import collective_counter, end_worker, free_port, print_markdown_table  # noqa: E402
 
 OPTIMIZERS = {"adamw": "torch.optim.AdamW", "muon": "toolkit.training.Muon"}
 

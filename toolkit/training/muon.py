@@ -295,8 +295,10 @@ class Muon(Optimizer):
         muon_adapters: bool = False,
     ) -> None:
         checks = {  # key: (passes, the range)
-            "lr": (lr > 0, "a number > 0"), "adamw_lr": (adamw_lr > 0, "a number > 0"), "weight_decay": (weight_decay >= 0, "a number >= 0"),
-            "adamw_weight_decay": (adamw_weight_decay >= 0, "a number >= 0"), "momentum": (0 <= momentum < 1, "a number in [0, 1)"),
+            "lr": (lr > 0, "a number > 0"), "adamw_lr": (adamw_lr > 0, "a number > 0"),
+            "weight_decay": (weight_decay >= 0, "a number >= 0"),
+            "adamw_weight_decay": (adamw_weight_decay >= 0, "a number >= 0"),
+            "momentum": (0 <= momentum < 1, "a number in [0, 1)"),
             "eps": (eps > 0, "a number > 0"), "adamw_eps": (adamw_eps > 0, "a number > 0"),
             "ns_steps": (isinstance(ns_steps, int) and 1 <= ns_steps < 100, "an integer from 1 to 99"),
             "ns_coefficients": (len(ns_coefficients) == 3, "three numbers a, b, c"),
