@@ -303,6 +303,20 @@ def _probe_worker(rank: int, world_size: int, port: int, recipe: str, config: st
     os._exit(0)
 
 
+def end_worker(rank: int, results: object, result_file: str) -> None:
+    """The end of a benchmark worker: rank 0 writes ``results`` (JSON) to ``result_file``, every rank leaves the
+    process group together, and the process exits without the interpreter's teardown (see :func:`_probe_worker`:
+    gloo's destructors can deadlock there)."""
+    if rank == 0:
+        Path(result_file).write_text(json.dumps(results))
+    if dist.is_initialized():  # (one process has no group)
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def host_high_water_kib() -> int:
     """This process's peak resident memory since the last :func:`reset_host_high_water` (Linux ``VmHWM``), KiB."""
     with open("/proc/self/status", encoding="ascii") as f:

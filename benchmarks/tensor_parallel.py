@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scaling import collective_counter, free_port, print_markdown_table  # noqa: E402 (the benchmarks folder is no package)
+from scaling import collective_counter, end_worker, free_port, print_markdown_table  # noqa: E402 (the benchmarks folder is no package)
 
 # name: (data_parallel, tensor_parallel, sequence_parallel)
 LAYOUTS = {
@@ -105,13 +105,7 @@ def _worker(rank: int, world_size: int, port: int, options: dict, result_file: s
             "label": dims.label + (" + sequence parallel" if sequence_parallel else ""), "params": params, "step_s": statistics.median(times),
             "bytes": dict(counter.bytes), "calls": dict(counter.calls),
         }
-    if rank == 0:
-        Path(result_file).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as scaling.py: gloo's destructors can deadlock at interpreter teardown
+    end_worker(rank, results, result_file)
 
 
 def main() -> None:

@@ -47,6 +47,7 @@ from toolkit.training import (
     make_grad_scaler,
     on_rank_zero,
     optimizer_memory_model,
+    optimizer_parameters,
     optimizer_step,
     parallelize,
     plan_parallelism,
@@ -176,7 +177,8 @@ def train(cfg: DictConfig) -> None:
     # --- Optimizer, schedule and step checkpoints (the student only; adapter runs keep only what trains) -----------
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = shard_optimizer_state(
-        instantiate(fused_by_default(cfg.optimizer, grad_scaler=grad_scaler), trainable), dims=dims)
+        instantiate(fused_by_default(cfg.optimizer, grad_scaler=grad_scaler),
+                    optimizer_parameters(model, cfg.optimizer)), dims=dims)
     lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
     state = TrainingState(model, optimizer, lr_scheduler, sampler, grad_scaler)
     checkpoints = StepCheckpointer(

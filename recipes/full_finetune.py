@@ -58,6 +58,7 @@ from toolkit.training import (
     measure_peak_flops,
     on_rank_zero,
     optimizer_memory_model,
+    optimizer_parameters,
     optimizer_step,
     parallelize,
     plan_parallelism,
@@ -214,7 +215,8 @@ def train(cfg: DictConfig) -> None:
     if cfg.get("optimizer_in_backward"):  # one optimizer per parameter, stepped in backward; gradients freed at once
         optimizer = OptimizerInBackward(trainable, partial(instantiate, optimizer_cfg))
     else:
-        optimizer = shard_optimizer_state(instantiate(optimizer_cfg, trainable), dims=dims)
+        optimizer = shard_optimizer_state(
+            instantiate(optimizer_cfg, optimizer_parameters(model, optimizer_cfg)), dims=dims)
     lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
 
     # --- Step checkpoints: resume exactly where a run stopped, on any number of processes ----------------------------

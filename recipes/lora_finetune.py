@@ -56,6 +56,7 @@ from toolkit.training import (
     measure_peak_flops,
     on_rank_zero,
     optimizer_memory_model,
+    optimizer_parameters,
     optimizer_step,
     parallelize,
     plan_parallelism,
@@ -216,7 +217,8 @@ def train(cfg: DictConfig) -> None:
     if cfg.get("optimizer_in_backward"):  # one optimizer per parameter, stepped in backward; gradients freed at once
         optimizer = OptimizerInBackward(trainable, partial(instantiate, optimizer_cfg))
     else:
-        optimizer = shard_optimizer_state(instantiate(optimizer_cfg, trainable), dims=dims)
+        optimizer = shard_optimizer_state(
+            instantiate(optimizer_cfg, optimizer_parameters(model, optimizer_cfg)), dims=dims)
     lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
 
     # --- Step checkpoints hold only what trains (adapters, their optimizer state) and the resume state ------------

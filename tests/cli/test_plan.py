@@ -476,3 +476,15 @@ def test_the_longest_sequence_search_finds_the_last_length_that_fits() -> None:
     assert longest_fitting_sequence(square, (7 * 1024) ** 2 + 5) == 7 * 1024
     assert longest_fitting_sequence(linear, 10) == 0
     assert longest_fitting_sequence(lambda n: 1, 10, ceiling=1 << 16) == 1 << 16
+
+
+def test_plan_counts_muon_and_shows_no_tensor_parallel_layout(plan) -> None:
+    # Muon keeps one buffer for its matrices (AdamW two for the rest): less optimizer state than AdamW under ddp. It
+    # steps whole matrices or FSDP2's row shards, so no tensor-parallel table is offered (the config check refuses
+    # one).
+    args = ("full_finetune", "--config", "llama3_2_1b", "--device-memory-gb", "80", "--nproc_per_node", "2")
+    adamw = plan(*args).stdout
+    muon = plan(*args, "optimizer._component_=toolkit.training.Muon", "~optimizer.betas").stdout
+    assert ", muon, " in muon.splitlines()[1]
+    assert float(_row(muon, "optimizer state")[0]) < float(_row(adamw, "optimizer state")[0])
+    assert "tensor_parallel 2:" in adamw and "tensor_parallel 2:" not in muon

@@ -75,7 +75,8 @@ TRAINING_CASES = [
     ("optimizer.amsgrad=3", "optimizer.amsgrad"),
     ("optimizer.lrr=0.1", "optimizer.lrr"),
     # A value only the optimizer's own constructor knows is wrong (checked without building a parameter group).
-    ("optimizer={_component_: torch.optim.SGD, lr: 0.1, momentum: -2}", "optimizer"),
+    ("optimizer={_component_: torch.optim.SGD, lr: 0.1, nesterov: true}", "optimizer"),
+    ("optimizer={_component_: torch.optim.SGD, lr: 0.1, momentum: -2}", "optimizer.momentum"),  # (a schema key: Muon's)
     ("lr_scheduler.warmup_steps=-3", "lr_scheduler.warmup_steps"),
     ("lr_scheduler.min_lr_ratio=1.5", "lr_scheduler.min_lr_ratio"),
     ("profiler.enable=true", "profiler.enable"),

@@ -296,6 +296,8 @@ def plan_command(argv: Sequence[str]) -> int:
     if run_cp > 1:  # only the degrees that leave whole context-parallel groups
         degrees = [tp for tp in degrees if (world_size // tp) % run_cp == 0] or degrees
     ep_degrees = [run_ep] if "expert_parallel" in cfg else expert_parallel_degrees(model, data_parallel_size=world_size)
+    if optimizer == "muon":  # Muon steps whole matrices or FSDP2's row shards: the config check refuses TP and EP
+        degrees, ep_degrees = [1], [1]
     layouts = [(tp, 1) for tp in degrees] if run_ep == 1 else []
     layouts += [(1, ep) for ep in ep_degrees if ep > 1]
     auto_note = None

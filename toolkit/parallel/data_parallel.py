@@ -129,11 +129,22 @@ def apply_data_parallel(
 def shard_optimizer_state(optimizer: Optimizer, *, dims: ParallelDims) -> Optimizer:
     """For ZeRO-1, rebuild ``optimizer`` as a ZeroRedundancyOptimizer: each rank keeps the state of, and updates,
     its share of the parameters, then broadcasts them. Other strategies return it unchanged (FSDP2 already shards
-    optimizer state, since it sees only each rank's shard)."""
-    if dims.strategy != "zero1" or dims.dp_size == 1:
+    optimizer state, since it sees only each rank's shard), except that under DDP an optimizer that can divide work
+    over replicas (:meth:`~toolkit.training.Muon.share_orthogonalization`) is told to.
+
+    An optimizer whose groups are its own (``algorithm`` in each, as Muon's) keeps them: ZeRO-1 hands each rank's
+    share of every group back to its class."""
+    if dims.dp_size == 1:
+        return optimizer
+    if dims.strategy == "ddp" and not dims.uses_fsdp and hasattr(optimizer, "share_orthogonalization"):
+        return optimizer.share_orthogonalization(None)  # (every rank holds the same whole matrices)
+    if dims.strategy != "zero1":
         return optimizer
     from torch.distributed.optim import ZeroRedundancyOptimizer  # see is_zero_redundancy
 
+    if all("algorithm" in group for group in optimizer.param_groups):
+        return ZeroRedundancyOptimizer([dict(group) for group in optimizer.param_groups],
+                                       optimizer_class=type(optimizer))
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -38,7 +38,8 @@ from toolkit.training.memory import (
 )
 from toolkit.training.meta_checkpoint import MetaCheckpointer
 from toolkit.training.metrics import MetricsLogger, peak_memory_gib, rank_stats, step_metrics
-from toolkit.training.optim import OptimizerInBackward, check_optimizer_in_backward, fused_by_default
+from toolkit.training.muon import Muon
+from toolkit.training.optim import OptimizerInBackward, check_optimizer_in_backward, fused_by_default, optimizer_parameters
 # The parallel transforms live in toolkit.parallel; re-exported here, where recipes copied earlier import them.
 from toolkit.parallel import (
     STRATEGIES,
@@ -71,6 +72,7 @@ __all__ = [
     "HFCheckpointer",
     "MetaCheckpointer",
     "MetricsLogger",
+    "Muon",
     "OptimizerInBackward",
     "ParallelDims",
     "ParallelPlan",
@@ -125,6 +127,7 @@ __all__ = [
     "measure_peak_flops",
     "on_rank_zero",
     "optimizer_memory_model",
+    "optimizer_parameters",
     "optimizer_step",
     "parallel_dims",
     "parallelize",

@@ -56,12 +56,15 @@ from toolkit.training.activation_memory import (
     offloaded_activation_bytes,
 )
 from toolkit.training.activations import checkpoint_interval
+from toolkit.training.muon import muon_by_default, step_buffer_bytes
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 _SHARDED = ("zero2", "zero3", "hsdp")
 
 # Optimizer state tensors per trainable parameter, each in the stored parameter dtype (but see below).
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "adamw8bit": 2, "adam8bit": 2}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "adamw8bit": 2, "adam8bit": 2, "muon": 1}
+# (Muon: one momentum buffer for its hidden matrices; the AdamW it runs on everything else keeps two. The estimate
+# counts each parameter with its own, and the step's transient buffers, see toolkit.training.muon.step_buffer_bytes.)
 # Bytes per state element of the optimizers that keep their state in their own format: torchao's 8-bit Adam(W)
 # stores one byte per element and a float32 scale per block of 256 (tensors under 4096 elements, a negligible share
 # of a model, stay in the parameter dtype).
@@ -382,8 +385,9 @@ def estimate_memory(
         cpu_offload: keep sharded state in host memory (sharded strategies only).
         trainable_params: parameters with gradients and optimizer state (LoRA); default: those with
             ``requires_grad``. When given, it is spread over shards and layers in proportion to their size.
-        optimizer: ``adamw``, ``adam`` (2 states), ``adamw8bit``, ``adam8bit`` (2 states of 1 byte) or ``sgd``
-            (1: momentum).
+        optimizer: ``adamw``, ``adam`` (2 states), ``adamw8bit``, ``adam8bit`` (2 states of 1 byte), ``sgd``
+            (1: momentum) or ``muon`` (1 for the hidden matrices, 2 for the rest, which AdamW steps, and the step's
+            transient buffers of whole matrices: :func:`~toolkit.training.muon.step_buffer_bytes`).
         optimizer_in_backward: each parameter steps as soon as its gradient is ready, which is then freed.
         tensor_parallel: ranks each layer is split over (config ``tensor_parallel``); ``world_size`` is then the
             data-parallel ranks, all processes over it.
@@ -514,7 +518,18 @@ def estimate_memory(
         tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
     )
     host = offloaded_activation_bytes(model, **activations) if activation_offloading else 0
-    grad_bytes, opt_bytes = p * grad_elems, int(_STATE_ELEMENT_BYTES.get(optimizer, p) * states * opt_elems)
+    step_bytes = 0
+    if optimizer == "muon":  # one buffer per Muon matrix, AdamW's two for the rest, in proportion to their elements
+        named = [(name, local[id(t)]) for name, t in model.named_parameters()]
+        trained = [(name, t) for name, t in named if t.requires_grad or not by_flags]
+        muon = [t.numel() for name, t in trained if muon_by_default(name, t, adapters=False)]
+        states = (2 * sum(t.numel() for _, t in trained) - sum(muon)) / max(1, sum(t.numel() for _, t in trained))
+        # The ranks that exchange whole matrices: a shard group (hsdp: not the replicas), every rank under ddp;
+        # under zero1 each rank orthogonalizes its own whole matrices and exchanges none.
+        exchange = shards if fsdp else world_size if strategy == "ddp" else 1
+        step_bytes = step_buffer_bytes(muon, world=exchange, sharded=fsdp, update_itemsize=p)
+    grad_bytes = p * grad_elems
+    opt_bytes = int(_STATE_ELEMENT_BYTES.get(optimizer, p) * states * opt_elems) + step_bytes
     host += reference_host
     if cpu_offload:
         host += param_bytes + grad_bytes + opt_bytes

@@ -31,8 +31,9 @@ from omegaconf import DictConfig, open_dict
 from torch import nn
 from torch.optim import Optimizer
 
+from toolkit.config._instantiate import locate
 from toolkit.errors import UserError
-from toolkit.parallel import SHARDED_STRATEGIES, ParallelDims
+from toolkit.parallel import SHARDED_STRATEGIES, ParallelDims, unwrap
 
 # torch's optimizers with a fused implementation on CUDA and CPU (and every dtype the recipes train in).
 _FUSABLE = {f"torch.optim.{name}" for name in ("Adam", "AdamW", "adam.Adam", "adamw.AdamW")}
@@ -70,6 +71,33 @@ def fused_by_default(optimizer_cfg: DictConfig, *, grad_scaler: torch.amp.GradSc
     with open_dict(fused):  # (the recipes' configs may be read-only in structure)
         fused.fused = True
     return fused
+
+
+# Module names the wrappers insert into parameter names (activation checkpointing, torch.compile), left out of the
+# names an optimizer that chooses by name sees, so that its patterns read like the model's own names.
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def takes_parameter_names(optimizer_cfg: DictConfig) -> bool:
+    """Whether the config's optimizer chooses its parameter groups by name (its class sets
+    ``takes_parameter_names``, as :class:`~toolkit.training.Muon` does)."""
+    try:
+        return bool(getattr(locate(optimizer_cfg.get("_component_")), "takes_parameter_names", False))
+    except Exception:  # noqa: BLE001 (a component that does not import is reported where it is built)
+        return False
+
+
+def optimizer_parameters(model: nn.Module, optimizer_cfg: DictConfig) -> list:
+    """The trainable parameters of ``model`` as the config's optimizer takes them: ``(name, parameter)`` pairs for
+    one that chooses its groups by name (:func:`takes_parameter_names`), the parameters otherwise. Names are the
+    plain model's (``layers.0.attn.q_proj.weight``) under DDP, activation checkpointing and compile alike."""
+    named = []
+    for name, param in unwrap(model).named_parameters():
+        if param.requires_grad:
+            for wrapper in _WRAPPER_NAMES:
+                name = name.replace(wrapper, "")
+            named.append((name, param))
+    return named if takes_parameter_names(optimizer_cfg) else [param for _, param in named]
 
 
 class OptimizerInBackward(Optimizer):

@@ -32,6 +32,8 @@ from toolkit.errors import UserError
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.attention import SDPA_BACKENDS
 from toolkit.training.metric_loggers import parse_metric_logger_spec
+from toolkit.training.muon import ADJUST_LR_FNS, NS_DTYPES
+from toolkit.training.optim import takes_parameter_names
 from toolkit.parallel import STRATEGIES
 from toolkit.parallel.context_parallel import CP_METHODS, context_parallel_problems
 from toolkit.parallel.mesh import context_parallel_layout_problems, expert_parallel_problems, tensor_parallel_problems
@@ -70,6 +72,21 @@ OPTIMIZER_KEYS = {
     "optimizer.weight_decay": Float(ge=0),
     "optimizer.eps": Float(gt=0),
     "optimizer.betas": ListOf(item=Float(ge=0, lt=1), length=2),
+    # toolkit.training.Muon's (see its docstring): the Muon group's Newton-Schulz iteration and learning-rate
+    # adjustment, the AdamW group's hyperparameters, and which parameters Muon steps.
+    "optimizer.momentum": Float(ge=0),
+    "optimizer.nesterov": Bool(),
+    "optimizer.ns_coefficients": ListOf(item=Float(), length=3),
+    "optimizer.ns_steps": Int(ge=1, le=99),
+    "optimizer.ns_dtype": Choice(*NS_DTYPES),
+    "optimizer.adjust_lr_fn": Choice(*ADJUST_LR_FNS, null=True),
+    "optimizer.adamw_lr": Float(gt=0),
+    "optimizer.adamw_betas": ListOf(item=Float(ge=0, lt=1), length=2),
+    "optimizer.adamw_eps": Float(gt=0),
+    "optimizer.adamw_weight_decay": Float(ge=0),
+    "optimizer.adamw_fused": Bool(null=True),
+    "optimizer.muon_params": ListOf(item=Str(), null=True),
+    "optimizer.muon_adapters": Bool(),
     "lr_scheduler.warmup_steps": Int(ge=0),
     "lr_scheduler.min_lr_ratio": Float(ge=0, le=1),
 }
@@ -314,7 +331,7 @@ def _meta_model(node) -> torch.nn.Module | None:
 def optimizer_accepts(ctx: Context) -> Iterator[tuple[str, str]]:
     """The optimizer's own constructor accepts its arguments (``betas`` beyond 1, a negative ``eps``...)."""
     node = ctx.get("optimizer")
-    if node is None:
+    if node is None or takes_parameter_names(node):  # (muon_groups_fit builds those on the model's parameters)
         return
     # torch's optimizers check their hyperparameters before their parameters: given none, they stop at
     # "empty parameter list" once every value has passed, without the first parameter group's set-up, which imports
@@ -326,6 +343,36 @@ def optimizer_accepts(ctx: Context) -> Iterator[tuple[str, str]]:
         if not (torchs and "empty parameter list" in str(e)):
             yield "optimizer", f"{node.get('_component_')} refuses its arguments: {e}"
     except Exception:  # noqa: BLE001 (anything else is not about the values, and the run reports it in its place)
+        return
+
+
+@rule("optimizer", "model", "tensor_parallel", "expert_parallel", "optimizer_in_backward")
+def muon_groups_fit(ctx: Context) -> Iterator[tuple[str, str]]:
+    """An optimizer that chooses its groups by name (Muon) builds on the model's trainable parameters (built on the
+    meta device): its ``muon_params`` select matrices only; and the layout is one it steps exactly."""
+    node = ctx.get("optimizer")
+    if node is None or not takes_parameter_names(node):
+        return
+    what = f"{node.get('_component_')} (the optimizer) orthogonalizes whole matrices (or FSDP2's row shards of them)"
+    for key in ("tensor_parallel", "expert_parallel"):
+        value = ctx.get(key, 1)
+        # (auto may pick a degree above 1 at run time, on a GPU: refused here, before launch, as that degree would be)
+        if value == "auto" or isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            yield key, (f"{what}, and {key} {value} splits them otherwise; set {key}=1, or use "
+                        "torch.optim.AdamW")
+            return
+    if ctx.get("optimizer_in_backward"):
+        yield "optimizer_in_backward", (f"{what} in one exchange per step over every rank's matrices, which a step "
+                                        "per parameter during backward cannot do; set optimizer_in_backward=false")
+        return
+    model = _meta_model(ctx.get("model"))
+    named = [] if model is None else [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    try:
+        instantiate(node, named)
+    except ValueError as e:  # "optimizer.<key>: <problem>"
+        key, _, problem = str(e).partition(": ")
+        yield (key, problem) if key.startswith("optimizer.") else ("optimizer", str(e))
+    except Exception:  # noqa: BLE001 (not about the values: the run reports it in its place)
         return
 
 
@@ -354,7 +401,7 @@ TRAINING_SCHEMA = Schema(
     rules=(
         batch_divides, shard_groups_divide, tensor_parallel_fits, tensor_parallel_combines, expert_parallel_fits,
         context_parallel_fits, sequence_parallel_needs_tensor_parallel,
-        parallelism_splits_the_model, optimizer_accepts, profiler_options, metric_logger_options,
+        parallelism_splits_the_model, optimizer_accepts, muon_groups_fit, profiler_options, metric_logger_options,
     ),
 )
 
