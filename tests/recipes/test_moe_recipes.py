@@ -286,6 +286,13 @@ def test_trained_routers_resume_and_reach_the_adapter_and_tune_merge(moe_folder,
                    *_overrides(moe_folder, *ROUTER, f"resume_from={checkpoint}", "save_every_n_steps=null"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["loss"] for r in _records(tmp_path / "resumed")] == [r["loss"] for r in _records(router_one_process)][2:]
+    # tune export of the last step checkpoint writes the run's own adapter and merged model, routers included.
+    exported = run_tune_here("export", str(router_one_process / "checkpoints" / "step_5"), "--output",
+                             str(tmp_path / "export"), "--merged")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    for name in ("adapter/adapter_model.safetensors", "merged/model.safetensors"):
+        ours, final = load_file(tmp_path / "export" / name), load_file(router_one_process / "final" / name)
+        assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in final), name
     # The PEFT adapter has them as modules_to_save; tune merge of it onto the base is the run's merged export.
     adapter, merged = router_one_process / "final" / "adapter", router_one_process / "final" / "merged"
     assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == ["mlp.gate"]
