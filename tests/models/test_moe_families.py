@@ -290,8 +290,9 @@ def test_the_fused_in_memory_layout_of_transformers_5_loads_too(family, tmp_path
 
 
 @pytest.mark.interop
-@pytest.mark.parametrize("experts,router", [(False, False), (True, False), (True, True)],
-                         ids=["attention", "attention_and_experts", "attention_experts_and_router"])
+# (Routers with expert adapters too: tests/recipes/test_moe_recipes.py, through the LoRA recipe.)
+@pytest.mark.parametrize("experts,router", [(False, False), (True, False), (False, True)],
+                         ids=["attention", "attention_and_experts", "attention_and_router"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(family, experts, router, tmp_path):
     # With adapters on the experts too: PEFT's target_parameters on transformers' fused gate_up_proj and down_proj
@@ -319,6 +320,11 @@ def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(fa
     assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == (
         ["mlp.gate"] if router else None
     )
+    if router:  # written and merged, not loaded back into a model here: refused in one line, with what to do
+        from toolkit.training.peft import adapter_linear
+
+        with pytest.raises(UserError, match=r"modules_to_save=\['mlp.gate'\] \(modules trained whole\).*tune merge"):
+            adapter_linear(adapter, model_family=family)
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
     theirs = peft.PeftModel.from_pretrained(base, adapter).eval()
     tokens = torch.randint(0, 96, (2, 16))
@@ -333,14 +339,11 @@ def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(fa
                 if isinstance(module, LoRAGroupedExperts):
                     module.disabled = True
             assert (model(tokens) - ours).abs().max() > 1e-2
-        if router:  # and the routers: the adapters on the base's routers give other logits
-            with torch.no_grad():
-                for name, module in model.named_modules():
-                    if isinstance(module, LoRAGroupedExperts):
-                        module.disabled = False
-                    if name.endswith("mlp.gate"):
-                        module.weight.copy_(module.weight.flip(0))
-            assert (model(tokens) - ours).abs().max() > 1e-2
+        if router:  # and the routers: on the base's routers the logits differ (10x the tolerance they agree within)
+            for name, module in model.named_modules():
+                if name.endswith("mlp.gate"):
+                    module.weight.copy_(module.weight.flip(0))
+            assert (model(tokens) - ours).abs().max() > 1e-3
     merged = merge_adapter_into_checkpoint(tmp_path / "base", adapter, tmp_path / "merged")
     with torch.no_grad():
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
