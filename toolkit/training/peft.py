@@ -4,9 +4,10 @@ A PEFT LoRA adapter is a folder with ``adapter_config.json`` and ``adapter_model
 the Hugging Face module names under ``base_model.model.``: ``base_model.model.model.layers.0.self_attn.q_proj.
 lora_A.weight`` (``[r, in]``), ``...lora_B.weight`` (``[out, r]``) and, for DoRA, ``...lora_magnitude_vector``
 (``[out]``). Modules trained whole (routers, ``train_router``) are PEFT's ``modules_to_save``: their weights under
-their own names (``base_model.model.model.layers.0.mlp.gate.weight``). ``peft.PeftModel.from_pretrained(
-transformers_model, folder)`` loads what we write, and we load what PEFT writes for the same targets. :func:`adapter_linear` builds the model an adapter folder fits from any plain
-builder, with the settings its ``adapter_config.json`` records.
+their own names (``base_model.model.model.layers.0.mlp.gate.weight``).
+``peft.PeftModel.from_pretrained(transformers_model, folder)`` loads what we write, and we load what PEFT writes for
+the same targets. :func:`adapter_linear` builds the model an adapter folder fits from any plain builder, with the
+settings its ``adapter_config.json`` records.
 """
 
 import json
