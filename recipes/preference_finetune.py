@@ -39,7 +39,7 @@ from toolkit.config import Bool, Choice, Float, instantiate, recipe_main, rule
 from toolkit.data import GlobalBatchSampler, kto_collate, preference_collate
 from toolkit.errors import UserError
 from toolkit.generation import report_exact_match
-from toolkit.modules.peft import get_adapter_params, set_trainable_params
+from toolkit.modules.peft import get_adapter_params, set_trainable_params, trained_routers
 from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
 from toolkit.training import (
     MetricsLogger,
@@ -160,6 +160,9 @@ def train(cfg: DictConfig) -> None:
     with torch.device("meta"):
         model = build()
     adapters = get_adapter_params(model)
+    if trained_routers(model):  # the reference is the policy with its adapters off, which keeps trained routers
+        raise UserError("model.train_router: the LoRA reference model would route with the trained routers; set it "
+                        "false, or train the routers with a full fine-tune")
     if adapters:  # LoRA/DoRA/QLoRA: only the adapters train
         set_trainable_params(model, adapters)
     # The memory plan counts a micro-batch of pairs as twice as many sequences, and a frozen reference copy if any.

@@ -290,11 +290,14 @@ def test_the_fused_in_memory_layout_of_transformers_5_loads_too(family, tmp_path
 
 
 @pytest.mark.interop
-@pytest.mark.parametrize("experts", [False, True], ids=["attention", "attention_and_experts"])
+# (Routers with expert adapters too: tests/recipes/test_moe_recipes.py, through the LoRA recipe.)
+@pytest.mark.parametrize("experts,router", [(False, False), (True, False), (False, True)],
+                         ids=["attention", "attention_and_experts", "attention_and_router"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(family, experts, tmp_path):
+def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(family, experts, router, tmp_path):
     # With adapters on the experts too: PEFT's target_parameters on transformers' fused gate_up_proj and down_proj
-    # (toolkit.training.peft_experts), and tune merge writes them into the per-expert checkpoint.
+    # (toolkit.training.peft_experts), and tune merge writes them into the per-expert checkpoint. With the routers
+    # trained whole too: PEFT's modules_to_save (transformers' mlp.gate; Mixtral's files say block_sparse_moe.gate).
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from toolkit.models import lora_build_from_hf
@@ -302,7 +305,7 @@ def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(fa
 
     hf_model(family).save_pretrained(tmp_path / "base")
     model = lora_build_from_hf(path=tmp_path / "base", lora_attn_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                               apply_lora_to_experts=experts)
+                               apply_lora_to_experts=experts, train_router=router)
     HFCheckpointer(str(tmp_path / "base"), model_family=family).load(model, ignore_missing=is_adapter_key)
     init_adapters(model)
     generator = torch.Generator().manual_seed(2)
@@ -310,8 +313,18 @@ def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(fa
         for name, param in model.named_parameters():
             if "lora_b" in name:
                 param.normal_(0.0, 0.3 if ".experts." in name else 0.1, generator=generator)
+            if name.endswith("mlp.gate.weight") and router:  # what training the router would do: other routing
+                param.copy_(param.flip(0))
     model.eval()
     adapter = save_peft_adapter(model, tmp_path / "adapter", model_family=family)
+    assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == (
+        ["mlp.gate"] if router else None
+    )
+    if router:  # written and merged, not loaded back into a model here: refused in one line, with what to do
+        from toolkit.training.peft import adapter_linear
+
+        with pytest.raises(UserError, match=r"modules_to_save=\['mlp.gate'\] \(modules trained whole\).*tune merge"):
+            adapter_linear(adapter, model_family=family)
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
     theirs = peft.PeftModel.from_pretrained(base, adapter).eval()
     tokens = torch.randint(0, 96, (2, 16))
@@ -326,6 +339,11 @@ def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(fa
                 if isinstance(module, LoRAGroupedExperts):
                     module.disabled = True
             assert (model(tokens) - ours).abs().max() > 1e-2
+        if router:  # and the routers: on the base's routers the logits differ (10x the tolerance they agree within)
+            for name, module in model.named_modules():
+                if name.endswith("mlp.gate"):
+                    module.weight.copy_(module.weight.flip(0))
+            assert (model(tokens) - ours).abs().max() > 1e-3
     merged = merge_adapter_into_checkpoint(tmp_path / "base", adapter, tmp_path / "merged")
     with torch.no_grad():
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()

@@ -93,6 +93,7 @@ LORA_CASES = [
     ("model.lora_dropout=1.5", "model.lora_dropout"),
     ("model.lora_dropout=-0.1", "model.lora_dropout"),
     ("model.use_dora=sure", "model.use_dora"),
+    ("model.train_router=sure", "model.train_router"),
     ("save_merged=nope", "save_merged"),
 ]
 

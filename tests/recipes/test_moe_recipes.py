@@ -11,6 +11,9 @@ tokenizer the test trains), through the `any_model` configs.
 - LoRA with adapters on every expert, under expert parallelism: each expert's adapters train, the merged model is
   written in the per-expert Hugging Face layout and loads in `transformers`, and the PEFT adapter (written from each
   rank's experts) on the base in `peft` gives the merged model's logits.
+- LoRA with the routers trained whole too (`train_router`): 2 processes under zero3 train like one, the routers
+  change (and stay frozen without it), the step checkpoint holds and resumes them, and the merged export, `tune
+  merge` of the PEFT adapter (routers as `modules_to_save`) and `peft` on transformers all have them.
 """
 
 import json
@@ -75,6 +78,16 @@ def one_process(moe_folder, tmp_path_factory) -> Path:
                             "save_every_n_steps=2", "keep_last_n=null")
 
 
+# LoRA on the experts with the routers trained whole; a large rate, so that the routers visibly move in 5 steps.
+ROUTER = ["model.apply_lora_to_experts=true", "model.train_router=true", "optimizer.lr=1e-2", "save_merged=true"]
+
+
+@pytest.fixture(scope="module")
+def router_one_process(moe_folder, tmp_path_factory) -> Path:
+    return _one_process_run(tmp_path_factory.mktemp("moe_router_one"), "lora_finetune", "any_model_lora", moe_folder,
+                            *ROUTER, "save_every_n_steps=2", "keep_last_n=null")
+
+
 DPO = ["save_every_n_steps=null", "optimizer.lr=1e-3"]
 KTO = [*DPO, "preference_loss=kto", "dataset._component_=toolkit.data.demo_unpaired_dataset"]
 
@@ -101,6 +114,7 @@ TWO_PROCESS_RUNS = {
     "lora": ("lora_finetune", "any_model_lora", ["data_parallel=zero3", "expert_parallel=2", "save_every_n_steps=null",
                                                  "model.apply_lora_to_experts=true", "optimizer.lr=1e-2",
                                                  "save_merged=true"]),
+    "lora_router": ("lora_finetune", "any_model_lora", ["data_parallel=zero3", "save_every_n_steps=null", *ROUTER]),
     # DPO on the mixture of experts (a frozen copy as the reference), its load-balancing loss included.
     **{f"dpo_{name}": ("preference_finetune", "any_model_dpo", [*DPO, *extra]) for name, extra in {
         "ddp": ["data_parallel=ddp"], "zero3": ["data_parallel=zero3"],
@@ -230,11 +244,81 @@ def test_lora_on_the_experts_trains_every_expert_and_writes_the_adapter_and_merg
         torch.testing.assert_close(adapted(tokens).logits, expected, atol=1e-4, rtol=0)
 
 
-def test_expert_adapters_on_a_model_without_experts_are_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize("key", ["apply_lora_to_experts", "train_router"])
+def test_expert_adapters_on_a_model_without_experts_are_refused_in_one_line(key, tmp_path):
     result = tune("lora_finetune_single_device", "--config", "demo", f"output_dir={tmp_path / 'out'}",
-                  "model.apply_lora_to_experts=true", "max_steps=1")
+                  f"model.{key}=true", "max_steps=1")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].endswith("has no mixture-of-experts layers; set it false")
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {key}: ") and line.endswith("has no mixture-of-experts layers; set it false")
+    assert not (tmp_path / "out").exists()
+
+
+def test_lora_with_trained_routers_trains_alike_on_two_processes(moe_folder, router_one_process, two_processes):
+    ours, reference = _records(two_processes["lora_router"]), _records(router_one_process)
+    assert len(ours) == len(reference) == STEPS
+    # fp32 on CPU, the layouts differing only in the order of float sums: 1e-5 relative.
+    for key in ("loss", "router_aux_loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in ours], [r[key] for r in reference], rtol=1e-5, atol=0, msg=key)
+    # The routers train: the export of each run has its own, both moved alike from the base's.
+    base = load_file(moe_folder / "model.safetensors")
+    for out in (router_one_process, two_processes["lora_router"]):
+        merged = load_file(out / "final" / "merged" / "model.safetensors")
+        for layer in range(2):
+            key = f"model.layers.{layer}.mlp.gate.weight"
+            assert (merged[key] - base[key]).abs().max() > 1e-3, f"{out.name}: {key} did not train"
+    torch.testing.assert_close(
+        load_file(two_processes["lora_router"] / "final" / "merged" / "model.safetensors"),
+        load_file(router_one_process / "final" / "merged" / "model.safetensors"), rtol=1e-5, atol=1e-6,
+    )
+
+
+def test_trained_routers_resume_and_reach_the_adapter_and_tune_merge(moe_folder, router_one_process, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from toolkit.pretrained import from_pretrained
+
+    # The step checkpoint keeps what trains, the routers with the adapters, and resumes them.
+    checkpoint = router_one_process / "checkpoints" / "step_2"
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    assert "model.layers.1.mlp.gate.weight" in saved and "model.layers.1.mlp.experts.up_proj" not in saved
+    resumed = tune("lora_finetune_single_device", "--config", "any_model_lora", f"output_dir={tmp_path / 'resumed'}",
+                   *_overrides(moe_folder, *ROUTER, f"resume_from={checkpoint}", "save_every_n_steps=null"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["loss"] for r in _records(tmp_path / "resumed")] == [r["loss"] for r in _records(router_one_process)][2:]
+    # tune export of the last step checkpoint writes the run's own adapter and merged model, routers included.
+    exported = run_tune_here("export", str(router_one_process / "checkpoints" / "step_5"), "--output",
+                             str(tmp_path / "export"), "--merged")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    for name in ("adapter/adapter_model.safetensors", "merged/model.safetensors"):
+        ours, final = load_file(tmp_path / "export" / name), load_file(router_one_process / "final" / name)
+        assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in final), name
+    # The PEFT adapter has them as modules_to_save; tune merge of it onto the base is the run's merged export.
+    adapter, merged = router_one_process / "final" / "adapter", router_one_process / "final" / "merged"
+    assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == ["mlp.gate"]
+    result = run_tune_here("merge", "--base", str(moe_folder), "--adapter", str(adapter), "--output",
+                           str(tmp_path / "merged"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours, expected = load_file(tmp_path / "merged" / "model.safetensors"), load_file(merged / "model.safetensors")
+    assert ours.keys() == expected.keys()
+    for key, weight in expected.items():  # the routers exactly; merged adapters summed in another order: 1e-6
+        torch.testing.assert_close(ours[key], weight, rtol=0, atol=0 if ".gate." in key else 1e-6, msg=key)
+    # peft loads the adapter, routers included, onto transformers' base: our merged model's logits.
+    peft = pytest.importorskip("peft")
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hf_base = transformers.AutoModelForCausalLM.from_pretrained(moe_folder, dtype=torch.float32)
+        theirs = peft.PeftModel.from_pretrained(hf_base, adapter).eval()
+        torch.testing.assert_close(theirs(tokens).logits, from_pretrained(merged).eval()(tokens), atol=1e-4, rtol=0)
+
+
+def test_trained_routers_are_refused_by_the_preference_recipe_in_one_line(moe_folder, tmp_path):
+    # Its LoRA reference is the policy with its adapters off, which would route with the trained routers.
+    result = tune("preference_finetune_single_device", "--config", "any_model_lora_dpo",
+                  f"output_dir={tmp_path / 'out'}", *_overrides(moe_folder, "model.train_router=true"))
+    assert result.returncode == 2
+    line, = result.stderr.strip().splitlines()
+    assert line.startswith("error: model.train_router: ")
     assert not (tmp_path / "out").exists()
 
 

@@ -22,7 +22,7 @@ LinearFactory = Callable[..., nn.Module]
 (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, or ``output``).
 Builders take one as ``linear=``: :func:`plain_linear` for the plain model, ``toolkit.models._lora.lora_linear``
 for adapters. A factory that adapts mixture-of-experts blocks too has a ``make_experts`` attribute
-(:func:`grouped_experts`)."""
+(:func:`grouped_experts`), and one that trains their routers a ``make_router`` attribute (:func:`top_k_router`)."""
 
 
 def plain_linear(name: str, in_dim: int, out_dim: int, *, bias: bool = False) -> nn.Linear:
@@ -37,6 +37,13 @@ def grouped_experts(linear: LinearFactory, *, num_experts: int, dim: int, hidden
     if make is not None:
         return make(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
     return GroupedExperts(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
+
+
+def top_k_router(linear: LinearFactory, *, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> TopKRouter:
+    """A mixture-of-experts block's router: ``linear.make_router(...)`` where the factory trains routers
+    (``lora_linear(train_router=True)``), else a plain :class:`~toolkit.modules.moe.TopKRouter`."""
+    make = getattr(linear, "make_router", TopKRouter)
+    return make(dim, num_experts, top_k, norm_topk_prob=norm_topk_prob)
 
 
 def attention_projections(
@@ -99,11 +106,13 @@ def moe_mlp(
 ) -> MoEFeedForward:
     """A mixture-of-experts feed-forward of SwiGLU experts without biases, routed top-k (Mixtral, Qwen3-MoE).
 
-    The router is never adapted; the experts are made by :func:`grouped_experts` from ``linear`` (adapted by a LoRA
-    factory with ``apply_lora_to_experts``).
+    The router is never adapted (:func:`top_k_router`: trained whole by a LoRA factory with ``train_router``); the
+    experts are made by :func:`grouped_experts` from ``linear`` (adapted by a LoRA factory with
+    ``apply_lora_to_experts``).
     """
     return MoEFeedForward(
-        gate=TopKRouter(embed_dim, num_experts, num_experts_per_tok, norm_topk_prob=norm_topk_prob),
+        gate=top_k_router(linear, dim=embed_dim, num_experts=num_experts, top_k=num_experts_per_tok,
+                          norm_topk_prob=norm_topk_prob),
         experts=grouped_experts(linear, num_experts=num_experts, dim=embed_dim, hidden_dim=hidden_dim),
     )
 

@@ -20,7 +20,7 @@ from toolkit.config import Float, Int
 from toolkit.errors import UserError
 from toolkit.models._decoder import LinearFactory
 from toolkit.modules.moe import GroupedExperts
-from toolkit.modules.peft import DoRALinear, LoRAGroupedExperts, LoRALinear, NF4Linear
+from toolkit.modules.peft import DoRALinear, LoRAGroupedExperts, LoRALinear, NF4Linear, TrainedRouter
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -34,6 +34,7 @@ def lora_linear(
     apply_lora_to_mlp: bool = False,
     apply_lora_to_output: bool = False,
     apply_lora_to_experts: bool = False,
+    train_router: bool = False,
     lora_rank: Annotated[int, Int(ge=1)] = 8,
     lora_alpha: Annotated[float, Float(gt=0)] = 16,
     lora_dropout: Annotated[float, Float(ge=0, lt=1)] = 0.0,
@@ -48,7 +49,9 @@ def lora_linear(
         apply_lora_to_mlp: adapt the feed-forward's ``gate_proj``, ``up_proj`` and ``down_proj``.
         apply_lora_to_output: adapt the output projection (not possible with tied embeddings).
         apply_lora_to_experts: adapt every expert of the mixture-of-experts blocks (each projection of each expert
-            its own adapter, :class:`~toolkit.modules.peft.LoRAGroupedExperts`); their routers stay frozen.
+            its own adapter, :class:`~toolkit.modules.peft.LoRAGroupedExperts`).
+        train_router: train the mixture-of-experts blocks' routers whole, next to the adapters
+            (:class:`~toolkit.modules.peft.TrainedRouter`); false: they stay frozen.
         lora_rank: adapter rank ``r``.
         lora_alpha: adapter outputs are scaled by ``lora_alpha / lora_rank``.
         lora_dropout: dropout on the adapters' input.
@@ -95,6 +98,8 @@ def lora_linear(
         return GroupedExperts(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
 
     linear.make_experts = make_experts
+    if train_router:
+        linear.make_router = TrainedRouter
     return linear
 
 
@@ -123,6 +128,8 @@ def lora_builder(builder: Callable[..., Model]) -> Callable[..., Model]:
         model = builder(**kwargs, linear=lora_linear(**lora))
         if lora.get("apply_lora_to_experts") and not any(isinstance(m, LoRAGroupedExperts) for m in model.modules()):
             raise UserError(f"apply_lora_to_experts: {builder.__name__} has no mixture-of-experts layers; set it false")
+        if lora.get("train_router") and not any(isinstance(m, TrainedRouter) for m in model.modules()):
+            raise UserError(f"train_router: {builder.__name__} has no mixture-of-experts layers; set it false")
         # A tied output projection is the embedding, never made by `linear`: an output adapter has nowhere to go.
         if lora.get("apply_lora_to_output") and not isinstance(getattr(model, "output", None), LoRALinear):
             raise UserError(

@@ -3,9 +3,11 @@
 A PEFT LoRA adapter is a folder with ``adapter_config.json`` and ``adapter_model.safetensors``, whose keys are
 the Hugging Face module names under ``base_model.model.``: ``base_model.model.model.layers.0.self_attn.q_proj.
 lora_A.weight`` (``[r, in]``), ``...lora_B.weight`` (``[out, r]``) and, for DoRA, ``...lora_magnitude_vector``
-(``[out]``). ``peft.PeftModel.from_pretrained(transformers_model, folder)`` loads what we write, and we load what
-PEFT writes for the same targets. :func:`adapter_linear` builds the model an adapter folder fits from any plain
-builder, with the settings its ``adapter_config.json`` records.
+(``[out]``). Modules trained whole (routers, ``train_router``) are PEFT's ``modules_to_save``: their weights under
+their own names (``base_model.model.model.layers.0.mlp.gate.weight``).
+``peft.PeftModel.from_pretrained(transformers_model, folder)`` loads what we write, and we load what PEFT writes for
+the same targets. :func:`adapter_linear` builds the model an adapter folder fits from any plain builder, with the
+settings its ``adapter_config.json`` records.
 """
 
 import json
@@ -28,22 +30,24 @@ from toolkit.models._decoder import LinearFactory
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES, lora_linear
 from toolkit.modules._dtensor import copy_full_
 from toolkit.modules.peft import DoRALinear, LoRAGroupedExperts, adapter_modules, init_adapters, is_adapter_key
-from toolkit.modules.peft import NF4Linear, get_merged_state_dict
+from toolkit.modules.peft import NF4Linear, get_merged_state_dict, trained_routers
 from toolkit.parallel import unwrap
 from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _weight_files, gather_full_state_dict, load_model_family
 from toolkit.training.distributed import barrier
 from toolkit.training.step_checkpoint import TOKENIZER_FILES
 from toolkit.training.init import init_weights
 from toolkit.training.peft_experts import (
+    ROUTER_MODULES,
     TARGET_PARAMETERS,
     fused_delta,
     fused_target,
-    hf_experts_name,
+    hf_moe_name,
     is_fused,
     no_peft_form,
     part_of_fused,
     peft_patterns,
     peft_tensors,
+    whole,
 )
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -151,16 +155,20 @@ def _save_adapter(
     for name, module in experts.items():  # the experts' adapters on transformers' fused parameters
         for key, tensor in peft_tensors(module).items():
             if write:
-                tensors[f"{_PEFT_PREFIX}{hf_experts_name(name)}.{key}"] = tensor.cpu()
+                tensors[f"{_PEFT_PREFIX}{hf_moe_name(name)}.{key}"] = tensor.cpu()
+    routers = trained_routers(model)
+    for name, router in routers.items():  # trained whole: PEFT's modules_to_save, the full weight
+        weight = whole(router.weight)
+        if write:
+            tensors[f"{_PEFT_PREFIX}{hf_moe_name(name)}.weight"] = weight.contiguous().cpu()
     linear = {name: module for name, module in modules.items() if name not in experts}
     for name, module in linear.items():
         hf_name = _hf_module_name(family, name)
         for param_name in module.adapter_params():
             key = f"{_PEFT_PREFIX}{hf_name}.{_TO_PEFT[param_name]}"
-            param = module.get_parameter(param_name).detach()
-            whole = param.full_tensor() if isinstance(param, DTensor) else param  # a collective for a DTensor
+            param = whole(module.get_parameter(param_name))
             if write:
-                tensors[key] = whole.contiguous().cpu()
+                tensors[key] = param.contiguous().cpu()
     use_dora = _uniform({n: isinstance(m, DoRALinear) for n, m in modules.items()}, "adapter kind (LoRA or DoRA)")
     rank, alpha = _uniform({n: m.rank for n, m in modules.items()}, "rank"), _uniform(
         {n: m.alpha for n, m in modules.items()}, "alpha"
@@ -181,7 +189,7 @@ def _save_adapter(
         "fan_in_fan_out": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": ROUTER_MODULES if routers else None,
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
     }
@@ -235,6 +243,9 @@ def _read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
             f"{config_file}: target_parameters={targets!r} is not supported (only {TARGET_PARAMETERS}, the experts "
             "of transformers' mixture-of-experts blocks)"
         )
+    saved = config.get("modules_to_save") or []
+    if not isinstance(saved, list) or not all(isinstance(name, str) and name for name in saved):
+        raise UserError(f"{config_file}: modules_to_save={saved!r} is not supported (only a list of module names)")
     fused = {name.rpartition(".")[2] for name in targets}
     for key in ("rank_pattern", "alpha_pattern"):
         pattern = config.get(key) or {}
@@ -248,10 +259,13 @@ def _read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
     return config
 
 
-def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+def _read_adapter(
+    adapter_dir: str | Path,
+) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """The config, the tensors by Hugging Face module name (``{"model.layers.0.self_attn.q_proj": {"lora_A.weight":
     ...}}``; an experts block's by the fused parameter they adapt, ``model.layers.0.mlp.experts.gate_up_proj``) of
-    a PEFT LoRA adapter folder; each module's rank and scale are :func:`_rank_and_scale`'s.
+    a PEFT LoRA adapter folder, and the whole weights of its ``modules_to_save`` by Hugging Face name
+    (``{"model.layers.0.mlp.gate.weight": ...}``); each module's rank and scale are :func:`_rank_and_scale`'s.
 
     Raises:
         UserError: missing or unreadable files, or a PEFT option we do not reproduce; the message names the file.
@@ -263,6 +277,7 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, di
     except SafetensorError as e:
         raise UserError(f"{weights_file}: cannot read safetensors ({e}); the file may be truncated") from None
     by_module: dict[str, dict[str, torch.Tensor]] = {}
+    saved: dict[str, torch.Tensor] = {}
     for key, tensor in flat.items():
         if key.endswith(".base_layer.weight"):
             continue  # PEFT also saves the base of adapted lm_head/embeddings; the base checkpoint has it already
@@ -270,6 +285,12 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, di
         for peft_name in _FROM_PEFT:
             if key.startswith(_PEFT_PREFIX) and key.endswith("." + peft_name):
                 module, param = key[len(_PEFT_PREFIX): -len(peft_name) - 1], peft_name
+        name = key.removeprefix(_PEFT_PREFIX)
+        if module is None and key.startswith(_PEFT_PREFIX) and any(  # PEFT's rule: the module's name ends so
+            name.rpartition(".")[0].endswith(target) for target in config.get("modules_to_save") or []
+        ):
+            saved[name] = tensor
+            continue
         if module is None:
             raise UserError(f"{weights_file}: unexpected key {key!r} (not a LoRA/DoRA weight)")
         if config.get("target_parameters"):  # an experts block's adapters, by the fused parameter they adapt
@@ -286,7 +307,7 @@ def _read_adapter(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, di
                 f"{weights_file}: {module}.lora_A.weight has {params['lora_A.weight'].shape[0]} rows, not a multiple "
                 f"of its rank {rank} (one block per expert)"
             )
-    return config, by_module
+    return config, by_module, saved
 
 
 def _rank_and_scale(config: dict[str, Any], module: str) -> tuple[int, float]:
@@ -318,7 +339,7 @@ def adapter_linear(adapter_dir: str | Path, *, model_family: str) -> LinearFacto
     """
     config = _read_adapter_config(adapter_dir)
     config_file = Path(adapter_dir) / ADAPTER_CONFIG
-    _refuse_expert_adapters(config, config_file)
+    _refuse_merge_only(config, config_file)
     for key in ("layers_to_transform", "layers_pattern", "exclude_modules"):
         if config.get(key):
             raise UserError(
@@ -363,12 +384,14 @@ def adapter_linear(adapter_dir: str | Path, *, model_family: str) -> LinearFacto
     )
 
 
-def _refuse_expert_adapters(config: dict[str, Any], config_file: Path) -> None:
-    if config.get("target_parameters"):
-        raise UserError(
-            f"{config_file}: target_parameters={config['target_parameters']} (adapters on the experts) cannot be "
-            "loaded into a model here; merge the adapter into its base (tune merge) and use the merged model"
-        )
+def _refuse_merge_only(config: dict[str, Any], config_file: Path) -> None:
+    # Adapters on the experts and modules trained whole (routers) are written and merged, not loaded into a model.
+    for key, what in (("target_parameters", "adapters on the experts"), ("modules_to_save", "modules trained whole")):
+        if config.get(key):
+            raise UserError(
+                f"{config_file}: {key}={config[key]} ({what}) cannot be loaded into a model here; merge the adapter "
+                "into its base (tune merge) and use the merged model"
+            )
 
 
 def fill_adapter_model(
@@ -402,8 +425,8 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, *, model_family
             the model's; the message names the file and the module.
     """
     family = load_model_family(model_family)
-    config, by_module = _read_adapter(adapter_dir)
-    _refuse_expert_adapters(config, Path(adapter_dir) / ADAPTER_CONFIG)
+    config, by_module, _ = _read_adapter(adapter_dir)
+    _refuse_merge_only(config, Path(adapter_dir) / ADAPTER_CONFIG)
     weights_file = Path(adapter_dir) / ADAPTER_WEIGHTS
     modules = {_hf_module_name(family, name): module for name, module in adapter_modules(model).items()}
     if by_module.keys() != modules.keys():
@@ -448,7 +471,8 @@ def merge_adapter_into_checkpoint(
     """Write the Hugging Face checkpoint of ``base_dir`` with the PEFT adapter of ``adapter_dir`` merged in.
 
     Works on the files alone (no model is built, any family): the base is streamed one safetensors file at a
-    time, each adapted weight replaced by its merged value, and written with the same file names and index;
+    time, each adapted weight replaced by its merged value and each weight of a module trained whole
+    (``modules_to_save``: trained routers) by the adapter's, and written with the same file names and index;
     ``config.json`` and tokenizer files are copied. The folder appears only when complete.
 
     Args:
@@ -471,7 +495,7 @@ def merge_adapter_into_checkpoint(
         raise UserError(f"--output: {output_dir} already exists; choose another folder or pass --overwrite")
     if output_dir.resolve() in (base_dir.resolve(), Path(adapter_dir).resolve()):
         raise UserError(f"--output: {output_dir} is an input folder; choose another folder")
-    config, by_module = _read_adapter(adapter_dir)
+    config, by_module, saved = _read_adapter(adapter_dir)
     targets = {f"{module}.weight": params for module, params in by_module.items() if not is_fused(module)}
     scales = {f"{module}.weight": _rank_and_scale(config, module)[1] for module in by_module}
     # Adapters on the experts: every expert's delta of each fused parameter, applied to the checkpoint's per-expert
@@ -481,8 +505,15 @@ def merge_adapter_into_checkpoint(
         for module, params in by_module.items() if is_fused(module)
     }
     # (A family without experts has none of their tensors: each adapted one is then missing.)
-    family = load_model_family(read_hf_config(base_dir)[1]) if experts else None
+    family = load_model_family(read_hf_config(base_dir)[1]) if experts or saved else None
     hf_key_to_parts = getattr(family, "hf_key_to_parts", lambda key: None)
+    # The weights trained whole, by our name: the adapter names them as transformers 5 holds them (``mlp.gate``),
+    # the checkpoint's files as its family writes them (Mixtral's ``block_sparse_moe.gate``).
+    replaced = {}
+    for name, tensor in saved.items():
+        if (ours := _tune_key(family, name)) is None:
+            raise UserError(f"{Path(adapter_dir) / ADAPTER_WEIGHTS}: {name!r} is no weight of a {family.__name__} model")
+        replaced[ours] = tensor
     files = _weight_files(base_dir)
     found: set[str] = set()
     for file in files:
@@ -491,11 +522,13 @@ def merge_adapter_into_checkpoint(
                 for key in reader.keys():
                     if key in targets:
                         found.add(key)
+                    if replaced and (ours := _tune_key(family, key)) in replaced:
+                        found.add(ours)
                     for part in hf_key_to_parts(key) or ():
                         found.add(part_of_fused(part.key)[0])
         except SafetensorError as e:
             raise UserError(f"{file}: cannot read safetensors ({e}); the file may be truncated or corrupt") from None
-    missing = sorted((targets.keys() | experts.keys()) - found)
+    missing = sorted((targets.keys() | experts.keys() | replaced.keys()) - found)
     if missing:
         raise UserError(
             f"{base_dir}: no base weight {missing[0]!r} for the adapter's module (tied embeddings, or another model?)"
@@ -521,6 +554,11 @@ def merge_adapter_into_checkpoint(
                             got, shape = tuple(tensor.shape), tuple(delta.shape)
                             raise UserError(f"{file}: {key} has shape {got}; the adapter expects {shape}")
                         tensor = (tensor.float() + delta).to(tensor.dtype)
+                    elif replaced and (ours := _tune_key(family, key)) in replaced:
+                        if replaced[ours].shape != tensor.shape:
+                            got, shape = tuple(tensor.shape), tuple(replaced[ours].shape)
+                            raise UserError(f"{file}: {key} has shape {got}; the adapter's is {shape}")
+                        tensor = replaced[ours].to(tensor.dtype)
                     out[key] = tensor
             save_file(out, str(tmp_dir / file.name), metadata=metadata)
         for name in (_SAFETENSORS_INDEX, "config.json", *TOKENIZER_FILES):
@@ -528,6 +566,14 @@ def merge_adapter_into_checkpoint(
                 shutil.copy2(base_dir / name, tmp_dir / name)
 
     return _write_atomically(output_dir, write)
+
+
+def _tune_key(family: Any, hf_key: str) -> str | None:
+    """Our name of a Hugging Face weight, or None for a name ``family`` does not know."""
+    try:
+        return family.hf_key_to_tune(hf_key)
+    except KeyError:
+        return None
 
 
 def _experts_delta(parts: list, deltas: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -14,6 +14,11 @@ Ours has separate gate and up adapters of rank ``r``; on the fused ``gate_up_pro
 A_up]]``, with ``lora_alpha`` doubled to keep the scale ``alpha / r`` (``rank_pattern`` and ``alpha_pattern``).
 PEFT's parameter adapters take no dropout: adapters trained with ``lora_dropout`` > 0 have no PEFT form (the LoRA
 recipe writes the merged model instead, and says why).
+
+Routers trained whole (``train_router``) are PEFT's ``modules_to_save``: transformers 5 names every family's router
+``mlp.gate`` (Mixtral's checkpoints ``block_sparse_moe.gate``, renamed on load), and PEFT saves such a module's
+weights under the module's own name, ``base_model.model.model.layers.0.mlp.gate.weight``, and loads them onto a
+trained copy of the module.
 """
 
 import re
@@ -26,6 +31,8 @@ from toolkit.modules.peft import LoRAGroupedExperts
 # transformers' fused expert parameters, in the order its experts modules register them (the order PEFT nests in).
 FUSED = ("gate_up_proj", "down_proj")
 TARGET_PARAMETERS = sorted(f"mlp.experts.{name}" for name in FUSED)  # as PEFT records them: sorted
+# PEFT matches modules_to_save against the end of each module's name: the routers of every transformers 5 family.
+ROUTER_MODULES = ["mlp.gate"]
 _NESTING = {"gate_up_proj": "base_layer.", "down_proj": ""}
 # Where each of our stacked projections lies in transformers' fused parameters: (parameter, row block, blocks).
 _IN_FUSED = {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2), "down_proj": ("down_proj", 0, 1)}
@@ -44,9 +51,10 @@ def no_peft_form(modules: dict) -> str | None:
     return None
 
 
-def hf_experts_name(module_name: str) -> str:
-    """The experts module's name in a transformers 5 model (the name PEFT adapters use): ``layers.0.mlp.experts``
-    -> ``model.layers.0.mlp.experts``, for every family (checkpoints on disk may name the block otherwise)."""
+def hf_moe_name(module_name: str) -> str:
+    """A mixture-of-experts block's module's name in a transformers 5 model (the name PEFT adapters use):
+    ``layers.0.mlp.experts`` -> ``model.layers.0.mlp.experts``, ``layers.0.mlp.gate`` -> ``model.layers.0.mlp.gate``,
+    for every family (checkpoints on disk may name the block otherwise)."""
     return f"model.{module_name}"
 
 
@@ -55,15 +63,16 @@ def peft_patterns(rank: int, alpha: float) -> tuple[dict, dict]:
     return {"gate_up_proj": 2 * rank}, {"gate_up_proj": 2 * alpha}
 
 
-def _whole(param: torch.Tensor) -> torch.Tensor:
+def whole(param: torch.Tensor) -> torch.Tensor:
+    """``param`` whole and detached: gathered where it is a DTensor (a collective: every rank calls it)."""
     return (param.full_tensor() if isinstance(param, DTensor) else param).detach()  # a collective for a DTensor
 
 
 def peft_tensors(module: LoRAGroupedExperts) -> dict[str, torch.Tensor]:
     """The PEFT tensors of ``module``'s adapters, by name relative to the experts module (``lora_A.weight``,
     ``base_layer.lora_B.weight``...). Sharded adapters are gathered whole, one at a time: every rank calls it."""
-    a = {name: _whole(module.adapter(name).lora_a.weight) for name in _IN_FUSED}  # [E, r, in]
-    b = {name: _whole(module.adapter(name).lora_b.weight) for name in _IN_FUSED}  # [E, out, r]
+    a = {name: whole(module.adapter(name).lora_a.weight) for name in _IN_FUSED}  # [E, r, in]
+    b = {name: whole(module.adapter(name).lora_b.weight) for name in _IN_FUSED}  # [E, out, r]
     zeros = torch.zeros_like(b["gate_proj"])
     stacked = {
         "gate_up_proj": (
@@ -108,4 +117,4 @@ def part_of_fused(stacked_key: str) -> tuple[str, int, int]:
     ``("model.layers.0.mlp.experts.gate_up_proj", row block, blocks)``."""
     module, _, name = stacked_key.rpartition(".")
     fused, block, blocks = _IN_FUSED[name]
-    return f"{hf_experts_name(module)}.{fused}", block, blocks
+    return f"{hf_moe_name(module)}.{fused}", block, blocks

@@ -198,7 +198,9 @@ def export_step_checkpoint(
 
 
 def _export_adapters(checkpoint, output_dir, cfg, model, checkpointer, *, base, merged: bool, max_shard_bytes: int):
-    from toolkit.modules.peft import adapter_modules, get_merged_state_dict, init_adapters, is_adapter_key
+    from toolkit.modules.peft import (
+        adapter_modules, get_adapter_params, get_merged_state_dict, init_adapters, is_adapter_key,
+    )
     from toolkit.training.init import init_weights, materialize, set_seed
     from toolkit.training.peft import save_peft_adapter
     from toolkit.training.peft_experts import no_peft_form
@@ -207,7 +209,8 @@ def _export_adapters(checkpoint, output_dir, cfg, model, checkpointer, *, base, 
     problem = no_peft_form(adapter_modules(model))
     if problem and not merged:
         raise UserError(f"{problem}; export the merged model with --merged")
-    saved = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items() if is_adapter_key(k)}
+    # What trained, all the step checkpoint holds of the model: the adapters, and the routers trained whole.
+    saved = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in get_adapter_params(model).items()}
     load_dcp({f"model.{k}": v for k, v in saved.items()}, checkpoint, no_dist=True)
     if merged:
         # The frozen base, as the recipe built it: loaded, or drawn from the seed in the same order.

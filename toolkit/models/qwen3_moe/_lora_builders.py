@@ -1,7 +1,8 @@
 """Qwen3-MoE with low-rank adapters: LoRA and DoRA versions of the Qwen3-MoE builders (see ``toolkit.models._lora``),
 on the attention projections and the output (and the feed-forward of dense layers), and with
-``apply_lora_to_experts`` LoRA on every expert; the routers stay frozen. No QLoRA yet: the experts, nearly all of
-the weights, are not stored in NF4, so ``quantize_base`` is refused."""
+``apply_lora_to_experts`` LoRA on every expert; the routers stay frozen unless ``train_router`` trains them
+whole. No QLoRA yet: the experts, nearly all of the weights, are not stored in NF4, so ``quantize_base`` is
+refused."""
 
 from toolkit.models._lora import lora_builder
 from toolkit.models.qwen3_moe._component_builders import qwen3_moe

@@ -13,7 +13,7 @@ A LoRA recipe, in order::
     save_peft_adapter(model, out_dir, model_family="llama3")  # toolkit.training.peft
 """
 
-from toolkit.modules.peft.experts import LoRAGroupedExperts
+from toolkit.modules.peft.experts import LoRAGroupedExperts, TrainedRouter
 from toolkit.modules.peft.lora import DoRALinear, LoRALinear
 from toolkit.modules.peft.nf4 import NF4Linear, dequantize, is_nf4, to_nf4
 from toolkit.modules.peft.utils import (
@@ -26,6 +26,7 @@ from toolkit.modules.peft.utils import (
     is_adapter_key,
     merge_lora_weights,
     set_trainable_params,
+    trained_routers,
 )
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "LoRAGroupedExperts",
     "LoRALinear",
     "NF4Linear",
+    "TrainedRouter",
     "adapter_modules",
     "dequantize",
     "disable_adapters",
@@ -45,4 +47,5 @@ __all__ = [
     "merge_lora_weights",
     "set_trainable_params",
     "to_nf4",
+    "trained_routers",
 ]

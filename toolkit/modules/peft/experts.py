@@ -1,11 +1,11 @@
 """LoRA on the stacked experts of a mixture-of-experts block: one low-rank adapter per expert and projection, run
-in the same grouped matmuls as the experts themselves."""
+in the same grouped matmuls as the experts themselves; and the block's router trained whole next to the adapters."""
 
 import torch
 from torch import nn
 
 from toolkit.modules._dtensor import init_full_
-from toolkit.modules.moe import GroupedExperts, grouped_mm, local
+from toolkit.modules.moe import GroupedExperts, TopKRouter, grouped_mm, local
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -26,6 +26,14 @@ class ExpertAdapters(nn.Module):
         super().__init__()
         self.lora_a = StackedMatrix(num_experts, rank, in_dim)
         self.lora_b = StackedMatrix(num_experts, out_dim, rank)
+
+
+class TrainedRouter(TopKRouter):
+    """A :class:`~toolkit.modules.moe.TopKRouter` that a LoRA model trains whole (its full ``[num_experts, dim]``
+    weight, no adapter) beside the adapters: ``lora_linear(train_router=True)`` makes it. A router is a tiny share of
+    the weights, and a low-rank adapter of a matrix with only ``num_experts`` rows would save next to nothing. It
+    computes what the plain router computes; only :func:`~toolkit.modules.peft.get_adapter_params` tells them apart,
+    and PEFT saves it as a ``modules_to_save`` module."""
 
 
 class LoRAGroupedExperts(GroupedExperts):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from toolkit.modules.moe import GroupedExperts
-from toolkit.modules.peft.experts import LoRAGroupedExperts
+from toolkit.modules.peft.experts import LoRAGroupedExperts, TrainedRouter
 from toolkit.modules.peft.lora import DoRALinear, LoRALinear
 from toolkit.modules.peft.nf4 import NF4Linear, dequantize
 
@@ -20,6 +20,12 @@ def adapter_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAGroupedExper
     return {
         name: module for name, module in model.named_modules() if isinstance(module, (LoRALinear, LoRAGroupedExperts))
     }
+
+
+def trained_routers(model: nn.Module) -> dict[str, TrainedRouter]:
+    """Every router of ``model`` trained whole next to the adapters (``train_router``), by module name
+    (``layers.0.mlp.gate``)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, TrainedRouter)}
 
 
 def is_adapter_key(key: str) -> bool:
@@ -45,12 +51,15 @@ def init_adapters(model: nn.Module) -> None:
 
 
 def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The trained parameters of every adapter of ``model``, by their full names
-    (``layers.0.self_attn.q_proj.lora_a.weight``)."""
+    """What a LoRA model trains, by full name: every adapter's parameters
+    (``layers.0.self_attn.q_proj.lora_a.weight``) and the weights of the routers trained whole
+    (``layers.0.mlp.gate.weight``, :func:`trained_routers`)."""
     params = {}
     for prefix, module in adapter_modules(model).items():
         for name in module.adapter_params():
             params[f"{prefix}.{name}" if prefix else name] = module.get_parameter(name)
+    for prefix, router in trained_routers(model).items():
+        params[f"{prefix}.weight"] = router.weight
     return params
 
 
