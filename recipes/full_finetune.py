@@ -18,7 +18,6 @@ sequences, split into ``micro_batch_size`` per device and accumulated), so the s
 model on any number of processes.
 """
 
-import math
 import time
 from functools import partial
 from pathlib import Path
@@ -34,6 +33,7 @@ from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.schema import TRAINING_SCHEMA
 from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
 from toolkit.training import (
+    FLOAT8_TOKEN_MULTIPLE,
     MetricsLogger,
     OptimizerInBackward,
     StepCheckpointer,
@@ -179,7 +179,9 @@ def train(cfg: DictConfig) -> None:
     # Under sequence parallelism every batch's length is a multiple of the TP degree: each rank then holds its part;
     # compiled for static shapes, it is one of 8 lengths, each compiled once.
     # Under context parallelism every row is padded to a multiple of 2 x context_parallel, the chunks it is cut into.
-    multiple = math.lcm(dims.tp if cfg.get("sequence_parallel", False) else 1, 2 * dims.cp if dims.cp > 1 else 1)
+    # With float8 each of those parts is a multiple of 16 long (CUDA's float8 matmuls of the weights' gradients).
+    multiple = dims.row_multiple(sequence_parallel=cfg.get("sequence_parallel", False),
+                                 part_multiple=FLOAT8_TOKEN_MULTIPLE if cfg.get("float8") else 1)
     collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.max_seq_len,
                       pad_to_multiple_of=multiple,
                       lengths=static_lengths(cfg.max_seq_len, multiple=multiple) if cfg.get("compile") and dims.tp > 1

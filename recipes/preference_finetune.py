@@ -226,7 +226,7 @@ def train(cfg: DictConfig) -> None:
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer)
     check_pairs(dataset, "dataset", unpaired=kto)
-    multiple = dims.tp if sequence_parallel else 1
+    multiple = dims.row_multiple(sequence_parallel=sequence_parallel)
     val_collate = partial(preference_collate, pad_id=tokenizer.pad_id, pad_to_multiple_of=multiple,
                           lengths=static_lengths(cfg.max_seq_len, multiple=multiple)
                           if cfg.get("compile") and dims.tp > 1 else None)

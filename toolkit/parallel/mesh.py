@@ -26,6 +26,7 @@ the ``tp`` ranks of a group (:mod:`toolkit.parallel.tensor_parallel`). Under TP,
 shard group of one (replicating over ``dp_replicate``): DistributedDataParallel takes no DTensor parameters.
 """
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -109,6 +110,14 @@ class ParallelDims:
         """Whether FSDP2 reduces the gradients: the sharded strategies, and ``ddp`` over tensor-parallel groups
         (DistributedDataParallel takes no DTensor parameters; FSDP2 with a shard group of one replicates)."""
         return self.is_sharded or (self.tp > 1 and self.dp_size > 1)
+
+    def row_multiple(self, *, sequence_parallel: bool, part_multiple: int = 1) -> int:
+        """What every batch's row length is padded to a multiple of: the parts it is cut into (the TP degree under
+        sequence parallelism, each rank then holding its part; ``2 x cp`` chunks under context parallelism), each
+        a multiple of ``part_multiple`` long (16 for float8's matmuls, whose weight gradients contract over the
+        tokens: :data:`toolkit.training.FLOAT8_TOKEN_MULTIPLE`)."""
+        parts = math.lcm(self.tp if sequence_parallel else 1, 2 * self.cp if self.cp > 1 else 1)
+        return parts * part_multiple
 
     @property
     def label(self) -> str:

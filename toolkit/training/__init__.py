@@ -22,7 +22,7 @@ from toolkit.training.distributed import (
     init_distributed,
     on_rank_zero,
 )
-from toolkit.training.float8 import apply_float8, check_float8_device
+from toolkit.training.float8 import FLOAT8_TOKEN_MULTIPLE, apply_float8, check_float8_device
 from toolkit.training.init import init_weights, materialize, set_seed
 from toolkit.training.compile import compile_model, static_lengths
 from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum, global_token_count, gradient_scale
@@ -67,6 +67,7 @@ from toolkit.training.step import StepResult, forward_backward, global_batches, 
 from toolkit.training.validation import ValidationSampler, validation_loss
 
 __all__ = [
+    "FLOAT8_TOKEN_MULTIPLE",
     "ActivationOffloader",
     "DistributedEnv",
     "HFCheckpointer",

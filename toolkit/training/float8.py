@@ -24,6 +24,10 @@ from toolkit.modules.peft.lora import LoRALinear
 
 # Ada (8.9) and Hopper (9.0) were the first with float8 tensor cores; torch._scaled_mm needs one of them or newer.
 MIN_CAPABILITY = (8, 9)
+# CUDA's float8 matmul wants both dimensions it contracts over multiples of 16; a weight's gradient contracts over the
+# tokens, so a float8 recipe pads each row's length to a multiple of this (times its shards' count under sequence or
+# context parallelism) and every rank's token count is one too.
+FLOAT8_TOKEN_MULTIPLE = 16
 
 
 def check_float8_device(device: torch.device) -> None:

@@ -5,7 +5,7 @@ weight is a parameter of the LoRA layer itself, frozen, so it stays in bf16 ther
 are most of the step: the forward ``x W^T`` and the input gradient ``g W``, 4 of the 4N + 6N_lora FLOPs per token.
 :func:`float8_frozen_linear` runs both in float8 with the same recipe as torchao's default (one dynamic scale per
 tensor, ``scale = max / amax``; e4m3 for the input and the weight, e5m2 for the output gradient, which needs range
-more than precision) through ``torch._scaled_mm``. The weight has no gradient, so its third matmul does not exist.
+more than precision; fast accumulation in the forward matmul, not in the gradient's) through ``torch._scaled_mm``. The weight has no gradient, so its third matmul does not exist.
 
 Nothing is kept in float8 between steps: the weight is cast in forward and again in backward (what autograd saves
 is the weight itself, as ``F.linear`` saves it, so FSDP2 frees and re-gathers it as before), which ``torch.compile``
@@ -23,7 +23,8 @@ def to_float8(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     """``tensor`` scaled so that its largest magnitude is ``dtype``'s largest value, cast to ``dtype``, and the
     float32 scalar that multiplies it back (``_scaled_mm``'s ``scale_a``/``scale_b``)."""
     largest = torch.finfo(dtype).max
-    scale = largest / tensor.abs().amax().float().clamp(min=AMAX_FLOOR)
+    # The scale divided in float64 and rounded to float32, as torchao's: the same bits eager and compiled.
+    scale = (largest / tensor.abs().amax().double().clamp(min=AMAX_FLOOR)).float()
     scaled = (tensor.float() * scale).clamp(-largest, largest).to(dtype)
     return scaled, scale.reciprocal()
 
@@ -34,7 +35,9 @@ class _Float8FrozenLinear(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         x8, x_inverse = to_float8(rows, E4M3)
         w8, w_inverse = to_float8(weight, E4M3)
-        out = torch._scaled_mm(x8.contiguous(), w8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=x.dtype)
+        # Fast accumulation in the forward matmul only, as torchao's default (the gradient's keeps full precision).
+        out = torch._scaled_mm(x8.contiguous(), w8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=x.dtype,
+                               use_fast_accum=True)
         ctx.save_for_backward(weight)
         ctx.input_shape = x.shape
         return out.view(*x.shape[:-1], weight.shape[0])
