@@ -144,7 +144,12 @@ def main() -> None:
         return
 
     variants = ["ours", *(f"transformers {name}" for name in transformers_implementations()), "dense"]
-    results = {}
+    # Each row as its variant ends (a run cut short by a time limit keeps the rows before it); a variant that fails
+    # (out of memory, say) gets a row saying so, its error on stderr.
+    print(f"{args.device} {args.dtype}: {args.num_layers} layers, width {args.embed_dim}, {args.num_experts} experts "
+          f"top-{args.top_k} of width {args.expert_dim}; {args.micro_batch_size} x {args.seq_len} tokens per step")
+    print(f"{'variant':<26} {'tokens/s':>10} {'ours / it':>10} {'peak MiB':>10}", flush=True)
+    ours = None
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoints(Path(tmp), args)
         for variant in variants:
@@ -153,16 +158,15 @@ def main() -> None:
                 capture_output=True, text=True, cwd=ROOT,
             )
             if child.returncode != 0:
-                print(f"{variant}: failed\n{child.stderr[-2000:]}", file=sys.stderr)
+                error = (child.stderr.strip().splitlines() or ["(no message)"])[-1]
+                print(f"[moe.py] {variant} failed:\n{child.stderr[-2000:]}", file=sys.stderr, flush=True)
+                print(f"{variant:<26} failed: {error[:120]}", flush=True)
                 continue
-            results[variant] = json.loads(child.stdout.strip().splitlines()[-1])
-    ours = results.get("ours")
-    print(f"{args.device} {args.dtype}: {args.num_layers} layers, width {args.embed_dim}, {args.num_experts} experts "
-          f"top-{args.top_k} of width {args.expert_dim}; {args.micro_batch_size} x {args.seq_len} tokens per step")
-    print(f"{'variant':<26} {'tokens/s':>10} {'ours / it':>10} {'peak MiB':>10}")
-    for variant, figures in results.items():
-        ratio = ours["tokens_per_s"] / figures["tokens_per_s"] if ours else float("nan")
-        print(f"{variant:<26} {figures['tokens_per_s']:>10.0f} {ratio:>9.2f}x {figures['peak_mib']:>10.0f}")
+            figures = json.loads(child.stdout.strip().splitlines()[-1])
+            ours = figures if variant == "ours" else ours
+            ratio = ours["tokens_per_s"] / figures["tokens_per_s"] if ours else float("nan")
+            print(f"{variant:<26} {figures['tokens_per_s']:>10.0f} {ratio:>9.2f}x {figures['peak_mib']:>10.0f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""The checks a single-GPU machine without network runs, in about 9 minutes: install the wheels brought along, run
-the GPU tests, compare our recipes with torchtune and transformers on real Llama shapes, run the preference and
-distillation recipes, and write a results table.
+"""The checks a single-GPU machine without network runs, in about 9 minutes a call: install the wheels brought along,
+compare our recipes with torchtune on real Llama shapes, run the GPU tests and the preference, distillation, Muon and
+MoE recipes, time attention and MoE layers, and write a results table.
 
     python benchmarks/gpu/run_checks.py                          # on the GPU machine; wheels in benchmarks/gpu/wheels
     python benchmarks/gpu/run_checks.py --results "$OUT"         # the table and logs where the caller collects them
@@ -16,27 +16,31 @@ Before: ``bash benchmarks/gpu/fetch_wheels.sh`` where PyPI is reachable (README.
    random weights, 2 x 4096 tokens without activation checkpointing (issue 8's setup), everything under
    ``/dev/shm`` (removed after each shape; each method's results are kept as soon as it ends).
 3. Budget permitting, ``pytest -m gpu`` on the files that hold gpu-marked tests (exit code 5, none selected, is
-   reported, not a failure), after the comparisons so that a short budget goes to the targets. Then
-   ``benchmarks/attention.py``: packed rows on SDPA with a dense mask against FlexAttention block masks, in Llama 3.1
-   8B's attention layer. Where the machine has several GPUs, ``benchmarks/tensor_parallel.py --device cuda``:
-   bytes and step time of data- and tensor-parallel layouts of Llama 3.2 1B over all of them, and
+   reported, not a failure), after the comparisons so that a short budget goes to the targets; ``-p
+   report_each_test`` (this folder's plugin) prints each test's outcome and a failure's traceback as it ends.
+4. The recipe runs on one GPU, each a short ``tune run`` of our wheel's recipe from its shipped config with
+   overrides (``RecipeSetup``): ``preference_finetune_single_device`` (LoRA DPO on Llama 3.2 1B, the reference its
+   base with the adapters off), ``distill_single_device`` (that 1B as the teacher of a student of half its width
+   and depth, from random initialization), ``full_finetune_single_device`` (that 1B with ``toolkit.training.Muon``)
+   and ``lora_finetune_single_device`` (a Qwen3-MoE from ``qwen3_moe_30b_a3b_lora`` at 8 layers of 64 experts,
+   adapters on the experts, routers trained, random base), 8 steps of 2 x 2048 tokens, bf16, random weights from
+   one checkpoint written as compare.py writes its own. Each run's ``metrics.jsonl`` gives its row: steps/s,
+   tokens/s, peak memory, the first and last loss; a run that fails, stops short or logs a loss that is not
+   finite is FAILED.
+   Then ``benchmarks/attention.py``: packed rows on SDPA with a dense mask against FlexAttention block masks, in
+   Llama 3.1 8B's attention layer. Where the machine has several GPUs, ``benchmarks/tensor_parallel.py --device
+   cuda``: bytes and step time of data- and tensor-parallel layouts of Llama 3.2 1B over all of them, and
    ``benchmarks/context_parallel.py --device cuda``: peak memory and tokens/s of one 32k-token row of Llama 3.2 1B
    on one GPU and split over 2 by each method (both skipped on one GPU).
    Then ``benchmarks/moe.py --device cuda``: our grouped experts against ``transformers``' experts implementations
    and an equal-active dense model, on a Qwen3-MoE of 8 layers of 64 experts (bf16).
-4. The preference and distillation recipes on one GPU, each a short ``tune run`` of our wheel's recipe from its
-   shipped config with overrides (``RecipeSetup``): ``preference_finetune_single_device`` (LoRA DPO on Llama 3.2
-   1B, the reference its base with the adapters off) and ``distill_single_device`` (that 1B as the teacher of a
-   student of half its width and depth, from random initialization), 8 steps of 2 x 2048 tokens, bf16, random
-   weights from one checkpoint written as compare.py writes its own. Each run's ``metrics.jsonl`` gives its row:
-   steps/s, tokens/s, peak memory, the first and last loss; a run that fails, stops short or logs a loss that is
-   not finite is FAILED.
 5. ``results.md`` (and ``results.json``) in ``--results``: one row per tool, the ratio lines, then each benchmark's
    section (attention, tensor-parallel, MoE, recipes).
 
 ``--dry-run`` does the same on CPU with the tiny shapes, a few steps and short sequences, into ``/tmp``.
 ``--only SHAPE ...`` runs those shapes' comparisons alone (a second call, when the first ran out of time),
-``--only-recipes`` the preference and distillation runs alone (after pytest unless ``--skip-pytest``), and
+``--skip-comparisons`` everything but the comparisons, ``--only-recipes`` the recipe runs alone (after pytest unless
+``--skip-pytest``), and
 ``--ours-variant NAME:KEY=VALUE[,...]`` (passed to compare.py) also runs ours with those overrides, as ``ours[NAME]``,
 next to ours and torchtune: ``cudnn:sdpa_backend=cudnn`` measures cuDNN's attention end to end.
 """
@@ -65,12 +69,17 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import compare  # noqa: E402  (its shapes, random checkpoints, tokenizer and data, for the recipe runs too)
 
+HERE = Path(__file__).resolve().parent
 COMPARE = REPO / "benchmarks" / "compare.py"
 ATTENTION = REPO / "benchmarks" / "attention.py"
 TENSOR_PARALLEL = REPO / "benchmarks" / "tensor_parallel.py"
 CONTEXT_PARALLEL = REPO / "benchmarks" / "context_parallel.py"
 MOE = REPO / "benchmarks" / "moe.py"
 OURS_WHEEL = "tunekit"
+# pytest -m gpu on one H200: the first 5 tests took 85 s, collection included (FlexAttention compiles in several).
+PYTEST_LIMIT = 240
+# benchmarks/moe.py on one H200: each variant a process of its own (~20 s of imports there); 120 s ran out.
+MOE_LIMIT = 200
 # Wheels of packages ours needs too: added to ours' folder when this interpreter cannot import them.
 SHARED = {"omegaconf": "omegaconf", "torchao": "torchao"}
 
@@ -98,12 +107,15 @@ DRY_RUNS = [
 
 @dataclass(frozen=True)
 class RecipeSetup:
-    """The preference and distillation runs: ``base`` (a compare.py shape, from one random checkpoint) is the DPO
-    policy, whose reference is itself with the adapters off, and the teacher distilled into ``student`` (random
-    initialization); ``batch_size`` pairs or rows of ``seq_len`` tokens a step, ``limit`` seconds a run."""
+    """The recipe runs: ``base`` (a compare.py shape, from one random checkpoint) is the DPO policy, whose reference
+    is itself with the adapters off, the teacher distilled into ``student`` (random initialization) and the model
+    fine-tuned whole with Muon; ``moe`` are the ``lora_qwen3_moe`` arguments of the Qwen3-MoE given LoRA on its
+    attention and experts with its routers trained (a random base, vocabulary the tokenizer's); ``batch_size``
+    pairs or rows of ``seq_len`` tokens a step, ``limit`` seconds a run."""
 
     base: str
     student: compare.Shape
+    moe: dict
     steps: int
     batch_size: int
     seq_len: int
@@ -112,11 +124,17 @@ class RecipeSetup:
 
 
 # Estimated for one H200: the 1B checkpoint ~15 s, each run ~40 s (start, load, 8 eager steps); the student is Llama
-# 3.2 1B's layout at half the width and depth (0.26B parameters, 0.13B of them the embedding).
+# 3.2 1B's layout at half the width and depth (0.26B parameters, 0.13B of them the embedding); the MoE is
+# benchmarks/moe.py's GPU shape, Qwen3-30B-A3B's layers at 8 deep and 64 experts (2.3B parameters).
+_MOE = dict(num_heads=16, num_kv_heads=4, head_dim=128, norm_topk_prob=True)
 GPU_RECIPES = RecipeSetup("llama3_2_1b", compare.Shape(128_256, 8, 16, 8, 1024, 4096, rope_scaling=32,
                                                        tie_word_embeddings=True),
+                          dict(_MOE, vocab_size=128_256, num_layers=8, embed_dim=2048, moe_intermediate_dim=768,
+                               num_experts=64, num_experts_per_tok=8),
                           steps=8, batch_size=2, seq_len=2048, dtype="bf16", limit=90)
 DRY_RECIPES = RecipeSetup("tiny", compare.Shape(8192, 2, 4, 2, 128, 384, rope_scaling=32, tie_word_embeddings=True),
+                          dict(_MOE, vocab_size=8192, num_heads=4, num_kv_heads=2, head_dim=32, num_layers=2,
+                               embed_dim=128, moe_intermediate_dim=64, num_experts=8, num_experts_per_tok=2),
                           steps=3, batch_size=2, seq_len=64, dtype="fp32", limit=60)
 
 
@@ -212,11 +230,13 @@ def recipe_commands(setup: RecipeSetup, work: Path, *, device: str) -> dict[str,
     base = compare.SHAPES[setup.base]
 
     def tune_run(recipe: str, config: str, out: str, data: str, *overrides: str) -> tuple[Path, list[str]]:
+        config_text = (REPO / "recipe_configs" / recipe / f"{config}.yaml").read_text()
         common = [
             f"output_dir={work / out}", "overwrite=true", f"device={device}", f"dtype={setup.dtype}",
             "progress_bar=false", "metric_loggers=[]", f"max_seq_len={setup.seq_len}",
             "tokenizer._component_=toolkit.tokenizers.llama3_tokenizer",
-            f"tokenizer.path={work / 'tokenizer' / 'tokenizer.model'}", "~tokenizer.chat_format",
+            f"tokenizer.path={work / 'tokenizer' / 'tokenizer.model'}",
+            *(["~tokenizer.chat_format"] if "chat_format:" in config_text else []),  # the Llama 3 tokenizer's own
             f"dataset.source={work / data}", "~dataset.num_samples", "~dataset.seed", "dataset.cache_dir=null",
             f"batch_size={setup.batch_size}", f"micro_batch_size={setup.batch_size}", f"max_steps={setup.steps}",
             "lr_scheduler.warmup_steps=0", "log_every_n_steps=1", "save_every_n_steps=null",
@@ -225,6 +245,7 @@ def recipe_commands(setup: RecipeSetup, work: Path, *, device: str) -> dict[str,
                             *common, *overrides]
 
     student = f"{setup.student.num_layers} layers x {setup.student.embed_dim}"
+    moe = f"{setup.moe['num_layers']} layers x {setup.moe['num_experts']} experts (top {setup.moe['num_experts_per_tok']})"
     return {
         f"preference_finetune: LoRA DPO, {setup.base}": tune_run(
             "preference_finetune", "llama3_2_1b_lora_dpo", "dpo", "pairs.jsonl",
@@ -237,6 +258,19 @@ def recipe_commands(setup: RecipeSetup, work: Path, *, device: str) -> dict[str,
             *compare.model_overrides(base, setup.seq_len, key="teacher_model"),
             "checkpointer.checkpoint_dir=null", f"teacher_checkpointer.checkpoint_dir={work / 'checkpoint'}",
             "data_parallel=ddp", "dataset._component_=toolkit.data.text_completion_dataset"),
+        f"full_finetune: Muon, {setup.base}": tune_run(
+            "full_finetune", "llama3_2_1b", "muon", "text.jsonl",
+            *compare.model_overrides(base, setup.seq_len),
+            f"checkpointer.checkpoint_dir={work / 'checkpoint'}",
+            "optimizer._component_=toolkit.training.Muon", "optimizer.lr=0.02", "~optimizer.betas",
+            "optimizer.adamw_lr=2e-5", "optimizer.adamw_betas=[0.9,0.95]",
+            "dataset._component_=toolkit.data.text_completion_dataset"),
+        f"lora_finetune: Qwen3-MoE {moe}, experts and routers": tune_run(
+            "lora_finetune", "qwen3_moe_30b_a3b_lora", "moe_lora", "text.jsonl",
+            "model._component_=toolkit.models.qwen3_moe.lora_qwen3_moe",
+            *(f"model.{key}={value}" for key, value in setup.moe.items()), f"model.max_seq_len={setup.seq_len}",
+            "model.apply_lora_to_experts=true", "model.train_router=true", "checkpointer.checkpoint_dir=null",
+            "dataset._component_=toolkit.data.text_completion_dataset"),
     }
 
 
@@ -351,7 +385,7 @@ def write_table(
     lines += ["", "## Context parallelism: one long row whole and split (benchmarks/context_parallel.py)", "",
               *(context_parallel or ["not run"])]
     lines += ["", "## Mixture of experts (benchmarks/moe.py)", "", *moe]
-    lines += ["", "## Preference and distillation recipes (one GPU)", "", *recipe_table(recipes)]
+    lines += ["", "## Preference, distillation, Muon and MoE recipes (one GPU)", "", *recipe_table(recipes)]
     text = "\n".join(lines) + "\n"
     (results / "results.md").write_text(text)
     (results / "results.json").write_text(json.dumps({"versions": versions, "runs": runs, "recipes": recipes},
@@ -369,9 +403,11 @@ def recipe_table(rows: list[dict]) -> list[str]:
             f"{_num(r.get('steps_per_s'), '.2f')} | {_num(r.get('tokens_per_s'), '.0f')} | "
             f"{_num(r.get('positions_per_s'), '.0f')} | {_num(r.get('peak_gib'), '.2f')} | "
             f"{_num(r.get('first_loss'), '.4f')} | {_num(r.get('last_loss'), '.4f')} | {r['status']} |")
-    return lines + ["", "`tune run` on the shipped configs (llama3_2_1b_lora_dpo, llama3_2_1b_from_llama3_1_8b), "
-                    "random weights, eager; batch: pairs for DPO (reference: the base, adapters off), rows for "
-                    "distillation (the student from random initialization). From each run's metrics.jsonl: medians "
+    return lines + ["", "`tune run` on the shipped configs (llama3_2_1b_lora_dpo, llama3_2_1b_from_llama3_1_8b, "
+                    "llama3_2_1b with optimizer toolkit.training.Muon, qwen3_moe_30b_a3b_lora at a smaller size "
+                    "with adapters on the experts and the routers trained), random weights, eager; batch: pairs for "
+                    "DPO (reference: the base, adapters off), rows otherwise (the distillation's student from random "
+                    "initialization). From each run's metrics.jsonl: medians "
                     "after the first step; tokens/s counts the recipe's trained tokens (DPO: both answers), "
                     "positions/s every input position; peak memory: GPU allocated (RSS on CPU); ok: exit 0, every "
                     "step logged, every loss finite."]
@@ -396,9 +432,12 @@ def main() -> None:
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--only", nargs="+", default=None, metavar="SHAPE",
                       help="run only these shapes' comparisons (e.g. llama3_1_8b, when a first call ran out of time)")
+    only.add_argument("--skip-comparisons", action="store_true",
+                      help="no comparisons: the GPU tests, the recipe runs, then the attention, tensor-parallel, "
+                           "context-parallel and MoE benchmarks (a session whose comparisons are already measured)")
     only.add_argument("--only-recipes", action="store_true",
-                      help="run only the preference and distillation recipes (no comparisons, attention, tensor-"
-                           "parallel or MoE benchmarks), when an earlier call's budget cut them")
+                      help="run only the recipe runs: preference, distillation, Muon, MoE (no comparisons, "
+                           "attention, tensor-parallel or MoE benchmarks), when an earlier call's budget cut them")
     parser.add_argument("--ours-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
                         help="passed to every compare.py run: ours also runs with these overrides, as ours[NAME] "
                              "(e.g. cudnn:sdpa_backend=cudnn); each run's time limit grows by half per variant")
@@ -427,7 +466,7 @@ def main() -> None:
     peers, ours = install_wheels(args.wheels, scratch / "site")
     versions = preflight(peers, ours)
 
-    planned = [] if args.only_recipes else DRY_RUNS if args.dry_run else GPU_RUNS
+    planned = [] if args.only_recipes or args.skip_comparisons else DRY_RUNS if args.dry_run else GPU_RUNS
     if args.only:
         unknown = set(args.only) - {shape for shape, *_ in planned}
         if unknown:
@@ -465,13 +504,18 @@ def main() -> None:
     if not args.skip_pytest:
         pytest_status = f"not run: {left()} s of --budget left"
         if left() >= 60:
+            # report_each_test (this folder's plugin): each test's outcome and a failure's traceback as it ends.
             code = run_logged([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                               *gpu_test_files()],
-                              log_path=args.results / "pytest_gpu.log", timeout=min(180, left()),
-                              env={**os.environ, "PYTHONPATH": str(ours)})
+                               "-p", "report_each_test", *gpu_test_files()],
+                              log_path=args.results / "pytest_gpu.log", timeout=min(PYTEST_LIMIT, left()),
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ours), str(HERE)])})
             named = {0: "passed", 5: "no test selected (exit 5)", 124: "time limit"}
             pytest_status = named.get(code, f"FAILED (exit {code})")
         log(f"pytest -m gpu: {pytest_status}")
+
+    # The recipe runs before the benchmarks' tables: they check the newer recipes on a GPU at all.
+    recipes = run_recipe_checks(DRY_RECIPES if args.dry_run else GPU_RECIPES, work=scratch / "recipes",
+                                results=args.results, ours=ours, device="cpu" if args.dry_run else "cuda", left=left)
 
     skipped = benchmark_skipped()
     attention = [skipped]
@@ -526,14 +570,11 @@ def main() -> None:
                  "--expert_dim", "768", "--vocab_size", "32768", "--seq_len", "4096", "--micro_batch_size", "2"])
     if not skipped:
         code = run_logged([sys.executable, str(MOE), *moe_args], log_path=args.results / "moe.log",
-                          timeout=min(120, left()), env={**os.environ, "PYTHONPATH": str(ours)})
+                          timeout=min(MOE_LIMIT, left()), env={**os.environ, "PYTHONPATH": str(ours)})
         moe = [line for line in (args.results / "moe.log").read_text().splitlines()
                if line.startswith(("variant", "ours", "transformers", "dense", "cpu ", "cuda "))]
-        if code != 0:
-            moe = [f"FAILED (exit {code})"]
-
-    recipes = run_recipe_checks(DRY_RECIPES if args.dry_run else GPU_RECIPES, work=scratch / "recipes",
-                                results=args.results, ours=ours, device="cpu" if args.dry_run else "cuda", left=left)
+        if code != 0:  # the rows of the variants that ended, then why the rest are missing
+            moe.append(f"FAILED (exit {code}{', time limit' if code == 124 else ''})")
 
     table = write_table(args.results, runs, versions, device=device_name(args.dry_run), pytest_status=pytest_status,
                         attention=attention, tensor_parallel=tensor_parallel, moe=moe, recipes=recipes,
