@@ -62,6 +62,7 @@ from toolkit.training.distill import DistillSettings, check_teacher, distill_for
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.peft import fill_adapter_model, save_adapter_and_merged
 from toolkit.training.preference import frozen_reference
+from toolkit.training.watchdog import progress, rank_watchdog
 from toolkit.training.schema import TRAINING_SCHEMA
 
 
@@ -244,6 +245,7 @@ def train(cfg: DictConfig) -> None:
         lr_scheduler.step()
         sampler.advance()
         step += 1
+        progress(f"step {step}")  # the watchdog's sign of life
         log.log(step_metrics(
             step=step, epoch=epoch, result=result, lr=lr, grad_norm=grad_norm, elapsed_s=time.perf_counter() - start,
             device=env.device, data_wait_s=data_wait_s, forward_backward_s=forward_backward_s,
@@ -280,7 +282,9 @@ def train(cfg: DictConfig) -> None:
 @recipe_main(schema=SCHEMA)
 def main(cfg: DictConfig) -> None:
     try:
-        with sdpa_preference(cfg.get("sdpa_backend")):
+        # A rank with no progress for dist_timeout_s leaves its stacks in output_dir/watchdog and ends the job
+        # (toolkit.training.watchdog).
+        with sdpa_preference(cfg.get("sdpa_backend")), rank_watchdog(cfg.output_dir, timeout_s=cfg.dist_timeout_s):
             train(cfg)
     finally:
         destroy_distributed()

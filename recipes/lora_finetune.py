@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from toolkit.config import Bool, instantiate, recipe_main
 from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import report_exact_match
+from toolkit.training.watchdog import progress, rank_watchdog
 from toolkit.training.schema import TRAINING_SCHEMA
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 
@@ -288,6 +289,7 @@ def train(cfg: DictConfig) -> None:
         lr_scheduler.step()
         sampler.advance()
         step += 1
+        progress(f"step {step}")  # the watchdog's sign of life
 
         log.log(step_metrics(
             step=step, epoch=epoch, result=result, lr=lr, grad_norm=grad_norm,
@@ -326,7 +328,9 @@ def train(cfg: DictConfig) -> None:
 @recipe_main(schema=SCHEMA)
 def main(cfg: DictConfig) -> None:
     try:
-        with sdpa_preference(cfg.get("sdpa_backend")):  # SDPA's backend order, before anything is compiled
+        # SDPA's backend order, before anything is compiled; a rank with no progress for dist_timeout_s leaves
+        # its stacks in output_dir/watchdog and ends the job (toolkit.training.watchdog).
+        with sdpa_preference(cfg.get("sdpa_backend")), rank_watchdog(cfg.output_dir, timeout_s=cfg.dist_timeout_s):
             train(cfg)
     finally:
         destroy_distributed()

@@ -89,6 +89,7 @@ from toolkit.training.preference import (
     preference_validation,
     save_reference_logps,
 )
+from toolkit.training.watchdog import progress, rank_watchdog
 from toolkit.training.schema import TRAINING_SCHEMA
 
 
@@ -363,6 +364,7 @@ def train(cfg: DictConfig) -> None:
         lr_scheduler.step()
         sampler.advance()
         step += 1
+        progress(f"step {step}")  # the watchdog's sign of life
         log.log(step_metrics(
             step=step, epoch=epoch, result=result, lr=lr, grad_norm=grad_norm, elapsed_s=time.perf_counter() - start,
             device=env.device, data_wait_s=data_wait_s, forward_backward_s=forward_backward_s,
@@ -401,7 +403,9 @@ def train(cfg: DictConfig) -> None:
 @recipe_main(schema=SCHEMA)
 def main(cfg: DictConfig) -> None:
     try:
-        with sdpa_preference(cfg.get("sdpa_backend")):
+        # A rank with no progress for dist_timeout_s leaves its stacks in output_dir/watchdog and ends the job
+        # (toolkit.training.watchdog).
+        with sdpa_preference(cfg.get("sdpa_backend")), rank_watchdog(cfg.output_dir, timeout_s=cfg.dist_timeout_s):
             train(cfg)
     finally:
         destroy_distributed()

@@ -10,6 +10,7 @@ from toolkit.errors import UserError
 from toolkit.modules import TransformerDecoder
 from toolkit.parallel import unwrap
 from toolkit.training.distributed import all_reduce_sum
+from toolkit.training.watchdog import progress
 
 
 def sample_next_token(
@@ -126,6 +127,7 @@ def exact_match_accuracy(
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     correct = 0
     for sample in samples if sharded else samples[rank::world_size]:
+        progress("evaluation")
         prompt = tokenizer.prompt_tokens([{"role": "user", "content": sample["prompt"]}])
         out = generate(model, prompt, max_new_tokens=max_new_tokens, stop_tokens=tokenizer.stop_tokens)
         correct += int(tokenizer.decode(out).strip() == sample["answer"].strip())

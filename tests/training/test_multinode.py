@@ -13,6 +13,7 @@ node 0 by what it wrote, then checks that the other wrote nothing at all.
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.launch import free_port, run_tune_here
 
@@ -53,34 +55,42 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def wait_all(procs: list[subprocess.Popen], logs: list[Path], *, timeout_s: float) -> list[subprocess.CompletedProcess]:
-    """Wait for every launcher; as soon as one fails, stop the others (they would wait for it in the rendezvous or
-    at a collective until a timeout) and return what each printed."""
+def wait_all(
+    procs: list[subprocess.Popen], logs: list[Path], *, timeout_s: float, stop_others: bool = True
+) -> list[subprocess.CompletedProcess]:
+    """Wait for every launcher; with ``stop_others``, as soon as one fails, stop the others (they would wait for it
+    in the rendezvous or at a collective until a timeout). Return what each printed, and in each result's
+    ``ended`` when (``time.monotonic()``, to 0.2 s) its launcher exited by itself (None if it was stopped)."""
     deadline = time.monotonic() + timeout_s
+    ended: dict[int, float] = {}
     while any(p.poll() is None for p in procs):
-        if any(p.poll() not in (None, 0) for p in procs):
+        ended.update({i: time.monotonic() for i, p in enumerate(procs) if p.poll() is not None and i not in ended})
+        if stop_others and any(p.poll() not in (None, 0) for p in procs):
             break
         if time.monotonic() > deadline:
             for p in procs:
                 kill_group(p)
             raise AssertionError(f"the nodes did not finish within {timeout_s} s")
         time.sleep(0.2)
+    ended.update({i: time.monotonic() for i, p in enumerate(procs) if p.poll() is not None and i not in ended})
     for p in procs:
         kill_group(p)
-    return [
-        subprocess.CompletedProcess(
+    results = []
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        result = subprocess.CompletedProcess(
             p.args, p.returncode, log.with_suffix(".out").read_text(), log.with_suffix(".err").read_text()
         )
-        for p, log in zip(procs, logs)
-    ]
+        result.ended = ended.get(i)
+        results.append(result)
+    return results
 
 
 def launch_nodes(
     outs: list[Path], logs: Path, nproc_per_node: int, *args: str, env: dict[str, str] | None = None,
-    check: bool = True,
+    check: bool = True, stop_others: bool = True, node_env: list[dict[str, str]] | None = None,
 ) -> list[subprocess.CompletedProcess]:
     """Start one ``tune run`` per node, concurrently, and wait for all of them (bounded); with ``check``, every
-    node must succeed.
+    node must succeed; ``stop_others``: see :func:`wait_all`; ``node_env``: more environment for each node.
 
     Output goes to files under ``logs`` rather than pipes: a failing job's tracebacks could fill a pipe that
     nobody reads while we poll, and block the launcher.
@@ -107,9 +117,10 @@ def launch_nodes(
                         node_logs[-1].with_suffix(".err").open("w") as stderr:
                     # The child keeps its own copies of the descriptors; ours can close at once.
                     procs.append(subprocess.Popen(
-                        cmd, stdout=stdout, stderr=stderr, env={**ENV, **(env or {})}, start_new_session=True
+                        cmd, stdout=stdout, stderr=stderr, start_new_session=True,
+                        env={**ENV, **(env or {}), **(node_env[node] if node_env else {})},
                     ))
-            results = wait_all(procs, node_logs, timeout_s=TIMEOUT_S)
+            results = wait_all(procs, node_logs, timeout_s=TIMEOUT_S, stop_others=stop_others)
         finally:
             # On a timeout or an error, leave no launcher or worker behind; a no-op for those that finished.
             for proc in procs:
@@ -131,9 +142,16 @@ def run_single_process(out: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
+def reference_dir(tmp_path_factory) -> Path:
     """One process, 4 micro-steps of 2 per optimizer step: the same global batch of 8."""
-    return run_single_process(tmp_path_factory.mktemp("reference"))
+    out = tmp_path_factory.mktemp("reference")
+    run_single_process(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir) -> list[float]:
+    return read_losses(reference_dir)
 
 
 def assert_one_writer(outs: list[Path], reference: list[float]) -> None:
@@ -182,27 +200,33 @@ def test_step_checkpoints_on_unshared_folders_stop_before_an_old_run_is_cleared(
     assert any("not on a filesystem all nodes share" in r.stderr for r in results)
     assert sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*")) == before
 
+class DemoWithAStall(torch.utils.data.Dataset):
+    """The demo dataset, calling ``stall()`` before its 9th read: the first sample of step 3 (4 samples a step on
+    each rank with batch 8 on 2 ranks), outside any collective."""
+
+    def __init__(self, dataset, stall):
+        self.dataset, self.stall, self.reads = dataset, stall, 0
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        self.reads += 1
+        if self.reads == 9:
+            self.stall()
+        return self.dataset[index]
+
+
 def dataset_stalling_rank_zero(tokenizer, **kwargs):
-    """The demo dataset, except that rank 0 of a job's first attempt stalls in reading its first sample of step 3,
-    outside any collective (a component for the test below, imported by the recipe through PYTHONPATH)."""
+    """Rank 0 of a job's first attempt stalls for 60 s (the launcher stops the process during the sleep); a
+    component for the test below, imported by the recipe through PYTHONPATH."""
     from toolkit.data import demo_dataset
 
-    class Stalling(torch.utils.data.Dataset):
-        def __init__(self, dataset):
-            self.dataset, self.reads = dataset, 0
+    def stall():
+        if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            time.sleep(60)
 
-        def __len__(self):
-            return len(self.dataset)
-
-        def __getitem__(self, index):
-            self.reads += 1
-            # 4 samples per step on each of 2 ranks (batch 8); the launcher stops the process during the sleep.
-            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-            if self.reads == 9 and os.environ.get("RANK") == "0" and first_attempt:
-                time.sleep(60)
-            return self.dataset[index]
-
-    return Stalling(demo_dataset(tokenizer, **kwargs))
+    return DemoWithAStall(demo_dataset(tokenizer, **kwargs), stall)
 
 
 @pytest.mark.slow  # two launchers, each restarting its worker
@@ -225,3 +249,70 @@ def test_a_rank_lost_on_one_node_is_recovered_on_both(reference, tmp_path):
     assert not any("Traceback" in r.stderr for r in results), [r.stderr[-3000:] for r in results]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     torch.testing.assert_close(read_losses(out), reference, rtol=1e-5, atol=0)
+
+
+def dataset_hanging_rank_one(tokenizer, **kwargs):
+    """Rank 1 (or, where ``$TUNE_TEST_HANG_HERE`` is set, the ranks that see it set to 1) hangs for good, once per
+    test: the file ``$TUNE_TEST_HANG_MARKER`` records that it did (torchrun's restart counts are per node, so they
+    cannot tell a restarted job apart)."""
+    from toolkit.data import demo_dataset
+
+    def hang():
+        chosen = os.environ.get("TUNE_TEST_HANG_HERE", "1" if os.environ.get("RANK") == "1" else "0") == "1"
+        marker = Path(os.environ["TUNE_TEST_HANG_MARKER"])
+        if chosen and not marker.exists():
+            marker.touch()
+            while True:
+                time.sleep(1)
+
+    return DemoWithAStall(demo_dataset(tokenizer, **kwargs), hang)
+
+
+HANG = ["dist_timeout_s=20", "dataset._component_=tests.training.test_multinode.dataset_hanging_rank_one"]
+
+
+@pytest.mark.slow  # two launchers; the job waits out dist_timeout_s
+def test_a_rank_stuck_on_one_node_ends_the_job_on_both_with_its_stacks(tmp_path):
+    """The rank on node 0 hangs outside any collective. The rank on node 1 waits for it in a collective and fails
+    after dist_timeout_s (20 s), and so does its launcher; node 0's launcher, which hosts the rendezvous store, knows
+    nothing of that and would keep the job up forever: the stuck rank's watchdog must end it within dist_timeout_s
+    + its grace (10 s) of its last progress, and leave its stacks. (Stuck on node 1 instead, the job ends anyway:
+    node 1's launcher loses the store when node 0's exits.)"""
+    out = tmp_path / "shared"
+    from toolkit.training.watchdog import GRACE_S
+
+    results = launch_nodes([out, out], tmp_path / "logs", 1, *HANG, check=False, stop_others=False,
+                           env={"TUNE_TEST_HANG_MARKER": str(tmp_path / "hung")},
+                           node_env=[{"TUNE_TEST_HANG_HERE": "1"}, {"TUNE_TEST_HANG_HERE": "0"}])
+    assert (tmp_path / "hung").exists()
+    assert all(r.returncode != 0 and r.ended is not None for r in results), [r.stderr[-2000:] for r in results]
+    # The waiting rank's node ends first (the collective's timeout); the stuck rank's within the grace and a few
+    # seconds for its launcher to notice and tear down.
+    assert results[1].ended < results[0].ended < results[1].ended + GRACE_S + 25
+    (dump,) = (out / "watchdog").iterdir()
+    rank = dump.name.split("_")[1]  # rank_<rank>_<host>.txt: c10d numbers the nodes itself
+    assert dump.name == f"rank_{rank}_{socket.gethostname()}.txt"
+    stacks = dump.read_text()
+    assert stacks.startswith(f"rank {rank} on {socket.gethostname()} made no progress for ")
+    assert "in __getitem__" in stacks  # the stuck thread's frame, in faulthandler's words
+    assert (f"rank {rank} exited with code 1: RankStuck: rank {rank} on {socket.gethostname()} made no progress"
+            in results[0].stderr)
+    assert str(dump) in results[0].stderr
+
+
+@pytest.mark.slow  # two launchers, each restarting its worker after the timeout
+def test_a_rank_stuck_on_one_node_is_restarted_and_the_run_finishes_as_if_uninterrupted(reference_dir, tmp_path):
+    out = tmp_path / "shared"  # one folder for both nodes: a shared filesystem, as step checkpoints need
+    results = launch_nodes(
+        [out, out], tmp_path / "logs", 1, "--max_restarts", "1", "save_every_n_steps=1", "overwrite=true", *HANG,
+        env={"TUNE_TEST_HANG_MARKER": str(tmp_path / "hung")},
+    )
+    assert (tmp_path / "hung").exists()
+    stdout = "".join(r.stdout for r in results)
+    assert stdout.count(f"resumed at step 2 from {out / 'checkpoints' / 'step_2'}") == 1, stdout
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    torch.testing.assert_close(read_losses(out), read_losses(reference_dir), rtol=1e-5, atol=0)
+    resumed, uninterrupted = (load_file(d / "final" / "model.safetensors") for d in (out, reference_dir))
+    assert resumed.keys() == uninterrupted.keys()
+    for key in resumed:
+        torch.testing.assert_close(resumed[key], uninterrupted[key], rtol=1e-5, atol=1e-6)

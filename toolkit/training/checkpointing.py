@@ -39,6 +39,7 @@ from toolkit.models._expert_keys import Part
 from toolkit.modules._dtensor import local_region
 from toolkit.modules.moe import MoEFeedForward
 from toolkit.training.distributed import shared_filesystem
+from toolkit.training.watchdog import progress
 from toolkit.parallel import unwrap
 from toolkit.training.step_checkpoint import (
     COMPLETE_MARKER,
@@ -173,6 +174,7 @@ class HFCheckpointer:
         if self._hf_key_to_parts is not None:
             self._check_slice_counts(files, targets)
         for file in files:
+            progress(f"loading {file.name}")
             try:
                 with safe_open(str(file), framework="pt", device="cpu") as reader:
                     for hf_key in reader.keys():

@@ -17,6 +17,7 @@ from toolkit.training.attention import split_for_attention
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.loss import gradient_scale, start_global_token_count
 from toolkit.training.optim import OptimizerInBackward
+from toolkit.training.watchdog import progress
 from toolkit.parallel import clip_grad_norm, gradient_sync, unwrap
 
 T = TypeVar("T")
@@ -98,6 +99,7 @@ def forward_backward(
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
     num_positions = 0
     for i, mb in enumerate(micro_batches):
+        progress("a micro-batch")
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             with autocast or contextlib.nullcontext():

@@ -56,6 +56,7 @@ from toolkit.errors import UserError
 from toolkit.training.debug import inject_fault
 from toolkit.training.distributed import shared_filesystem
 from toolkit.training.optim import OptimizerInBackward
+from toolkit.training.watchdog import progress
 from toolkit.parallel import is_zero_redundancy
 from toolkit.training.safe_load import (
     RefusedPickle,
@@ -486,6 +487,7 @@ class StepCheckpointer:
                 is complete).
         """
         self.wait()
+        progress(f"saving step_{step}")  # (the recipe's next sign of life comes after the save)
         path = self.root / f"step_{step}"
         # Until its marker is written the folder is only a draft, ignored by resume and pruned: a failed save
         # removes it, and the complete checkpoints before it are not touched.

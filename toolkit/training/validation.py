@@ -25,6 +25,7 @@ from toolkit.training.attention import split_for_attention
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.parallel import unwrap
 from toolkit.training.step import iterate_loader
+from toolkit.training.watchdog import progress
 
 
 class SizedBatches(Protocol):
@@ -165,6 +166,7 @@ def validation_loss(
     with scoring(plain):
         idle = idle_batch(device, length=1 if context_parallel is None else 2 * context_parallel.size)
         for batch, _ in batches_in_step(loader, device=device, idle=idle):
+            progress("validation")
             with autocast or contextlib.nullcontext():
                 batch, mask = split_for_attention(batch, flex_attention=flex_attention, context_parallel=context_parallel)
                 loss_sum = plain(
