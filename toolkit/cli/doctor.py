@@ -366,15 +366,29 @@ def doctor(args: argparse.Namespace) -> int:
     return _launch(args)
 
 
+def _check_resolves(endpoint: str) -> None:
+    """Refuse a rendezvous host that does not resolve: the store would retry it for minutes."""
+    import socket
+
+    host = endpoint.rsplit(":", 1)[0].strip("[]") if ":" in endpoint else endpoint
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as e:
+        raise UserError(f"--rdzv_endpoint {endpoint}: cannot resolve {host} ({e.strerror or e})") from None
+
+
 def _launch(args: argparse.Namespace) -> int:
     """Start the workers as ``tune run`` starts a recipe's (its launcher, rendezvous checks and failure report),
     and exit with the verdict the workers of this node leave in a file."""
     import tempfile
 
-    from toolkit.cli._run import _check_launch_flags, _run_distributed, _torchrun_parser, _uses_gpus
+    from toolkit.cli._run import _check_launch_flags, _import_torch_quietly, _run_distributed, _torchrun_parser, _uses_gpus
 
+    _import_torch_quietly(["--nproc_per_node"])  # a launch: the store's C++ retry logs stay off, as for tune run
     import torch
 
+    if args.rdzv_endpoint:
+        _check_resolves(args.rdzv_endpoint)
     uses_gpus = _uses_gpus("auto")
     # A wrong interface would make the collectives wait for a connection that never comes: fail now, as tune run.
     rows = check_environment(os.environ, sorted(interface_addresses()), [])
@@ -385,7 +399,7 @@ def _launch(args: argparse.Namespace) -> int:
              "--nnodes", str(args.nnodes), "--node_rank", str(args.node_rank)]
     if args.rdzv_endpoint:
         flags += ["--rdzv_backend", "c10d", "--rdzv_endpoint", args.rdzv_endpoint,
-                  "--rdzv_conf", f"join_timeout={args.timeout_s}"]
+                  "--rdzv_conf", f"join_timeout={args.timeout_s},read_timeout={args.timeout_s}"]
     worker = Path(__file__).with_name("_doctor_worker.py")
     launch = _torchrun_parser().parse_args([*flags, str(worker)])
     _check_launch_flags(launch)
@@ -397,6 +411,8 @@ def _launch(args: argparse.Namespace) -> int:
                 launch, worker, ["--output_dir", args.output_dir, "--timeout_s", str(args.timeout_s)],
                 uses_gpus=uses_gpus, output_dir=None,
             )
+        except UserError as e:  # tune run's words, with this command's flag for the time the nodes wait
+            raise UserError(str(e).replace("--rdzv_conf join_timeout=SECONDS", "--timeout_s SECONDS")) from None
         finally:
             del os.environ[VERDICT_FILE_ENV]
         if code != 0:
