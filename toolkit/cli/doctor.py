@@ -144,9 +144,13 @@ def check_gpu_links(topology: str | None, gpu_count: int) -> Row:
     slow: list[str] = []
     for line in topology.splitlines():
         fields = line.split()
-        if not fields or not re.fullmatch(r"GPU\d+", fields[0]):
+        # A GPU's row starts with its name (the header, which lists the same names, starts with blanks) and has X
+        # where it meets its own column.
+        if line[:1].isspace() or not fields or not re.fullmatch(r"GPU\d+", fields[0]):
             continue
         row = int(fields[0][3:])
+        if len(fields) <= row + 1 or fields[row + 1] != "X":
+            continue
         for column, link in enumerate(fields[1:1 + gpu_count]):
             if column > row and not link.startswith("NV"):
                 slow.append(f"GPU{row}-GPU{column} {link}")
