@@ -15,22 +15,25 @@ import pytest
 from tests.launch import free_port
 from toolkit.cli import doctor
 from toolkit.cli._doctor_worker import bus_bandwidth, slowest
-from toolkit.cli.doctor import FAIL, OK, WARN, GIB, Row
+from toolkit.cli.doctor import FAIL, GIB, OK, WARN, Row
 
 REPO = Path(__file__).resolve().parents[2]
 TUNE_DOCTOR = [sys.executable, "-m", "toolkit.cli.main", "doctor"]
-_DROPPED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE", "TUNE_VERBOSE")
+_DROPPED_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE", "TUNE_VERBOSE"}
 _RISKY = {v.name for v in doctor.RISKY_VARIABLES} | {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment without a launcher's variables or any the doctor flags, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV and k not in _RISKY and not k.startswith("PET_")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in _DROPPED_ENV | _RISKY and not k.startswith("PET_")
+    }
     return {**env, "PYTHONPATH": str(REPO), **(extra or {})}
 
 
 def tune_doctor(*args: str, env: dict[str, str] | None = None, timeout_s: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run([*TUNE_DOCTOR, *args], capture_output=True, text=True, timeout=timeout_s, env=_env(env))
+    return subprocess.run([*TUNE_DOCTOR, *args], capture_output=True, text=True, timeout=timeout_s, env=_env(env),
+                          check=False)
 
 
 def _row(output: str, check: str) -> str:
@@ -142,7 +145,7 @@ def test_doctor_on_this_machine_prints_the_table_and_exits_0(tmp_path: Path) -> 
     assert result.stdout.splitlines()[0].split() == ["CHECK", "VERDICT", "FOUND", "FIX"]
     for check in ("python", "torch", "cuda", "nccl", "driver", "gpus", "network", "infiniband", "/dev/shm",
                   "locked memory", "environment", "disk"):
-        assert re.search(rf"^{re.escape(check)} +(ok|warn) ", result.stdout, flags=re.M), check
+        assert re.search(rf"^{re.escape(check)} +(ok|warn) ", result.stdout, flags=re.MULTILINE), check
 
 
 def test_planted_variables_are_flagged_and_a_missing_interface_fails() -> None:
@@ -182,7 +185,8 @@ def test_two_processes_measure_bandwidth_and_name_the_slow_rank() -> None:
     result = tune_doctor("--nproc_per_node", "2", env={"TUNE_DOCTOR_TEST_SLOW_RANK": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stdout + result.stderr
     for collective in ("all_reduce", "all_gather"):
-        rates = re.findall(rf"^{collective} +\d+ [KM]iB +[\d.]+ ms +([\d.]+) [MG]B/s$", result.stdout, flags=re.M)
+        line = rf"^{collective} +\d+ [KM]iB +[\d.]+ ms +([\d.]+) [MG]B/s$"
+        rates = re.findall(line, result.stdout, flags=re.MULTILINE)
         assert len(rates) == 4 and all(float(rate) > 0 for rate in rates), result.stdout
     row = _row(result.stdout, "slowest rank (local workload)")
     assert " warn " in row and "rank 1 on " in row, result.stdout

@@ -19,18 +19,18 @@ if __name__ == "__main__":
     # the workers import the same toolkit as the `tune doctor` that started them.
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-import argparse  # noqa: E402
-import os  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from datetime import timedelta  # noqa: E402
+import argparse
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
-from toolkit.cli.doctor import (  # noqa: E402
+from toolkit.cli.doctor import (
     FAIL,
     OK,
     VERDICT_FILE_ENV,
@@ -71,7 +71,8 @@ def slowest(times: list[float], hosts: list[str], what: str) -> Row:
     others = statistics.median(t for r, t in enumerate(times) if r != rank)
     if times[rank] > OUTLIER_RATIO * others:
         return Row(f"slowest rank ({what})", WARN,
-                   f"rank {rank} on {hosts[rank]}: {times[rank] * 1000:.0f} ms, the others' median {others * 1000:.0f} ms",
+                   f"rank {rank} on {hosts[rank]}: {times[rank] * 1000:.0f} ms, "
+                   f"the others' median {others * 1000:.0f} ms",
                    f"look for load, throttling or a slow link on {hosts[rank]}")
     return Row(f"slowest rank ({what})", OK, f"none; per rank, ms: {shown}")
 
@@ -101,7 +102,10 @@ def _bandwidths(device: torch.device, world: int) -> list[tuple[str, str, float,
         full = torch.ones(elements, device=device)
         part = torch.ones(elements // world, device=device)
         chunks = list(full.chunk(world))
-        steps = {"all_reduce": lambda: dist.all_reduce(full), "all_gather": lambda: dist.all_gather(chunks, part)}
+        steps = {
+            "all_reduce": lambda full=full: dist.all_reduce(full),
+            "all_gather": lambda chunks=chunks, part=part: dist.all_gather(chunks, part),
+        }
         for name, step in steps.items():
             seconds = torch.tensor(_timed(step, device), device=device)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)

@@ -21,7 +21,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from toolkit.cli._cluster_env import INFINIBAND_SYSFS, INTERFACE_VARIABLES, _names_no_interface, interface_addresses
+from toolkit.cli._cluster_env import (
+    INFINIBAND_SYSFS,
+    INTERFACE_VARIABLES,
+    _names_no_interface,
+    interface_addresses,
+)
 from toolkit.errors import UserError
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -227,7 +232,7 @@ def _command_output(*command: str) -> str | None:
     if shutil.which(command[0]) is None:
         return None
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=10)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return result.stdout if result.returncode == 0 else None
@@ -323,7 +328,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header) - 1)]
     lines = []
     for row in [header, *rows]:
-        cells = [f"{str(cell):<{width}}" for cell, width in zip(row, widths)]
+        cells = [f"{cell!s:<{width}}" for cell, width in zip(row, widths)]
         lines.append("  ".join([*cells, str(row[-1])]).rstrip())
     return "\n".join(lines)
 
@@ -386,7 +391,13 @@ def _launch(args: argparse.Namespace) -> int:
     and exit with the verdict the workers of this node leave in a file."""
     import tempfile
 
-    from toolkit.cli._run import _check_launch_flags, _import_torch_quietly, _run_distributed, _torchrun_parser, _uses_gpus
+    from toolkit.cli._run import (
+        _check_launch_flags,
+        _import_torch_quietly,
+        _run_distributed,
+        _torchrun_parser,
+        _uses_gpus,
+    )
 
     _import_torch_quietly(["--nproc_per_node"])  # a launch: the store's C++ retry logs stay off, as for tune run
     import torch
