@@ -368,7 +368,7 @@ def doctor(args: argparse.Namespace) -> int:
     _check_numbers(args)
     if not os.path.isdir(args.output_dir):
         raise UserError(f"--output_dir {args.output_dir}: no such folder")
-    if args.nproc_per_node is None and args.nnodes == 1:
+    if args.nproc_per_node is None and args.nnodes == 1 and not args.rdzv_endpoint:
         rows = local_checks(args.output_dir)
         print(checks_table(rows))
         return exit_code(rows)
@@ -392,6 +392,7 @@ def _launch(args: argparse.Namespace) -> int:
     import tempfile
 
     from toolkit.cli._run import (
+        _check_gpus_per_node,
         _check_launch_flags,
         _import_torch_quietly,
         _run_distributed,
@@ -418,6 +419,7 @@ def _launch(args: argparse.Namespace) -> int:
     worker = Path(__file__).with_name("_doctor_worker.py")
     launch = _torchrun_parser().parse_args([*flags, str(worker)])
     _check_launch_flags(launch)
+    _check_gpus_per_node(launch, device="auto")  # each process takes the GPU of its local rank
     with tempfile.TemporaryDirectory(prefix="tune-doctor-") as folder:
         verdict = Path(folder) / "verdict"
         os.environ[VERDICT_FILE_ENV] = str(verdict)
