@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from toolkit.cli import _download, export, merge, plot
+from toolkit.cli import _download, doctor, export, merge, plot
 from toolkit.cli._catalog import (
     find_config,
     find_recipe_or_config,
@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_parser(commands)
     plot.add_parser(commands)
     export.add_parser(commands)
+    doctor.add_parser(commands)
 
     # Listed for `tune --help`; `tune run` itself is handled before argparse (its flags are torchrun's).
     commands.add_parser("run", help="run a recipe on one device or under torchrun", add_help=False)
