@@ -194,12 +194,13 @@ def test_two_processes_measure_bandwidth_and_name_the_slow_rank() -> None:
 
 
 def test_two_nodes_with_different_torch_versions_fail_naming_the_node() -> None:
+    # Two "nodes" of two processes each, on loopback.
     port = free_port()
-    flags = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_endpoint", f"127.0.0.1:{port}", "--timeout_s", "60"]
+    flags = ["--nnodes", "2", "--nproc_per_node", "2", "--rdzv_endpoint", f"127.0.0.1:{port}", "--timeout_s", "60"]
     nodes = [
         subprocess.Popen([*TUNE_DOCTOR, *flags, "--node_rank", str(rank)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True,
-                         env=_env({"TUNE_DOCTOR_TEST_FAKE_TORCH_VERSION": "2.0.0"} if rank == 1 else None))
+                         env=_env({"TUNE_TEST_FAKE_TORCH_VERSION": "2.0.0"} if rank == 1 else None))
         for rank in (0, 1)
     ]
     try:

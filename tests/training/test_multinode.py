@@ -201,18 +201,19 @@ def test_step_checkpoints_on_unshared_folders_stop_before_an_old_run_is_cleared(
     assert sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*")) == before
 
 class DemoWithAStall(torch.utils.data.Dataset):
-    """The demo dataset, calling ``stall()`` before its 9th read: the first sample of step 3 (4 samples a step on
-    each rank with batch 8 on 2 ranks), outside any collective."""
+    """The demo dataset, calling ``stall()`` before its read of the first sample of step 3 (batch 8: 8 / world size
+    samples a step on each rank), outside any collective."""
 
     def __init__(self, dataset, stall):
         self.dataset, self.stall, self.reads = dataset, stall, 0
+        self.stall_at = 2 * (8 // int(os.environ["WORLD_SIZE"])) + 1
 
     def __len__(self):
         return len(self.dataset)
 
     def __getitem__(self, index):
         self.reads += 1
-        if self.reads == 9:
+        if self.reads == self.stall_at:
             self.stall()
         return self.dataset[index]
 
@@ -253,13 +254,13 @@ def test_a_rank_lost_on_one_node_is_recovered_on_both(reference, tmp_path):
 
 def dataset_hanging_rank_one(tokenizer, **kwargs):
     """Rank 1 (or, where ``$TUNE_TEST_HANG_HERE`` is set, the ranks that see it set to 1) hangs for good, once per
-    test: the file ``$TUNE_TEST_HANG_MARKER`` records that it did (torchrun's restart counts are per node, so they
-    cannot tell a restarted job apart)."""
+    test and rank: the file ``$TUNE_TEST_HANG_MARKER_rank_<rank>`` records that it did (torchrun's restart counts
+    are per node, so they cannot tell a restarted job apart)."""
     from toolkit.data import demo_dataset
 
     def hang():
         chosen = os.environ.get("TUNE_TEST_HANG_HERE", "1" if os.environ.get("RANK") == "1" else "0") == "1"
-        marker = Path(os.environ["TUNE_TEST_HANG_MARKER"])
+        marker = Path(f"{os.environ['TUNE_TEST_HANG_MARKER']}_rank_{os.environ['RANK']}")
         if chosen and not marker.exists():
             marker.touch()
             while True:
@@ -272,32 +273,35 @@ HANG = ["dist_timeout_s=20", "dataset._component_=tests.training.test_multinode.
 
 
 @pytest.mark.slow  # two launchers; the job waits out dist_timeout_s
-def test_a_rank_stuck_on_one_node_ends_the_job_on_both_with_its_stacks(tmp_path):
-    """The rank on node 0 hangs outside any collective. The rank on node 1 waits for it in a collective and fails
-    after dist_timeout_s (20 s), and so does its launcher; node 0's launcher, which hosts the rendezvous store, knows
-    nothing of that and would keep the job up forever: the stuck rank's watchdog must end it within dist_timeout_s
-    + its grace (10 s) of its last progress, and leave its stacks. (Stuck on node 1 instead, the job ends anyway:
-    node 1's launcher loses the store when node 0's exits.)"""
+def test_ranks_stuck_on_one_node_end_the_job_on_both_with_their_stacks(tmp_path):
+    """Two nodes of two processes: both ranks of node 0 hang outside any collective. Node 1's ranks wait for them in
+    a collective and fail after dist_timeout_s (20 s), and so does node 1's launcher; node 0's launcher, which hosts
+    the rendezvous store, knows nothing of that and would keep the job up forever: the stuck ranks' watchdogs must
+    end it within dist_timeout_s + their grace (10 s) of their last progress, and leave their stacks (the first to
+    exit, or both: its launcher then stops the other). Stuck on node 1 instead, the job ends anyway: node 1's
+    launcher loses the store when node 0's exits."""
     out = tmp_path / "shared"
     from toolkit.training.watchdog import GRACE_S
 
-    results = launch_nodes([out, out], tmp_path / "logs", 1, *HANG, check=False, stop_others=False,
+    results = launch_nodes([out, out], tmp_path / "logs", 2, *HANG, check=False, stop_others=False,
                            env={"TUNE_TEST_HANG_MARKER": str(tmp_path / "hung")},
                            node_env=[{"TUNE_TEST_HANG_HERE": "1"}, {"TUNE_TEST_HANG_HERE": "0"}])
-    assert (tmp_path / "hung").exists()
+    assert list(tmp_path.glob("hung_rank_*"))
     assert all(r.returncode != 0 and r.ended is not None for r in results), [r.stderr[-2000:] for r in results]
     # The waiting rank's node ends first (the collective's timeout); the stuck rank's within the grace and a few
     # seconds for its launcher to notice and tear down.
     assert results[1].ended < results[0].ended < results[1].ended + GRACE_S + 25
-    (dump,) = (out / "watchdog").iterdir()
-    rank = dump.name.split("_")[1]  # rank_<rank>_<host>.txt: c10d numbers the nodes itself
-    assert dump.name == f"rank_{rank}_{socket.gethostname()}.txt"
-    stacks = dump.read_text()
-    assert stacks.startswith(f"rank {rank} on {socket.gethostname()} made no progress for ")
-    assert "in __getitem__" in stacks  # the stuck thread's frame, in faulthandler's words
-    assert (f"rank {rank} exited with code 1: RankStuck: rank {rank} on {socket.gethostname()} made no progress"
+    dumps = sorted((out / "watchdog").iterdir())
+    assert 1 <= len(dumps) <= 2
+    for dump in dumps:
+        rank = dump.name.split("_")[1]  # rank_<rank>_<host>.txt: c10d numbers the nodes itself
+        assert dump.name == f"rank_{rank}_{socket.gethostname()}.txt"
+        stacks = dump.read_text()
+        assert stacks.startswith(f"rank {rank} on {socket.gethostname()} made no progress for ")
+        assert "in __getitem__" in stacks  # the stuck thread's frame, in faulthandler's words
+    assert (f"exited with code 1: RankStuck: rank {rank} on {socket.gethostname()} made no progress"
             in results[0].stderr)
-    assert str(dump) in results[0].stderr
+    assert any(str(dump) in results[0].stderr for dump in dumps)
 
 
 @pytest.mark.slow  # two launchers, each restarting its worker after the timeout
@@ -307,7 +311,7 @@ def test_a_rank_stuck_on_one_node_is_restarted_and_the_run_finishes_as_if_uninte
         [out, out], tmp_path / "logs", 1, "--max_restarts", "1", "save_every_n_steps=1", "overwrite=true", *HANG,
         env={"TUNE_TEST_HANG_MARKER": str(tmp_path / "hung")},
     )
-    assert (tmp_path / "hung").exists()
+    assert list(tmp_path.glob("hung_rank_*"))
     stdout = "".join(r.stdout for r in results)
     assert stdout.count(f"resumed at step 2 from {out / 'checkpoints' / 'step_2'}") == 1, stdout
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
@@ -316,3 +320,21 @@ def test_a_rank_stuck_on_one_node_is_restarted_and_the_run_finishes_as_if_uninte
     assert resumed.keys() == uninterrupted.keys()
     for key in resumed:
         torch.testing.assert_close(resumed[key], uninterrupted[key], rtol=1e-5, atol=1e-6)
+
+
+def test_nodes_with_different_torch_versions_are_refused_in_one_line(tmp_path):
+    # A node set up apart from the others (the test hook fakes its torch version): every rank stops at start-up,
+    # before training, with one line naming each version and its host, and exit code 2 on both nodes.
+    host = socket.gethostname()
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    results = launch_nodes(outs, tmp_path / "logs", 1, "data_parallel=ddp", check=False, stop_others=False,
+                           node_env=[{}, {"TUNE_TEST_FAKE_TORCH_VERSION": "2.0.0"}])
+    assert [r.returncode for r in results] == [2, 2], [r.stderr[-2000:] for r in results]
+    expected = (f"error: the nodes run different torch versions (torch {torch.__version__} on {host}; "
+                f"torch 2.0.0 on {host}): install the same on every node")
+    for r in results:
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert errors in ([expected], [expected.replace(f"torch {torch.__version__} on {host}; torch 2.0.0 on {host}",
+                                                        f"torch 2.0.0 on {host}; torch {torch.__version__} on {host}")])
+        assert "Traceback" not in r.stderr
+    assert not any((out / "metrics.jsonl").exists() for out in outs)

@@ -28,6 +28,7 @@ from toolkit.cli._cluster_env import (
     interface_addresses,
 )
 from toolkit.errors import UserError
+from toolkit.versions import torch_version
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 _SEVERITY = {OK: 0, WARN: 1, FAIL: 2}
@@ -36,8 +37,6 @@ GIB = 1024**3
 SHM_MIN_BYTES = 1 * GIB
 # Below this much free disk under the output folder, a run's checkpoints of a 7-8B model no longer fit.
 DISK_MIN_BYTES = 20 * GIB
-# Test hook only: replaces the torch version a process reports, to make nodes of one machine disagree.
-FAKE_TORCH_VERSION_ENV = "TUNE_DOCTOR_TEST_FAKE_TORCH_VERSION"
 # Written by the workers of each node, read by that node's `tune doctor`: its exit code (see _doctor_worker.py).
 VERDICT_FILE_ENV = "TUNE_DOCTOR_VERDICT_FILE"
 
@@ -264,7 +263,7 @@ def local_checks(output_dir: str, environ: Mapping[str, str] | None = None) -> l
         raise UserError(f"--output_dir {output_dir}: {e.strerror or e}") from None
     return [
         check_python(sys.version_info),
-        check_torch(environ.get(FAKE_TORCH_VERSION_ENV) or torch.__version__),
+        check_torch(torch_version(environ)),  # (a test hook can fake it: toolkit.versions)
         check_cuda(torch.version.cuda, gpu_count),
         check_nccl(nccl),
         check_driver(driver.splitlines()[0].strip() if driver else None, gpu_count),

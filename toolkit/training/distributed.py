@@ -1,6 +1,7 @@
 """Process groups and devices: the one place that reads torchrun's environment."""
 
 import os
+import socket
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.errors import UserError
+from toolkit.versions import torch_version
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ def init_distributed(*, device: str = "auto", timeout_s: float = 600.0) -> Distr
                 **_restart_store(rank=rank, world_size=world_size, timeout_s=timeout_s),
             )
             _agree_on_restart_count()
+            _check_same_torch()
     return DistributedEnv(
         rank=rank,
         local_rank=local_rank,
@@ -127,6 +130,26 @@ def _agree_on_restart_count() -> None:
     count = torch.tensor(int(os.environ["TORCHELASTIC_RESTART_COUNT"]))
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(int(count.item()))
+
+
+def _check_same_torch() -> None:
+    """Refuse, on every rank at once, a job whose processes run different torch versions (a node set up apart from
+    the others): their collectives and checkpoints may disagree in ways no error names. ``tune doctor`` reports the
+    same across nodes before a job.
+
+    Raises:
+        UserError: the versions differ; the line names each version and the hosts that run it.
+    """
+    mine = (socket.gethostname(), torch_version())
+    everyone: list[tuple[str, str]] = [mine] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    hosts_by_version: dict[str, list[str]] = {}
+    for host, version in everyone:
+        if host not in hosts_by_version.setdefault(version, []):
+            hosts_by_version[version].append(host)
+    if len(hosts_by_version) > 1:
+        found = "; ".join(f"torch {version} on {', '.join(hosts)}" for version, hosts in hosts_by_version.items())
+        raise UserError(f"the nodes run different torch versions ({found}): install the same on every node")
 
 
 def destroy_distributed() -> None:
