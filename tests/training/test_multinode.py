@@ -306,9 +306,11 @@ def test_ranks_stuck_on_one_node_end_the_job_on_both_with_their_stacks(tmp_path)
 
 @pytest.mark.slow  # two launchers, each restarting its worker after the timeout
 def test_a_rank_stuck_on_one_node_is_restarted_and_the_run_finishes_as_if_uninterrupted(reference_dir, tmp_path):
+    # Two nodes of two processes; rank 1 hangs in the first attempt. Whichever way the job ends (the others' timeout,
+    # its watchdog), both launchers start it again and it resumes from its last step checkpoint.
     out = tmp_path / "shared"  # one folder for both nodes: a shared filesystem, as step checkpoints need
     results = launch_nodes(
-        [out, out], tmp_path / "logs", 1, "--max_restarts", "1", "save_every_n_steps=1", "overwrite=true", *HANG,
+        [out, out], tmp_path / "logs", 2, "--max_restarts", "1", "save_every_n_steps=1", "overwrite=true", *HANG,
         env={"TUNE_TEST_HANG_MARKER": str(tmp_path / "hung")},
     )
     assert list(tmp_path.glob("hung_rank_*"))
