@@ -390,6 +390,7 @@ def _launch(args: argparse.Namespace) -> int:
     and exit with the verdict the workers of this node leave in a file."""
     import tempfile
 
+    from toolkit.cli._cluster_env import check_interface_names
     from toolkit.cli._run import (
         _check_gpus_per_node,
         _check_launch_flags,
@@ -405,11 +406,9 @@ def _launch(args: argparse.Namespace) -> int:
     if args.rdzv_endpoint:
         _check_resolves(args.rdzv_endpoint)
     uses_gpus = _uses_gpus("auto")
-    # A wrong interface would make the collectives wait for a connection that never comes: fail now, as tune run.
-    rows = check_environment(os.environ, sorted(interface_addresses()), [])
-    bad = [row for row in rows if row.verdict == FAIL]
-    if bad:
-        raise UserError(f"{bad[0].found}; {bad[0].fix}")
+    # A wrong interface would make the collectives wait for a connection that never comes: fail now, with tune run's
+    # own check, on both variables whatever the device (the machine is checked for any job).
+    check_interface_names(uses_gpus=True, environ=os.environ)
     flags = ["--nproc_per_node", str(args.nproc_per_node or (torch.cuda.device_count() if uses_gpus else 1)),
              "--nnodes", str(args.nnodes), "--node_rank", str(args.node_rank)]
     if args.rdzv_endpoint:
