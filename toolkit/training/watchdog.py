@@ -82,12 +82,17 @@ class Watchdog:
 
     def _watch(self) -> None:
         limit = self.timeout_s + self.grace_s
+        armed_for = None  # the beat the backstop's deadline was set from
         while not self._stop.wait(self.poll_s):
-            idle = time.monotonic() - self._last
+            last = self._last
+            idle = time.monotonic() - last
             if idle > limit:
                 self._fire(idle)
-            # Re-armed while this thread runs; fires only if it stops running (the interpreter lock held).
-            faulthandler.dump_traceback_later(limit - idle + BACKSTOP_S, exit=True, file=sys.stderr)
+            # Moved with each beat while this thread runs; fires only if it stops running (the interpreter lock
+            # held). Without a new beat its deadline stands, so it is not set again (each setting starts a thread).
+            if last != armed_for:
+                faulthandler.dump_traceback_later(limit - idle + BACKSTOP_S, exit=True, file=sys.stderr)
+                armed_for = last
 
     def _fire(self, idle: float) -> None:
         message = (f"rank {self.rank} on {self.host} made no progress for {idle:.0f} s (dist_timeout_s "
