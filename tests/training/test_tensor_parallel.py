@@ -118,6 +118,14 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "final" / "model.safetensors")
 
 
+def _assert_same_weights(ours: Path, expected: Path) -> None:
+    """The two runs exported the same tensors, bitwise."""
+    weights, reference = _weights(ours), _weights(expected)
+    assert weights.keys() == reference.keys()
+    for key, weight in reference.items():
+        assert torch.equal(weights[key], weight), key
+
+
 def test_the_recipe_on_zero3_over_tensor_parallel_pairs_trains_like_one_process(four_processes, one_process):
     # The demo recipe in this process (one_process) against the worker's 4 processes (2 ZeRO-3 ranks of TP pairs):
     # the same losses, tokens, gradient norms and exported weights. The split matmuls sum in another order: after 5
@@ -139,10 +147,7 @@ def test_a_resume_on_the_same_layout_is_bitwise_exact(four_processes):
     uninterrupted, resumed = four_processes / "recipe", four_processes / "recipe_resumed"
     assert [r["step"] for r in _records(resumed)] == list(range(worker.RESUMED_AT + 1, 6))
     assert [r["loss"] for r in _records(resumed)] == [r["loss"] for r in _records(uninterrupted)][worker.RESUMED_AT :]
-    weights, expected = _weights(resumed), _weights(uninterrupted)
-    assert weights.keys() == expected.keys()
-    for key, weight in expected.items():
-        assert torch.equal(weights[key], weight), key
+    _assert_same_weights(resumed, uninterrupted)
 
 
 def test_a_tensor_parallel_checkpoint_resumes_on_one_process(four_processes, tmp_path):
@@ -311,18 +316,14 @@ def test_tp2_with_activation_checkpointing_is_the_tp2_run(two_processes):
     # process's, to float rounding: test_tp2_and_zero3_train_like_one_process).
     ours, plain = two_processes["tp2_ac"], two_processes["tp2"]
     assert [r["loss"] for r in _records(ours)] == [r["loss"] for r in _records(plain)]
-    weights, expected = _weights(ours), _weights(plain)
-    for key, weight in expected.items():
-        assert torch.equal(weights[key], weight), key
+    _assert_same_weights(ours, plain)
 
 
 def test_tp2_steps_inside_backward_as_the_ordinary_step_does(two_processes):
     # One AdamW per parameter shard, stepped from its gradient hook: the same arithmetic as the ordinary step.
     ours, ordinary = two_processes["tp2_in_backward"], two_processes["tp2_ordinary"]
     assert [r["loss"] for r in _records(ours)] == [r["loss"] for r in _records(ordinary)]
-    weights, expected = _weights(ours), _weights(ordinary)
-    for key, weight in expected.items():
-        assert torch.equal(weights[key], weight), key
+    _assert_same_weights(ours, ordinary)
 
 
 @pytest.mark.parametrize(("name", "rtol"), [("tp2_fp16", 2e-4), ("tp2_bf16", 1e-3)])
