@@ -50,8 +50,8 @@ def test_mfu_is_positions_per_second_times_flops_over_peak():
                                      device=torch.device("cpu"), gather_rank_stats=False)
 
 
-def _steps(profiler: StepProfiler, n: int) -> None:
-    x = torch.randn(64, 64, requires_grad=True)
+def _steps(profiler: StepProfiler, n: int, device: str = "cpu") -> None:
+    x = torch.randn(64, 64, device=device, requires_grad=True)
     for _ in range(n):
         (x @ x).sum().backward()
         profiler.step()
@@ -65,6 +65,18 @@ def test_profiler_writes_a_trace_of_the_window(tmp_path):
     trace = json.loads((folder / "trace.json").read_text())
     assert any("mm" in event.get("name", "") for event in trace["traceEvents"])
     assert "aten::mm" in (folder / "summary.txt").read_text()
+    assert not (folder / "summary_device.txt").exists()  # no GPU time to sort by
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profiler_on_a_gpu_sorts_the_kernels_by_gpu_time(tmp_path):
+    profiler = StepProfiler(tmp_path, rank=0, enabled=True, wait_steps=1, warmup_steps=1, active_steps=2)
+    _steps(profiler, 6, device="cuda")
+    folder = tmp_path / "profile" / "rank_0"
+    table = (folder / "summary_device.txt").read_text()
+    assert "aten::mm" in table and "Self CUDA" in table, table
+    assert (folder / "memory_snapshot.pickle").stat().st_size > 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(enabled=False), dict(enabled=True, ranks=[1])])

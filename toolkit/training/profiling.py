@@ -20,7 +20,8 @@ class StepProfiler:
     """Profiles optimizer steps ``wait_steps + 1 .. wait_steps + warmup_steps + active_steps`` on the chosen ranks.
 
     After the window it writes ``<output_dir>/profile/rank_<r>/trace.json`` (open it in Perfetto or
-    ``chrome://tracing``; CPU and CUDA kernels, memory events) and, on CUDA, ``memory_snapshot.pickle`` (drag it onto
+    ``chrome://tracing``; CPU and CUDA kernels, memory events), ``summary.txt`` (the operators by CPU time) and, on
+    CUDA, ``summary_device.txt`` (by GPU time) and ``memory_snapshot.pickle`` (drag it onto
     https://pytorch.org/memory_viz): every allocation of the window with its stack. Ranks not chosen, or
     ``enabled: false``, cost nothing. Call :meth:`step` after every optimizer step and :meth:`close` at the end.
 
@@ -53,11 +54,13 @@ class StepProfiler:
         self.folder = Path(output_dir) / "profile" / f"rank_{rank}"
         self._profiler = None
         self._memory = False
+        self._device = False
         if not enabled or rank not in set(ranks):
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
+        self._device = torch.cuda.is_available()
+        if self._device:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(
             activities=activities,
@@ -78,9 +81,12 @@ class StepProfiler:
 
     def _write(self, profiler: torch.profiler.profile) -> None:
         profiler.export_chrome_trace(str(self.folder / "trace.json"))
-        (self.folder / "summary.txt").write_text(
-            profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n"
-        )
+        averages = profiler.key_averages()
+        (self.folder / "summary.txt").write_text(averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+        if self._device:  # where the GPU's time goes: kernels first, not the CPU calls that launched them
+            (self.folder / "summary_device.txt").write_text(
+                averages.table(sort_by="self_device_time_total", row_limit=60) + "\n"
+            )
         if self._memory:
             torch.cuda.memory._dump_snapshot(str(self.folder / "memory_snapshot.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
