@@ -16,13 +16,16 @@ same rows for every kernel:
   flash kernel;
 * **flex block mask**: packed rows, :class:`toolkit.modules.DocumentMasks` (the recipes' default on CUDA), compiled
   FlexAttention skipping the blocks masked whole;
+* **..., made before the timing**: the two rows above with the mask made once, outside the timing: the kernels'
+  own time (a model builds the mask once per batch for all its layers, so a layer's share of it is small);
 * **sdpa causal, unpacked, cuDNN** (CUDA only): the first row with SDPA held to its cuDNN backend, which PyTorch
-  ranks last (flash first). cuDNN's kernels are reported faster on Hopper; this row measures that on the machine
+  ranks last in most versions (torch 2.11 on an H200 picked it by default: then the two rows are the same kernel).
+  cuDNN's kernels are reported faster on Hopper; this row measures that on the machine
   at hand, for our layer's shapes (grouped-query heads), and prints how far its output is from the flash kernel's.
   A backend that cannot serve the call is reported as such.
 
 Times are medians over ``--iters`` after ``--warmup`` iterations (compilation happens there), each from the
-mask's construction to the end of backward (``torch.cuda.synchronize``). Memory is the peak allocated above what
+mask's construction (unless made before) to the end of backward (``torch.cuda.synchronize``). Memory is the peak allocated above what
 the layer and its input hold. The last column is the time relative to the dense mask.
 
 On CPU, PyTorch has no FlexAttention backward, so ``--device cpu`` times forward passes without gradients, and
@@ -70,15 +73,21 @@ def packed_positions(batch_size: int, seq_len: int, mean_doc: int, seed: int = 0
     return torch.stack(rows)
 
 
+def build_mask(layer: nn.Module, batch: dict, *, flex: bool):
+    mask = batch_attention_mask(batch, flex_attention=flex)
+    return mask.for_layer(layer) if hasattr(mask, "for_layer") else mask
+
+
 def measure(layer: nn.Module, x: torch.Tensor, batch: dict, *, flex: bool, train: bool, warmup: int, iters: int,
-            backend: SDPBackend | None = None):
-    """Median seconds and peak bytes of one forward (and backward) with the mask made inside the timing; SDPA held
-    to ``backend`` if given."""
+            backend: SDPBackend | None = None, prebuilt: bool = False):
+    """Median seconds and peak bytes of one forward (and backward) with the mask made inside the timing, or once
+    before it (``prebuilt``: the kernels alone); SDPA held to ``backend`` if given."""
     if backend is not None:
         with sdpa_kernel(backend):
-            return measure(layer, x, batch, flex=flex, train=train, warmup=warmup, iters=iters)
+            return measure(layer, x, batch, flex=flex, train=train, warmup=warmup, iters=iters, prebuilt=prebuilt)
     device = x.device
     times = []
+    ready = build_mask(layer, batch, flex=flex) if prebuilt else None
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     for i in range(warmup + iters):
         if device.type == "cuda":
@@ -87,9 +96,7 @@ def measure(layer: nn.Module, x: torch.Tensor, batch: dict, *, flex: bool, train
                 torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         with torch.set_grad_enabled(train):
-            mask = batch_attention_mask(batch, flex_attention=flex)
-            if hasattr(mask, "for_layer"):
-                mask = mask.for_layer(layer)
+            mask = ready if prebuilt else build_mask(layer, batch, flex=flex)
             out = layer(x, mask=mask, input_pos=batch.get("input_pos"))
             if train:
                 out.sum().backward()
@@ -127,17 +134,19 @@ def main() -> None:
     packed = {"tokens": tokens, "input_pos": input_pos}
     documents = int((input_pos == 0).sum())
     runs = [
-        ("sdpa causal, unpacked", {"tokens": tokens}, False, None),
-        ("sdpa dense mask", packed, False, None),
-        ("flex block mask", packed, True, None),
+        ("sdpa causal, unpacked", {"tokens": tokens}, False, None, False),
+        ("sdpa dense mask", packed, False, None, False),
+        ("flex block mask", packed, True, None, False),
+        ("sdpa dense mask, made before the timing", packed, False, None, True),
+        ("flex block mask, made before the timing", packed, True, None, True),
     ]
     if device.type == "cuda":
-        runs.append(("sdpa causal, unpacked, cuDNN", {"tokens": tokens}, False, SDPBackend.CUDNN_ATTENTION))
+        runs.append(("sdpa causal, unpacked, cuDNN", {"tokens": tokens}, False, SDPBackend.CUDNN_ATTENTION, False))
     results, notes = [], []
-    for name, batch, flex, backend in runs:
+    for name, batch, flex, backend, prebuilt in runs:
         try:
             results.append((name, *measure(layer, x, batch, flex=flex, train=train, warmup=args.warmup,
-                                           iters=args.iters, backend=backend)))
+                                           iters=args.iters, backend=backend, prebuilt=prebuilt)))
         except RuntimeError as e:  # SDPA held to a backend that cannot serve these shapes
             notes.append(f"{name}: not served ({str(e).splitlines()[0][:160]})")
     if device.type == "cuda" and not notes:
