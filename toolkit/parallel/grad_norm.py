@@ -30,7 +30,7 @@ def global_norm(tensors: list[torch.Tensor]) -> float:
     different shards, in one collective per layout (a handful), rather than in one per parameter as the norms of
     DTensors are. A replicated part is the same on every rank holding it, so it is not summed over those.
     """
-    squares: dict[tuple | None, torch.Tensor] = {}
+    parts: dict[tuple | None, list[torch.Tensor]] = {}
     for t in tensors:
         layout = None
         if isinstance(t, DTensor):
@@ -38,10 +38,12 @@ def global_norm(tensors: list[torch.Tensor]) -> float:
                 t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
             layout = (t.device_mesh, t.placements)
             t = t.to_local()
-        square = torch.linalg.vector_norm(t, dtype=torch.float32).square()
-        squares[layout] = squares[layout] + square if layout in squares else square
+        parts.setdefault(layout, []).append(t)
     total = torch.zeros((), dtype=torch.float32)
-    for layout, square in squares.items():
+    for layout, local in parts.items():
+        # One multi-tensor kernel for all of a layout's norms on CUDA (a profile of a 3B step found 254 norm kernels
+        # and as many squares and adds, launched one by one), then their squares summed.
+        square = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32)).square().sum()
         if layout is not None:
             square = _sum_over_shards(square, *layout)
         total = total + square.cpu()
