@@ -6,7 +6,8 @@ that are masked whole and also soft-caps Gemma 2's scores inside its kernel; els
 ``[b, s, s]`` mask. Either way the mask is made here, from ``input_pos`` on the device, not by the data loader:
 no ``s x s`` tensor is built on the host and copied over with every batch.
 
-SDPA itself picks among its backends by a fixed priority (flash, memory-efficient, math, then cuDNN);
+SDPA itself picks among its backends by a priority that depends on the PyTorch version and the GPU (flash first
+and cuDNN last in most; torch 2.11 served our layers on an H200 with cuDNN's kernels);
 :func:`sdpa_preference` puts another one first (config ``sdpa_backend``).
 """
 
@@ -111,8 +112,8 @@ def sdpa_preference(setting: str | None) -> Iterator[None]:
 
     A preference, not a restriction: shapes the preferred backend cannot serve (on the CPU, every shape for
     ``cudnn``) run exactly as without it. Enter it before the model's first forward: ``torch.compile`` picks the
-    backend when it traces. PyTorch ranks cuDNN's attention last; ``cudnn`` is the one to try on Hopper GPUs, where
-    its kernels are reported faster than flash (``benchmarks/attention.py`` measures it on the machine at hand).
+    backend when it traces. ``cudnn`` is the one to try on Hopper GPUs where PyTorch's order puts it behind flash
+    (its kernels are reported faster there; ``benchmarks/attention.py`` measures it on the machine at hand).
 
     Args:
         setting: the config's ``sdpa_backend``: ``default`` (or None) leaves PyTorch's order, or one of
