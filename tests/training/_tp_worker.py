@@ -6,8 +6,8 @@ The layouts, all from one 4-rank mesh:
 
 - ``tp2``: two independent tensor-parallel pairs, each training on the whole batch (no data parallelism);
 - ``tp4``: the 4 ranks split each layer;
-- ``ddp_tp2``, ``zero3_tp2``, ``hsdp_tp2``: 2 data-parallel ranks (DDP semantics, ZeRO-3, HSDP on a 2-D FSDP mesh)
-  of tensor-parallel pairs;
+- ``ddp_tp2``, ``zero2_tp2``, ``zero3_tp2``, ``hsdp_tp2``: 2 data-parallel ranks (DDP semantics, ZeRO-2, ZeRO-3,
+  HSDP on a 2-D FSDP mesh) of tensor-parallel pairs;
 - ``hsdp_r2_tp2``: HSDP with shard groups of one rank (``hsdp_shard_size: 1``), so that its replicate dimension is
   the real one: 2 replicas of a tensor-parallel pair (``hsdp_tp2`` shards over the 2 instead, a replica of one).
 
@@ -15,7 +15,7 @@ After training, each run generates from a fixed prompt with the trained model (g
 top-p from a seeded generator: the logits are gathered whole, so every rank draws the same token), and scores the
 prompt's logits.
 
-Every run trains 3 steps of a global batch of 4 rows of different lengths (prompt positions and padding ignored),
+Every run trains 5 steps of a global batch of 4 rows of different lengths (prompt positions and padding ignored),
 with AdamW and the gradient norm clipped; the layouts differ in how a rank's share is cut into micro-batches too.
 Rank zero saves, per case and layout, the losses, the gradient norms, the final weights (gathered whole) and the
 generations to ``results.pt`` (``torch.save``); the test computes the one-process references itself
@@ -54,13 +54,14 @@ from toolkit.models.llama3 import llama3
 from toolkit.models.qwen2_5 import qwen2_5
 from toolkit.modules import Llama3RopeScaling
 from toolkit.modules.peft import adapter_modules, get_adapter_params, get_merged_state_dict, init_adapters, set_trainable_params
+from toolkit.modules.peft.nf4 import dequantize
 from toolkit.parallel import ParallelDims, parallel_dims
 from toolkit.paths import configs_dir, recipes_dir
 from toolkit.training import forward_backward, init_weights, optimizer_step, parallelize
 
-# 3 steps: the second and third update with AdamW's state (each rank's shard of it), each step's batch of other
-# lengths; a fourth and fifth (9 s of the launch, measured) exercise nothing the third does not.
-STEPS, BATCH, VOCAB = 3, 4, 96
+# 5 steps, each step's batch of other lengths: from the second on, AdamW updates with its state (each rank's shard
+# of it), and rounding differences between layouts have steps to grow in.
+STEPS, BATCH, VOCAB = 5, 4, 96
 # 8 query and 4 key/value heads: grouped-query attention that tensor_parallel=4 still splits.
 SIZES = dict(vocab_size=VOCAB, num_heads=8, num_kv_heads=4, intermediate_dim=128, max_seq_len=32)
 MODELS = {
@@ -86,29 +87,36 @@ ADAPTERS = {
     # reduced over the split columns.
     "dora": dict(lora_attn_modules=["q_proj", "o_proj"], lora_rank=4, use_dora=True),
 }
+# QLoRA (LoRA on NF4 bases) where the weights are not split by tensor parallelism, which refuses it: the
+# context-parallel layouts (_cp_worker.py).
+WHOLE_WEIGHT_ADAPTERS = {
+    "qlora": dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "o_proj"], apply_lora_to_mlp=True, lora_rank=4,
+                  quantize_base=True),
+}
 # name: (data_parallel, tensor_parallel, hsdp_shard_size, micro-batches per rank and step)
 LAYOUTS = {
     "tp2": ("ddp", 2, None, 2), "tp4": ("ddp", 4, None, 1), "ddp_tp2": ("ddp", 2, None, 1),
-    "zero3_tp2": ("zero3", 2, None, 2), "hsdp_tp2": ("hsdp", 2, 2, 1), "hsdp_r2_tp2": ("hsdp", 2, 1, 2),
+    "zero2_tp2": ("zero2", 2, None, 1), "zero3_tp2": ("zero3", 2, None, 2), "hsdp_tp2": ("hsdp", 2, 2, 1), "hsdp_r2_tp2": ("hsdp", 2, 1, 2),
 }
-# Each case on one split of the heads alone (tp2 or tp4) or with data parallelism, so that every model, mode and
-# layout is covered in one launch of about a minute: each run costs seconds here, where 4 processes on 2 cores wait
-# on each other at every collective. (Llama's full fine-tune on zero3 x tp2 runs through the recipe, in
-# test_parallel_parity.py.)
 # Sequence parallelism on a base layout: the residual stream and norms split along the sequence too.
 SEQUENCE_PARALLEL = {"tp2_sp": "tp2", "tp4_sp": "tp4", "zero3_tp2_sp": "zero3_tp2"}
+# Every model and mode on every layout: the 9 cases on tp2, tp4, ddp x tp2, zero3 x tp2 and one of HSDP's two (in
+# turn, so that each HSDP layout trains full, LoRA and DoRA cases of all three models between them; both for every
+# case would add 9 runs), 45 runs, then 3 on ZeRO-2 x tp2 (one mode of each model) and 3 with sequence parallelism. The launch trains them in about 140 s here
+# (measured; 4 processes on 2 cores wait on each other at every collective). (Llama's full fine-tune on
+# zero3 x tp2 also runs through the recipe, in test_parallel_parity.py.)
+CASES = [(name, mode) for name in MODELS for mode in ADAPTERS]
 RUNS = [
-    ("llama", "full", "tp2"), ("llama", "full", "tp4"), ("llama", "full", "ddp_tp2"), ("llama", "full", "hsdp_tp2"),
-    ("qwen", "full", "zero3_tp2"), ("qwen", "full", "hsdp_r2_tp2"), ("gemma", "full", "ddp_tp2"),
-    ("qwen", "lora", "tp4"),
-    ("llama", "lora", "zero3_tp2"), ("gemma", "dora", "tp2"),
+    *((name, mode, layout) for i, (name, mode) in enumerate(CASES)
+      for layout in ("tp2", "tp4", "ddp_tp2", "zero3_tp2", ("hsdp_tp2", "hsdp_r2_tp2")[i % 2])),
+    ("llama", "lora", "zero2_tp2"), ("qwen", "full", "zero2_tp2"), ("gemma", "dora", "zero2_tp2"),
     ("llama", "full", "tp2_sp"), ("gemma", "full", "zero3_tp2_sp"), ("qwen", "lora", "tp4_sp"),
 ]
 
 
 def build(name: str, mode: str, *, models: dict = MODELS) -> torch.nn.Module:
     """The case's model (from ``models``) on the meta device, only its adapters trainable when it has any."""
-    adapters = ADAPTERS[mode]
+    adapters = {**ADAPTERS, **WHOLE_WEIGHT_ADAPTERS}[mode]
     linear = plain_linear
     if adapters is not None:
         linear = lora_linear(**adapters, apply_lora_to_output=name == "llama" and mode == "lora")
@@ -159,7 +167,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    """The whole tensor, as plain values (an NF4 base dequantized)."""
+    return dequantize(t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 PROMPT = [5, 17, 42, 3, 88, 9]
