@@ -10,7 +10,7 @@ The layouts (name: data_parallel, tensor_parallel, context_parallel, micro-batch
 - ``ddp_tp2_cp2`` and ``zero3_tp2_cp2``: a CP pair of tensor-parallel pairs (one reader of rows);
 - ``zero3_cp2_ac``: ``zero3_cp2`` with activation checkpointing.
 
-Full fine-tuning, LoRA and DoRA; each run trains 5 AdamW steps (gradient norm clipped) of a global batch of 4 rows, unpacked (lengths 5 to 20, a
+Full fine-tuning, LoRA, DoRA and QLoRA; each run trains 5 AdamW steps (gradient norm clipped) of a global batch of 4 rows, unpacked (lengths 5 to 20, a
 prompt ignored) or packed (2 to 4 documents of uneven lengths per row, crossing the CP chunks' boundaries), for both
 methods (``ring``, ``alltoall``); rank zero saves the losses, gradient norms and final weights (gathered whole) per
 run to ``results.pt``, and the test trains the one-process references (no split) with the same code and compares.
@@ -45,6 +45,8 @@ RUNS = [
     ("llama", "full", "packed", "cp2"), ("llama", "full", "packed", "zero3_tp2_cp2"),
     ("llama", "lora", "packed", "zero3_cp2"), ("llama", "lora", "unpacked", "zero3_tp2_cp2"),
     ("llama", "dora", "packed", "cp2"), ("llama", "full", "packed", "zero3_cp2_ac"),
+    # QLoRA: NF4 bases (whole on every rank: FSDP2 does not shard them), adapters under ZeRO-3.
+    ("llama", "qlora", "packed", "zero3_cp2"),
     # Gemma 2: a sliding window (layer 0), attention and final soft-caps.
     ("gemma", "full", "packed", "cp2"),
 ]
