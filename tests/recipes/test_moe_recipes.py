@@ -254,6 +254,55 @@ def test_expert_adapters_on_a_model_without_experts_are_refused_in_one_line(key,
     assert not (tmp_path / "out").exists()
 
 
+def _explicit_model(folder: Path, **changed: object) -> list[str]:
+    """Overrides that build the checkpoint's Qwen3-MoE from the family's builder with its sizes spelled out (as a
+    config for a named model does, rather than from config.json as ``any_model`` does), ``changed`` replaced."""
+    config = json.loads((folder / "config.json").read_text())
+    sizes = dict(
+        vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"], embed_dim=config["hidden_size"], intermediate_dim=config["intermediate_size"],
+        moe_intermediate_dim=config["moe_intermediate_size"],
+        num_experts=config.get("num_experts", config.get("num_local_experts")),  # (transformers 5 names it so)
+        num_experts_per_tok=config["num_experts_per_tok"], router_aux_loss_coef=config["router_aux_loss_coef"],
+        norm_topk_prob=config["norm_topk_prob"], norm_eps=config["rms_norm_eps"],
+        rope_base=config.get("rope_theta") or config["rope_parameters"]["rope_theta"],
+    )
+    return ["model._component_=toolkit.models.qwen3_moe.qwen3_moe", "~model.path",
+            *(f"model.{key}={value}" for key, value in {**sizes, **changed}.items())]
+
+
+def test_the_checkpoint_loads_into_the_family_builder_spelled_out(moe_folder, one_process, tmp_path):
+    # The control for the refusals below: the same overrides, nothing changed, train as any_model does.
+    out = tmp_path / "out"
+    result = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={out}",
+                  *_overrides(moe_folder, "max_steps=1"), *_explicit_model(moe_folder))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _records(out)[0]["loss"] == pytest.approx(_records(one_process)[0]["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(("changed", "says"), [
+    # Fewer experts than the checkpoint has: its experts 4-7 have nowhere to go.
+    (dict(num_experts=4), r"error: .*tiny_qwen3_moe\d*: the checkpoint has 8 experts per layer but the model has 4 "
+                          r"\(counted from 'model.layers.0.mlp.experts.7.down_proj.weight'\); is it a checkpoint of "
+                          r"this model\?"),
+    # The same weights, another top-k: only config.json can tell.
+    (dict(num_experts_per_tok=3), r"error: .*tiny_qwen3_moe\d*: the checkpoint's config.json routes each token to "
+                                  r"num_experts_per_tok=2 experts but the model to 3; is it a checkpoint of this model\?"),
+], ids=["num_experts", "num_experts_per_tok"])
+def test_a_checkpoint_with_another_expert_count_or_top_k_is_refused_in_one_line(moe_folder, changed, says, tmp_path):
+    import re
+
+    out = tmp_path / "out"
+    result = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={out}",
+                  *_overrides(moe_folder, "max_steps=1"), *_explicit_model(moe_folder, **changed))
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr
+    assert re.fullmatch(says, lines[-1]), lines[-1]
+    assert not out.exists()  # refused before the output folder was made
+
+
 def test_lora_with_trained_routers_trains_alike_on_two_processes(moe_folder, router_one_process, two_processes):
     ours, reference = _records(two_processes["lora_router"]), _records(router_one_process)
     assert len(ours) == len(reference) == STEPS
