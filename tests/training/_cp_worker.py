@@ -8,7 +8,8 @@ The layouts (name: data_parallel, tensor_parallel, context_parallel, micro-batch
 - ``cp4``: one CP group of all 4 ranks;
 - ``zero3_cp2``: ZeRO-3 over the 4 ranks, two CP pairs;
 - ``ddp_tp2_cp2`` and ``zero3_tp2_cp2``: a CP pair of tensor-parallel pairs (one reader of rows);
-- ``zero3_cp2_ac``: ``zero3_cp2`` with activation checkpointing.
+- ``zero3_cp2_ac``: ``zero3_cp2`` with activation checkpointing;
+- ``zero2_cp2`` and ``hsdp_cp2``: ZeRO-2, and HSDP with shard groups of one rank, of CP pairs.
 
 Full fine-tuning, LoRA, DoRA and QLoRA; each run trains 5 AdamW steps (gradient norm clipped) of a global batch of 4 rows, unpacked (lengths 5 to 20, a
 prompt ignored) or packed (2 to 4 documents of uneven lengths per row, crossing the CP chunks' boundaries), for both
@@ -18,7 +19,8 @@ run to ``results.pt``, and the test trains the one-process references (no split)
 Then the full fine-tune recipe on the demo (tests/training/_tp_worker.py's ``RECIPE``, saving at steps 2, 4 and 5)
 with ``context_parallel=2`` (ring) into ``recipe/``, and resumed from its step 2 with ``context_parallel=4``
 (alltoall) into ``recipe_resumed/``, and from its step 4 without the split into ``recipe_cp1/``, each scoring the
-held-out set after step 5: the test compares them with each other and with the one-process run of the same config.
+held-out set after step 5: the test compares them with each other and with the one-process run of the same config;
+and with ``data_parallel=zero1`` and ``context_parallel=2`` into ``recipe_zero1/``.
 """
 
 import sys
@@ -38,7 +40,11 @@ LAYOUTS = {
     "ddp_tp2_cp2": ("ddp", 2, 2, 2), "zero3_tp2_cp2": ("zero3", 2, 2, 1),
     # zero3_cp2 with activation checkpointing: each layer's forward (and its exchanges) again in backward.
     "zero3_cp2_ac": ("zero3", 1, 2, 1),
+    # ZeRO-2, and HSDP with shard groups of one rank (HSDP_SHARD_SIZE: all 4 replicas, the CP pairs' ranks being
+    # data-parallel ranks too), of CP pairs.
+    "zero2_cp2": ("zero2", 1, 2, 2), "hsdp_cp2": ("hsdp", 1, 2, 1),
 }
+HSDP_SHARD_SIZE = {"hsdp_cp2": 1}
 # (model, mode, data) on layouts, each for both methods.
 RUNS = [
     *[("llama", "full", "unpacked", layout) for layout in LAYOUTS],
@@ -47,6 +53,7 @@ RUNS = [
     ("llama", "dora", "packed", "cp2"), ("llama", "full", "packed", "zero3_cp2_ac"),
     # QLoRA: NF4 bases (whole on every rank: FSDP2 does not shard them), adapters under ZeRO-3.
     ("llama", "qlora", "packed", "zero3_cp2"),
+    ("llama", "full", "packed", "zero2_cp2"), ("llama", "lora", "unpacked", "hsdp_cp2"),
     # Gemma 2: a sliding window (layer 0), attention and final soft-caps.
     ("gemma", "full", "packed", "cp2"),
 ]
@@ -144,7 +151,8 @@ def main(out: Path) -> None:
     for name, mode, data, layout in RUNS:
         strategy, tp, cp, micro_steps = LAYOUTS[layout]
         dims = parallel_dims(strategy=strategy, world_size=world, local_world_size=world, device_type="cpu",
-                             tensor_parallel=tp, rank=rank, context_parallel=cp)
+                             tensor_parallel=tp, rank=rank, context_parallel=cp,
+                             shard_size=HSDP_SHARD_SIZE.get(layout))
         mesh = dims.build_mesh("cpu")
         for method in CP_METHODS:
             result = train(name, mode, data, dims, mesh, dims.context_parallel("cpu", method), micro_steps=micro_steps,
@@ -159,6 +167,9 @@ def main(out: Path) -> None:
                f"resume_from={recipe}/checkpoints/step_2", f"output_dir={out / 'recipe_resumed'}")
     # The last step again without the split, for the held-out loss of the same weights scored whole.
     run_recipe(*RECIPE, *VALIDATION, f"resume_from={recipe}/checkpoints/step_4", f"output_dir={out / 'recipe_cp1'}")
+    # ZeRO-1 (the optimizer's state sharded over the 2 reading ranks by ZeroRedundancyOptimizer) of CP pairs: a
+    # recipe strategy with no counterpart in train() above.
+    run_recipe(*RECIPE, "data_parallel=zero1", "context_parallel=2", f"output_dir={out / 'recipe_zero1'}")
     dist.destroy_process_group()
 
 

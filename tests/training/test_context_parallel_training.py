@@ -88,6 +88,13 @@ def test_the_recipe_with_context_parallelism_trains_like_one_process(launched, o
         torch.testing.assert_close(ours[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
+def test_zero1_over_context_parallel_pairs_trains_like_one_process(launched, one_process):
+    torch.testing.assert_close(_losses(launched / "recipe_zero1"), _losses(one_process), rtol=1e-5, atol=0)
+    ours, reference = (load_file(out / "final" / "model.safetensors") for out in (launched / "recipe_zero1", one_process))
+    for key in reference:
+        torch.testing.assert_close(ours[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
 def test_a_run_resumed_on_another_context_parallel_degree_continues_it(launched, one_process):
     resumed = _losses(launched / "recipe_resumed")
     assert len(resumed) == 3  # steps 3 to 5
