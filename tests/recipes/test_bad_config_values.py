@@ -296,7 +296,6 @@ TP_CASES = [
     ("full_finetune", ["context_parallel=4", "tensor_parallel=2", "context_parallel_method=alltoall"], 8,
      "context_parallel"),  # 2 heads per TP rank
     ("full_finetune", ["context_parallel=2", "batch_size=33"], 4, "batch_size"),  # over 2 row-reading ranks
-    ("full_finetune", ["context_parallel=2", "compile=true"], 2, "compile"),
     ("full_finetune", ["context_parallel=2", "tensor_parallel=2", "sequence_parallel=true"], 4,
      "sequence_parallel"),
     ("full_finetune", ["context_parallel=2", "micro_batch_size=auto"], 2, "micro_batch_size"),

@@ -20,7 +20,8 @@ Then the full fine-tune recipe on the demo (tests/training/_tp_worker.py's ``REC
 with ``context_parallel=2`` (ring) into ``recipe/``, and resumed from its step 2 with ``context_parallel=4``
 (alltoall) into ``recipe_resumed/``, and from its step 4 without the split into ``recipe_cp1/``, each scoring the
 held-out set after step 5: the test compares them with each other and with the one-process run of the same config;
-and with ``data_parallel=zero1`` and ``context_parallel=2`` into ``recipe_zero1/``.
+with ``data_parallel=zero1`` and ``context_parallel=2`` into ``recipe_zero1/``; and compiled with each method into
+``recipe_compiled_<method>/``.
 """
 
 import sys
@@ -170,6 +171,11 @@ def main(out: Path) -> None:
     # ZeRO-1 (the optimizer's state sharded over the 2 reading ranks by ZeroRedundancyOptimizer) of CP pairs: a
     # recipe strategy with no counterpart in train() above.
     run_recipe(*RECIPE, "data_parallel=zero1", "context_parallel=2", f"output_dir={out / 'recipe_zero1'}")
+    # Compiled: each layer's graph broken at the attention's exchanges, which run eagerly (both methods; the second
+    # reuses the first's compiled graphs around them).
+    for method in CP_METHODS:
+        run_recipe(*RECIPE, "context_parallel=2", f"context_parallel_method={method}", "compile=true",
+                   f"output_dir={out / f'recipe_compiled_{method}'}")
     dist.destroy_process_group()
 
 

@@ -104,7 +104,7 @@ class GroupedQueryAttention(nn.Module):
         if isinstance(mask, SplitSequenceAttention):  # context parallelism: the sequence is split over ranks
             if self.kv_cache is not None:
                 raise ValueError("attention over a split sequence is for training and scoring, not for a KV cache")
-            return self.o_proj(mask.attend(self, q, k, v).transpose(1, 2).reshape(b, s, -1))
+            return self.o_proj(_attend_split(mask, self, q, k, v).transpose(1, 2).reshape(b, s, -1))
         if self.kv_cache is not None:
             if isinstance(mask, BlockMask):
                 raise ValueError("a FlexAttention block mask is for training and scoring, not for a KV cache")
@@ -189,6 +189,14 @@ class SplitSequenceAttention:
     ) -> torch.Tensor:
         """``[b, n_h, s, h_d]`` attention outputs for the local queries ``q`` and keys/values ``k``, ``v``."""
         raise NotImplementedError
+
+
+@torch.compiler.disable
+def _attend_split(split: SplitSequenceAttention, layer: "GroupedQueryAttention", q, k, v) -> torch.Tensor:
+    """``split.attend`` run eagerly inside a compiled layer: the exchanges between processes (all-to-all, the ring's
+    sends and receives, and their autograd functions) are not traced, so a compiled layer breaks its graph here and
+    compiles the projections, norms and MLP around it."""
+    return split.attend(layer, q, k, v)
 
 
 # tl.dot in FlexAttention's Triton kernels needs at least 16 features per head (PyTorch raises otherwise).

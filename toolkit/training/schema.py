@@ -222,7 +222,7 @@ def expert_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
 
 
 @rule("context_parallel", "context_parallel_method", "tensor_parallel", "expert_parallel", "sequence_parallel",
-      "compile", "micro_batch_size", "model")
+      "micro_batch_size", "model")
 def context_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
     """``context_parallel`` divides the data-parallel processes and, for ``alltoall``, each tensor-parallel rank's
     attention heads; what it does not combine with yet is refused by name. (A sequence is padded to a multiple of
@@ -243,8 +243,6 @@ def context_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
         yield "micro_batch_size", f"auto cannot combine with {with_cp} yet; give micro_batch_size a number"
     if ctx.get("sequence_parallel"):
         yield "sequence_parallel", f"cannot combine with {with_cp} yet; remove one of them"
-    if ctx.get("compile"):
-        yield "compile", f"cannot combine with {with_cp} yet (the ring's exchanges are not traced); remove compile"
     model = None if layout else _meta_model(ctx.get("model"))  # (a layout that does not fit is the line to read)
     if model is None:
         return
