@@ -5,13 +5,16 @@ tokenizer the test trains), through the `any_model` configs.
   load-balancing loss included), that loss's share, the per-expert token counts and the gradient norm. fp32 on
   CPU: the layouts differ only in the order of float sums, so 1e-5 relative (the counts are integers: exact).
 - A run killed by SIGKILL and resumed ends bitwise where the uninterrupted run does.
+- A checkpoint whose expert count or top-k is not the config's model's is refused in one line, exit 2.
 - The export loads in `transformers` with our model's logits (1e-4: fp32, other kernels).
 - Expert parallelism (2 ranks sharing out the experts, ZeRO-3 on the rest) too, and its export and step checkpoint
-  are the one-process run's (the checkpoint resumed on one process).
+  are the one-process run's (the checkpoint resumed on one process; and the one-process run's resumed on 2 ranks
+  sharing out the experts).
 - LoRA with adapters on every expert, under expert parallelism: each expert's adapters train, the merged model is
   written in the per-expert Hugging Face layout and loads in `transformers`, and the PEFT adapter (written from each
   rank's experts) on the base in `peft` gives the merged model's logits.
-- LoRA with the routers trained whole too (`train_router`): 2 processes under zero3 train like one, the routers
+- LoRA with the routers trained whole too (`train_router`): 2 processes under zero3, ddp and zero3 x expert_parallel
+  2 train like one, the routers
   change (and stay frozen without it), the step checkpoint holds and resumes them, and the merged export, `tune
   merge` of the PEFT adapter (routers as `modules_to_save`) and `peft` on transformers all have them.
 """
@@ -115,6 +118,10 @@ TWO_PROCESS_RUNS = {
                                                  "model.apply_lora_to_experts=true", "optimizer.lr=1e-2",
                                                  "save_merged=true"]),
     "lora_router": ("lora_finetune", "any_model_lora", ["data_parallel=zero3", "save_every_n_steps=null", *ROUTER]),
+    # The same with the experts (and their adapters) shared out over the 2 ranks, and under DDP.
+    "lora_router_ep2": ("lora_finetune", "any_model_lora", ["data_parallel=zero3", "expert_parallel=2",
+                                                            "save_every_n_steps=null", *ROUTER]),
+    "lora_router_ddp": ("lora_finetune", "any_model_lora", ["data_parallel=ddp", "save_every_n_steps=null", *ROUTER]),
     # DPO on the mixture of experts (a frozen copy as the reference), its load-balancing loss included.
     **{f"dpo_{name}": ("preference_finetune", "any_model_dpo", [*DPO, *extra]) for name, extra in {
         "ddp": ["data_parallel=ddp"], "zero3": ["data_parallel=zero3"],
@@ -124,12 +131,17 @@ TWO_PROCESS_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def two_processes(moe_folder, tmp_path_factory) -> dict[str, Path]:
+def two_processes(moe_folder, one_process, tmp_path_factory) -> dict[str, Path]:
+    """TWO_PROCESS_RUNS, and ep2_from_one: the one-process run's step 2 checkpoint resumed with the experts shared
+    out over 2 ranks."""
     root = tmp_path_factory.mktemp("moe_two")
     runs = {
         name: RecipeRun(recipe, root / name, *_overrides(moe_folder, *overrides), config=config)
         for name, (recipe, config, overrides) in TWO_PROCESS_RUNS.items()
     }
+    runs["ep2_from_one"] = RecipeRun("full_finetune", root / "ep2_from_one", *_overrides(
+        moe_folder, "data_parallel=zero3", "expert_parallel=2", "save_every_n_steps=null",
+        f"resume_from={one_process / 'checkpoints' / 'step_2'}"), config="any_model")
     result = run_recipes(list(runs.values()), nproc=2, timeout_s=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return {name: run.output_dir for name, run in runs.items()}
@@ -192,6 +204,14 @@ def test_the_expert_parallel_export_and_checkpoint_are_the_one_process_runs(moe_
                    *_overrides(moe_folder, f"resume_from={checkpoint}", "save_every_n_steps=null"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     torch.testing.assert_close([r["loss"] for r in _records(tmp_path)], [r["loss"] for r in _records(one_process)][2:],
+                               rtol=1e-5, atol=0)
+
+
+def test_a_one_process_checkpoint_resumes_with_the_experts_shared_out(one_process, two_processes):
+    # The other way round from the test above: DCP splits each whole expert tensor over the 2 ranks' experts.
+    resumed = _records(two_processes["ep2_from_one"])
+    assert [r["step"] for r in resumed] == [3, 4, 5]
+    torch.testing.assert_close([r["loss"] for r in resumed], [r["loss"] for r in _records(one_process)][2:],
                                rtol=1e-5, atol=0)
 
 
@@ -303,21 +323,22 @@ def test_a_checkpoint_with_another_expert_count_or_top_k_is_refused_in_one_line(
     assert not out.exists()  # refused before the output folder was made
 
 
-def test_lora_with_trained_routers_trains_alike_on_two_processes(moe_folder, router_one_process, two_processes):
-    ours, reference = _records(two_processes["lora_router"]), _records(router_one_process)
+@pytest.mark.parametrize("run", ["lora_router", "lora_router_ep2", "lora_router_ddp"])
+def test_lora_with_trained_routers_trains_alike_on_two_processes(run, moe_folder, router_one_process, two_processes):
+    ours, reference = _records(two_processes[run]), _records(router_one_process)
     assert len(ours) == len(reference) == STEPS
     # fp32 on CPU, the layouts differing only in the order of float sums: 1e-5 relative.
     for key in ("loss", "router_aux_loss", "grad_norm"):
         torch.testing.assert_close([r[key] for r in ours], [r[key] for r in reference], rtol=1e-5, atol=0, msg=key)
     # The routers train: the export of each run has its own, both moved alike from the base's.
     base = load_file(moe_folder / "model.safetensors")
-    for out in (router_one_process, two_processes["lora_router"]):
+    for out in (router_one_process, two_processes[run]):
         merged = load_file(out / "final" / "merged" / "model.safetensors")
         for layer in range(2):
             key = f"model.layers.{layer}.mlp.gate.weight"
             assert (merged[key] - base[key]).abs().max() > 1e-3, f"{out.name}: {key} did not train"
     torch.testing.assert_close(
-        load_file(two_processes["lora_router"] / "final" / "merged" / "model.safetensors"),
+        load_file(two_processes[run] / "final" / "merged" / "model.safetensors"),
         load_file(router_one_process / "final" / "merged" / "model.safetensors"), rtol=1e-5, atol=1e-6,
     )
 
