@@ -103,6 +103,31 @@ def test_mistral_matches_its_instruct_encoding(mistral_model, conversations):
     assert tokenizer.tokenize_messages(messages)[0] == expected
 
 
+def test_mistral_v1_writes_inst_as_text_as_its_template_does(llama2_model, conversations):
+    # Mistral's first vocabulary (Mixtral 8x7B Instruct v0.1) has no [INST] piece: its template renders
+    # bos + "[INST] {user} [/INST]" + "{answer}" + eos per exchange, unstripped, and the reference tokenizer encodes
+    # each text run between special tokens as sentencepiece does. (This vocabulary is llama2_model's: <s>, </s> and
+    # no [INST].)
+    path, sp = llama2_model
+    tokenizer = mistral_tokenizer(str(path))
+    assert tokenizer.chat_format.control_tokens is False
+    messages = conversations[1]
+    system, first, answer, second, last = (m["content"] for m in messages[:5])
+    expected = (
+        [sp.bos_id()] + sp.encode(f"[INST] {first} [/INST]{answer}") + [sp.eos_id()]
+        + sp.encode(f"[INST] {system.strip()}\n\n{second} [/INST]{last}") + [sp.eos_id()]
+    )
+    assert tokenizer.tokenize_messages(messages)[0] == expected
+    # The prompt to generate from: the open user turn, nothing after it.
+    assert tokenizer.prompt_tokens(messages[:4]) == (
+        [sp.bos_id()] + sp.encode(f"[INST] {first} [/INST]{answer}") + [sp.eos_id()]
+        + sp.encode(f"[INST] {system.strip()}\n\n{second} [/INST]"))
+    # The answers alone are trained, each with its eos.
+    tokens, mask = tokenizer.tokenize_messages(messages, train_on="assistant")
+    trained = tokenizer.decode([t for t, m in zip(tokens, mask) if m], skip_special_tokens=False)
+    assert trained.replace(" ", "") == f"{answer}</s>{last}</s>".replace(" ", "")
+
+
 def test_gemma_matches_the_published_template(gemma_model, conversations):
     path, sp = gemma_model
     tokenizer = gemma_tokenizer(str(path))
@@ -138,11 +163,14 @@ def test_from_pretrained_tells_families_apart(llama2_model, mistral_model, gemma
         assert tokenizer.special_id(name) is not None
 
 
-def test_a_mixtral_folder_gets_the_mistral_tokenizer(mistral_model, tmp_path):
-    # Mixtral ships Mistral's sentencepiece vocabulary; its config.json says model_type mixtral.
-    (tmp_path / "tokenizer.model").write_bytes(mistral_model[0].read_bytes())
+@pytest.mark.parametrize(("vocabulary", "control_tokens"), [("mistral_model", True), ("llama2_model", False)])
+def test_a_mixtral_folder_gets_the_mistral_tokenizer(request, vocabulary, control_tokens, tmp_path):
+    # Mixtral ships Mistral's sentencepiece vocabulary (8x22B the v3 one with [INST] control tokens, 8x7B the first,
+    # without); its config.json says model_type mixtral.
+    (tmp_path / "tokenizer.model").write_bytes(request.getfixturevalue(vocabulary)[0].read_bytes())
     (tmp_path / "config.json").write_text('{"model_type": "mixtral"}')
-    assert isinstance(from_pretrained(str(tmp_path)).chat_format, MistralChatFormat)
+    chat_format = from_pretrained(str(tmp_path)).chat_format
+    assert isinstance(chat_format, MistralChatFormat) and chat_format.control_tokens is control_tokens
 
 
 def test_llama2_rejects_turns_out_of_order(llama2_model):

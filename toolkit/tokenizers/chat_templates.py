@@ -11,7 +11,9 @@ Formats (each matches the tool-free path of its model's published template):
 * :class:`Llama3ChatFormat`: ``<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>``; with ``dated=True``
   Llama 3.1/3.2/3.3's, which always opens with a system turn stating the knowledge cutoff and a date.
 * :class:`Llama2ChatFormat`: ``<s>[INST] <<SYS>>...<</SYS>> user [/INST] answer </s>`` per exchange.
-* :class:`MistralChatFormat`: ``<s>[INST] user[/INST] answer</s>`` with ``[INST]``/``[/INST]`` control tokens.
+* :class:`MistralChatFormat`: ``<s>[INST] user[/INST] answer</s>`` with ``[INST]``/``[/INST]`` control tokens; with
+  ``control_tokens=False``, ``<s>[INST] user [/INST]answer</s>`` as text (Mistral's first vocabulary: Mistral 7B
+  v0.1/v0.2, Mixtral 8x7B Instruct v0.1).
 * :class:`ChatMLFormat`: ``<|im_start|>role\\ncontent<|im_end|>\\n`` (Qwen2.5).
 * :class:`Qwen3ChatFormat`: ChatML with Qwen3's ``<think>`` reasoning blocks.
 * :class:`GemmaChatFormat`: ``<start_of_turn>user\\ncontent<end_of_turn>\\n``, the assistant called ``model``.
@@ -238,8 +240,15 @@ class Llama2ChatFormat:
 
 
 class MistralChatFormat:
-    """Mistral's instruct format with ``[INST]``/``[/INST]`` as control tokens (tokenizer v3, Mistral 7B v0.3).
-    The system prompt goes before the last user message, as in Mistral's template."""
+    """Mistral's instruct format. With ``control_tokens`` (tokenizer v3: Mistral 7B v0.3, Mixtral 8x22B), ``[INST]``
+    and ``[/INST]`` are control tokens around each stripped user message. Without (the first vocabulary, where they
+    are text: Mistral 7B v0.1/v0.2, Mixtral 8x7B Instruct v0.1), each user message is the text ``[INST] {content}
+    [/INST]``, encoded with the answer that follows it, and messages are not stripped, as that template writes them.
+    The system prompt goes before the last user message, as in Mistral's v3 template (the first template has no system
+    role; this is where the later one puts it)."""
+
+    def __init__(self, control_tokens: bool = True) -> None:
+        self.control_tokens = control_tokens
 
     def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
         system, turns = _split_system(messages)
@@ -247,11 +256,14 @@ class MistralChatFormat:
         last_user = max((p for p, (_, m) in enumerate(turns) if m["role"] == "user"), default=-1)
         out = [Segment("<s>", special=True)]
         for position, (i, message) in enumerate(turns):
-            content = message["content"].strip()
+            content = message["content"].strip() if self.control_tokens else message["content"]
             if message["role"] == "user":
                 if position == last_user and system is not None:
                     content = f"{system.strip()}\n\n{content}"
-                out += [Segment("[INST]", special=True), Segment(content), Segment("[/INST]", special=True)]
+                if self.control_tokens:
+                    out += [Segment("[INST]", special=True), Segment(content), Segment("[/INST]", special=True)]
+                else:
+                    out.append(Segment(f"[INST] {content} [/INST]"))
             else:
                 out += [Segment(content, message=i), Segment("</s>", special=True, message=i)]
         return out

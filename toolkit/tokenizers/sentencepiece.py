@@ -113,14 +113,18 @@ def llama2_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokenize
 
 
 def mistral_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokenizer:
-    """Mistral 7B v0.3's tokenizer (``[INST]``/``[/INST]`` control tokens) from its sentencepiece model.
+    """Mistral's and Mixtral's tokenizer from its sentencepiece model, with the instruct format its vocabulary
+    implies: ``[INST]``/``[/INST]`` as control tokens where it has them (v3: Mistral 7B v0.3, Mixtral 8x22B), as
+    text where it does not (the first vocabulary: Mistral 7B v0.1/v0.2, Mixtral 8x7B).
 
     Args:
         path: the sentencepiece model (``tokenizer.model`` or ``tokenizer.model.v3``).
         max_seq_len: keep at most this many tokens per sequence; ``None`` keeps all.
     """
+    engine = SentencePieceEngine(path)
+    chat_format = MistralChatFormat(control_tokens=engine.token_to_id("[INST]") is not None)
     return ModelTokenizer(
-        engine=SentencePieceEngine(path), chat_format=MistralChatFormat(), bos_token="<s>", eos_token="</s>",
+        engine=engine, chat_format=chat_format, bos_token="<s>", eos_token="</s>",
         pad_token="<unk>", stop_tokens=["</s>"], max_seq_len=max_seq_len,
     )
 
