@@ -4,7 +4,7 @@ the fields every decoder family writes."""
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.modules import Llama3RopeScaling, TransformerDecoder
+from toolkit.modules import Llama3RopeScaling, TransformerDecoder, YarnRopeScaling
 from toolkit.modules.moe import MoEFeedForward
 
 
@@ -41,6 +41,43 @@ def llama3_rope_scaling(config: dict[str, Any]) -> Llama3RopeScaling | None:
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
+
+
+def yarn_rope_scaling(config: dict[str, Any]) -> YarnRopeScaling | None:
+    """YaRN if the config asks for it (Qwen3's long-context setting), ``None`` for plain rotary embeddings.
+
+    Raises:
+        UserError: another scaling type, which the families that call this do not implement.
+    """
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "yarn":
+        raise UserError(f"rope scaling type {rope_type!r} is not supported for this family (only 'yarn' and plain "
+                        "rotary)")
+    original = params.get("original_max_position_embeddings") or config["max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:  # as transformers reads it: the ratio of the extended context to the original one
+        factor = config["max_position_embeddings"] / original
+    optional = {key: params[key] for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
+                                              "truncate") if params.get(key) is not None}
+    return YarnRopeScaling(factor=float(factor), original_max_position_embeddings=int(original), **optional)
+
+
+def yarn_rope_fields(scaling: YarnRopeScaling | None) -> dict[str, Any] | None:
+    """``rope_scaling`` as a ``config.json`` writes it, for an export (``None`` without scaling)."""
+    if scaling is None:
+        return None
+    fields = {"rope_type": "yarn", "factor": scaling.factor,
+              "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+        value = getattr(scaling, key)
+        if value is not None and value != YarnRopeScaling.__dataclass_fields__[key].default:
+            fields[key] = value
+    if not scaling.truncate:
+        fields["truncate"] = False
+    return fields
 
 
 SILU = ("silu", "swish")

@@ -3,7 +3,7 @@
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
 from toolkit.modules.feed_forward import FeedForward
 from toolkit.modules.kv_cache import KVCache
-from toolkit.modules.position_embeddings import Llama3RopeScaling, RotaryPositionalEmbeddings
+from toolkit.modules.position_embeddings import Llama3RopeScaling, RotaryPositionalEmbeddings, YarnRopeScaling
 from toolkit.modules.rms_norm import RMSNorm
 from toolkit.modules.transformer import TransformerDecoder, TransformerDecoderLayer
 
@@ -17,4 +17,5 @@ __all__ = [
     "RotaryPositionalEmbeddings",
     "TransformerDecoder",
     "TransformerDecoderLayer",
+    "YarnRopeScaling",
 ]

@@ -22,7 +22,10 @@ class Llama3RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
-    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+    # The rotation's size is unchanged.
+    magnitude = 1.0
+
+    def apply(self, inv_freq: torch.Tensor, *, base: float, head_dim: int) -> torch.Tensor:
         old_len = self.original_max_position_embeddings
         low_freq_wavelen = old_len / self.low_freq_factor
         high_freq_wavelen = old_len / self.high_freq_factor
@@ -33,6 +36,54 @@ class Llama3RopeScaling:
         return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
 
 
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (Peng et al., 2023, https://arxiv.org/abs/2309.00071): a context ``factor`` times longer than the
+    ``original_max_position_embeddings`` the model was trained at. Rotary frequencies that turn more than
+    ``beta_fast`` times over the original context are kept, those that turn fewer than ``beta_slow`` times are
+    divided by ``factor``, and the features between are ramped linearly from one to the other (the ramp's ends
+    rounded outwards to whole features unless ``truncate`` is false); cos and sin are multiplied by
+    ``magnitude``: ``attention_factor`` if given, else ``0.1 ln(factor) + 1`` (with ``mscale`` and
+    ``mscale_all_dim``, the ratio of that formula with each as the log's coefficient). Qwen3 reaches 131,072
+    tokens this way (factor 4 over 32,768)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @property
+    def magnitude(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+
+        def grown(coefficient: float) -> float:
+            return 1.0 if self.factor <= 1 else 0.1 * coefficient * math.log(self.factor) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return grown(self.mscale) / grown(self.mscale_all_dim)
+        return grown(1.0)
+
+    def apply(self, inv_freq: torch.Tensor, *, base: float, head_dim: int) -> torch.Tensor:
+        def feature(turns: float) -> float:
+            # The feature pair whose wavelength fits the original context ``turns`` times.
+            return head_dim * math.log(self.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = feature(self.beta_fast), feature(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        pairs = torch.arange(inv_freq.numel(), dtype=inv_freq.dtype, device=inv_freq.device)
+        interpolated = ((pairs - low) / (high - low)).clamp(0, 1)  # 0: kept as trained, 1: divided by factor
+        return inv_freq / self.factor * interpolated + inv_freq * (1 - interpolated)
+
+
 class RotaryPositionalEmbeddings(nn.Module):
     """Rotates query or key features by position-dependent angles.
 
@@ -40,7 +91,7 @@ class RotaryPositionalEmbeddings(nn.Module):
         head_dim: features per head (even).
         max_seq_len: longest sequence the cos/sin cache covers.
         base: the rotary base (theta).
-        scaling: optional Llama 3.1 frequency scaling.
+        scaling: optional frequency scaling for long context: Llama 3.1's or YaRN.
     """
 
     def __init__(
@@ -48,7 +99,7 @@ class RotaryPositionalEmbeddings(nn.Module):
         head_dim: int,
         max_seq_len: int = 4096,
         base: float = 10_000.0,
-        scaling: Llama3RopeScaling | None = None,
+        scaling: Llama3RopeScaling | YarnRopeScaling | None = None,
     ) -> None:
         super().__init__()
         if head_dim % 2:
@@ -67,13 +118,15 @@ class RotaryPositionalEmbeddings(nn.Module):
         """Compute the cos/sin cache (in float64 for accuracy at long positions, stored as float32)."""
         device = self.cos.device
         inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim))
+        magnitude = 1.0
         if self.scaling is not None:
-            inv_freq = self.scaling.apply(inv_freq)
+            inv_freq = self.scaling.apply(inv_freq, base=self.base, head_dim=self.head_dim)
+            magnitude = self.scaling.magnitude
         positions = torch.arange(self.max_seq_len, dtype=torch.float64, device=device)
         angles = torch.outer(positions, inv_freq)  # [max_seq_len, head_dim / 2]
         angles = torch.cat([angles, angles], dim=-1)  # [max_seq_len, head_dim]
-        self.cos = angles.cos().float()
-        self.sin = angles.sin().float()
+        self.cos = (angles.cos() * magnitude).float()
+        self.sin = (angles.sin() * magnitude).float()
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate ``x`` of shape ``[b, n_h, s, h_d]``.

@@ -4,7 +4,7 @@ https://arxiv.org/abs/2505.09388)."""
 
 from toolkit.models._decoder import LinearFactory, grouped_query_attention, plain_linear, prenorm_decoder
 from toolkit.models.llama3 import llama3_mlp
-from toolkit.modules import GroupedQueryAttention, RMSNorm, RotaryPositionalEmbeddings, TransformerDecoder
+from toolkit.modules import GroupedQueryAttention, RMSNorm, RotaryPositionalEmbeddings, TransformerDecoder, YarnRopeScaling
 
 
 def qwen3_attention(
@@ -36,6 +36,7 @@ def qwen3(
     max_seq_len: int,
     norm_eps: float = 1e-6,
     rope_base: float = 1_000_000.0,
+    rope_scaling: YarnRopeScaling | None = None,
     tie_word_embeddings: bool = False,
     linear: LinearFactory = plain_linear,
 ) -> TransformerDecoder:
@@ -52,10 +53,11 @@ def qwen3(
         max_seq_len: the rotary cache length.
         norm_eps: epsilon of every RMSNorm, the per-head q/k norms included.
         rope_base: rotary theta.
+        rope_scaling: YaRN, for sequences longer than the 32,768 positions Qwen3 was trained at.
         tie_word_embeddings: reuse the embedding as output projection (0.6B, 1.7B, 4B).
         linear: makes each projection (plain ``nn.Linear`` by default; the LoRA builders pass adapter layers).
     """
-    rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
+    rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base, scaling=rope_scaling)
     return prenorm_decoder(
         vocab_size=vocab_size,
         embed_dim=embed_dim,

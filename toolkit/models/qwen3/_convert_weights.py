@@ -19,7 +19,7 @@ def hf_config(model: TransformerDecoder) -> dict[str, Any]:
         "model_type": "qwen3",
         **_hf_config.decoder_fields(model),
         "head_dim": attn.head_dim,
-        "rope_scaling": None,
+        "rope_scaling": _hf_config.yarn_rope_fields(attn.pos_embeddings.scaling),
         "attention_bias": False,
         "hidden_act": "silu",
         "use_sliding_window": False,
