@@ -134,3 +134,44 @@ def test_attention_with_explicit_mask_matches_reference():
         x, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight, 4, 2, 10_000.0, mask
     )
     torch.testing.assert_close(attn(x, mask=mask).double(), expected, atol=ATOL, rtol=0)
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while ``fn()`` runs forward."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def test_explicit_positions_are_gathered_once_for_every_layer_that_shares_the_rotation():
+    # Packed rows and context-parallel chunks give positions; each layer's rotation keeps cos and sin for backward.
+    # Gathered per call, that was 4 [b, s, h_d] float32 copies per layer; now one pair for the whole model, while
+    # the positions tensor lives, and the output is the same.
+    from toolkit.models.llama3 import llama3
+
+    torch.manual_seed(0)
+    model = llama3(vocab_size=64, num_layers=4, num_heads=4, num_kv_heads=2, embed_dim=64, intermediate_dim=128,
+                   max_seq_len=512)
+    b, s, head_dim = 2, 256, 16
+    tokens = torch.randint(0, 64, (b, s))
+    positions = torch.arange(s).repeat(b, 1)  # the same angles as no positions: only the storage differs
+    plain = _saved_bytes(lambda: model(tokens))
+    given = _saved_bytes(lambda: model(tokens, input_pos=positions))
+    gathered_pair = 2 * b * s * head_dim * 4
+    assert given - plain <= gathered_pair + positions.nbytes, (given - plain, gathered_pair)
+    torch.testing.assert_close(model(tokens, input_pos=positions), model(tokens), rtol=0, atol=0)
+    # A new positions tensor (or one changed in place) is gathered anew.
+    rope = model.layers[0].self_attn.pos_embeddings
+    shifted = positions.clone()
+    shifted[:, 128:] -= 128  # two documents a row
+    x = torch.randn(b, 4, s, head_dim)
+    fresh = RotaryPositionalEmbeddings(head_dim, max_seq_len=512, base=rope.base)
+    torch.testing.assert_close(rope(x, shifted), fresh(x, shifted), rtol=0, atol=0)
+    shifted[:, 128:] += 128
+    torch.testing.assert_close(rope(x, shifted), fresh(x, positions), rtol=0, atol=0)

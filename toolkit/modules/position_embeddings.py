@@ -6,6 +6,7 @@ permuted on load (see the families' weight conversion), so one fast implementati
 """
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,8 @@ class RotaryPositionalEmbeddings(nn.Module):
         # Derived buffers are not saved in checkpoints; reset_buffers() rebuilds them after meta-device init.
         self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
+        # The cos and sin gathered at the last explicit positions (see _at), while that positions tensor lives.
+        self._gathered: tuple | None = None
         if not self.cos.is_meta:
             self.reset_buffers()
 
@@ -137,11 +140,34 @@ class RotaryPositionalEmbeddings(nn.Module):
         """
         seq_len = x.shape[-2]
         if input_pos is None:
-            cos, sin = self.cos[:seq_len], self.sin[:seq_len]  # [s, h_d]
+            cos, sin = self.cos[:seq_len], self.sin[:seq_len]  # [s, h_d]: views, nothing copied
         else:
-            cos, sin = self.cos[input_pos], self.sin[input_pos]  # [s, h_d] or [b, s, h_d]
-            if cos.dim() == 3:
-                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, 1, s, h_d]
+            cos, sin = self._at(input_pos)
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
         return (x * cos + rotated * sin).to(x.dtype)
+
+    def _at(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``input_pos`` (``[s, h_d]``, or ``[b, 1, s, h_d]`` for ``[b, s]`` positions).
+
+        Gathering makes new tensors, which every layer's rotation keeps for backward: for queries and keys, in every
+        layer, ``4 x layers`` copies of ``[b, s, h_d]`` float32 per micro-batch (packed rows, context-parallel
+        chunks). The layers share this module and are given the same positions tensor, so the gather is made once
+        and reused while that tensor lives (and is not modified in place); compiled code gathers inline instead."""
+        if torch.compiler.is_compiling():
+            return self._gather(input_pos)
+        cached = self._gathered
+        if cached is not None and cached[0]() is input_pos and cached[1] == input_pos._version and cached[2] == (
+                self.cos.data_ptr(), self.cos.device):
+            return cached[3], cached[4]
+        cos, sin = self._gather(input_pos)
+        key = weakref.ref(input_pos, lambda _: setattr(self, "_gathered", None) if self._gathered is entry else None)
+        entry = (key, input_pos._version, (self.cos.data_ptr(), self.cos.device), cos, sin)
+        self._gathered = entry
+        return cos, sin
+
+    def _gather(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos[input_pos], self.sin[input_pos]  # [s, h_d] or [b, s, h_d]
+        if cos.dim() == 3:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [b, 1, s, h_d]
+        return cos, sin
