@@ -12,7 +12,9 @@ the same row. The global batch is the same row in every layout, so the work is t
 
 Memory: the high-water mark of the process above what it held right before the timed steps' first forward, after
 one warmup step on a short row (host resident memory on CPU, ``max_memory_allocated`` on CUDA), the largest over the
-ranks: what a long row's step adds (its activations, attention's buffers, the gradients). Tokens per second: the row's
+ranks: what a long row's step adds (its activations, attention's buffers, the gradients). On CPU the workers run
+with ``MALLOC_MMAP_THRESHOLD_=65536`` (unless set already), so that freed blocks leave resident memory at once and
+the high-water mark is that of the live tensors, not of glibc's fragmentation. Tokens per second: the row's
 tokens over the median step time. Ratios are to ``cp1`` measured in the same run. Not a test; it prints a table
 (benchmarks/README.md keeps one).
 """
@@ -122,6 +124,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--model", default="toolkit.models.llama3.llama3", help="a model builder's _component_")
     args = parser.parse_args()
+    if args.device == "cpu":
+        # glibc's malloc keeps freed blocks for reuse, so a process's resident high-water mark also counts what
+        # fragmentation left behind: identical runs differed by up to 15%. Blocks of 64 KiB and more mapped and
+        # unmapped whole make resident memory follow the live tensors (identical runs then agree to 1 MiB). The
+        # workers read it at start-up, so it is set before they are spawned.
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     load_before = os.getloadavg()[0]
     results = {}
     with tempfile.TemporaryDirectory(prefix="tune_cp_bench_") as tmp:
