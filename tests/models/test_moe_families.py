@@ -231,6 +231,14 @@ def test_matches_transformers(family, hf_interop):
 
 
 @pytest.mark.interop
+def test_qwen3_moe_with_yarn_matches_transformers_beyond_the_original_context(hf_interop):
+    # Qwen3-MoE's long-context setting: YaRN over an original context of 16 positions, which the check's rows
+    # (24 tokens, 20 more generated) pass; read from config.json and written back on export.
+    hf_interop(hf_model("qwen3_moe", rope_parameters={"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 16}), "qwen3_moe")
+
+
+@pytest.mark.interop
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_loss_with_the_load_balancing_term_matches_transformers(family, tmp_path):
     theirs = hf_model(family)

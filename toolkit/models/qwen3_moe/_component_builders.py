@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from toolkit.models._decoder import LinearFactory, moe_mlp, plain_linear, prenorm_decoder
 from toolkit.models.llama3 import llama3_mlp
 from toolkit.models.qwen3 import qwen3_attention
-from toolkit.modules import FeedForward, RotaryPositionalEmbeddings, TransformerDecoder
+from toolkit.modules import FeedForward, RotaryPositionalEmbeddings, TransformerDecoder, YarnRopeScaling
 from toolkit.modules.moe import MoEFeedForward
 
 
@@ -38,6 +38,7 @@ def qwen3_moe(
     decoder_sparse_step: int = 1,
     norm_eps: float = 1e-6,
     rope_base: float = 1_000_000.0,
+    rope_scaling: YarnRopeScaling | None = None,
     router_aux_loss_coef: float = 0.001,
     tie_word_embeddings: bool = False,
     linear: LinearFactory = plain_linear,
@@ -61,6 +62,7 @@ def qwen3_moe(
         decoder_sparse_step: every this-many-th layer is MoE, the others dense (1: all).
         norm_eps: epsilon of every RMSNorm, the per-head q/k norms included.
         rope_base: rotary theta.
+        rope_scaling: YaRN, for sequences longer than the context the model was trained at.
         router_aux_loss_coef: weight of the load-balancing loss in the training loss.
         tie_word_embeddings: reuse the embedding as output projection.
         linear: makes each projection (plain ``nn.Linear`` by default; the LoRA builders pass adapter layers): the
@@ -74,7 +76,7 @@ def qwen3_moe(
     )
     if not all(sparse) and intermediate_dim is None:
         raise ValueError("intermediate_dim is needed: some layers have a dense feed-forward")
-    rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base)
+    rope = RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base, scaling=rope_scaling)
 
     def moe() -> MoEFeedForward:
         return moe_mlp(

@@ -31,7 +31,7 @@ def hf_config(model: TransformerDecoder) -> dict[str, Any]:
         **_hf_config.decoder_fields(model),
         **_hf_config.moe_fields(model),
         "head_dim": model.layers[0].self_attn.head_dim,
-        "rope_scaling": None,
+        "rope_scaling": _hf_config.yarn_rope_fields(model.layers[0].self_attn.pos_embeddings.scaling),
         "attention_bias": False,
         "hidden_act": "silu",
         "use_sliding_window": False,

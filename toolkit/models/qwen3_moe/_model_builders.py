@@ -60,17 +60,16 @@ def from_hf_config(
 
     Raises:
         KeyError: a required field is missing.
-        UserError: attention biases, sliding-window layers, rotary scaling or an activation other than SiLU,
-            which no released Qwen3-MoE uses.
+        UserError: attention biases, sliding-window layers, rotary scaling other than YaRN or an activation other
+            than SiLU, which no released Qwen3-MoE uses.
     """
     _hf_config.check_activation(config, supported=_hf_config.SILU)
     if config.get("attention_bias"):
         raise UserError("Qwen3-MoE checkpoints with attention_bias are not supported")
     if any(_hf_config.sliding_windows(config, switched=True)):
         raise UserError("Qwen3-MoE checkpoints with sliding-window layers (use_sliding_window: true) are not supported")
-    if _hf_config.llama3_rope_scaling(config) is not None:
-        raise UserError("Qwen3-MoE checkpoints with llama3 rope scaling are not supported")
     return qwen3_moe(
+        rope_scaling=_hf_config.yarn_rope_scaling(config),
         **_hf_config.moe_decoder_arguments(config, max_seq_len=max_seq_len, norm_eps=1e-6, rope_theta_default=10_000.0),
         moe_intermediate_dim=config["moe_intermediate_size"],
         norm_topk_prob=config.get("norm_topk_prob", False),
