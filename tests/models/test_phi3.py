@@ -120,3 +120,37 @@ def test_features_the_builder_does_not_compute_are_refused(tmp_path, fields, ref
         build_from_hf(path=tmp_path)
     assert str(tmp_path / "config.json") in str(e.value) and "\n" not in str(e.value)
 
+
+@pytest.mark.interop
+@pytest.mark.parametrize(
+    "lora",
+    [
+        dict(lora_attn_modules=["q_proj", "v_proj"]),  # qkv_proj's k rows without adapter: a zero block
+        dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "o_proj"], apply_lora_to_mlp=True, use_dora=True),
+    ],
+    ids=["lora-q-v", "dora-all"],
+)
+def test_peft_loads_the_adapter_written_on_the_fused_modules(tmp_path, lora):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from tests.models.test_lora_builders import lora_model, perturb_adapters, save_base, tokens
+    from toolkit.modules.peft import get_merged_state_dict
+    from toolkit.training.peft import save_peft_adapter
+
+    _, base_dir = save_base("phi3", tmp_path / "base")
+    model = lora_model("phi3", base_dir, **lora)
+    perturb_adapters(model)
+    adapter = save_peft_adapter(model, tmp_path / "adapter", model_family="phi3")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    fused = 3 if "k_proj" in lora["lora_attn_modules"] else 2  # the most of our adapters on one fused module
+    assert (config["r"], config["lora_alpha"]) == (4 * fused, 8.0 * fused)  # lora_alpha / r as ours: 8 / 4
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    theirs = peft.PeftModel.from_pretrained(hf_model, adapter).eval()
+    merged = HFCheckpointer(str(base_dir), model_family="phi3").save(
+        model, tmp_path / "merged", state_dict=get_merged_state_dict(model)
+    )
+    merged_hf = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = model(tokens())
+        torch.testing.assert_close(theirs(tokens()).logits, ours, atol=1e-4, rtol=0)
+        torch.testing.assert_close(merged_hf(tokens()).logits, ours, atol=1e-4, rtol=0)
