@@ -135,7 +135,7 @@ def test_peft_loads_the_adapter_written_on_the_fused_modules(tmp_path, lora):
     peft = pytest.importorskip("peft")
     from tests.models.test_lora_builders import lora_model, perturb_adapters, save_base, tokens
     from toolkit.modules.peft import get_merged_state_dict
-    from toolkit.training.peft import save_peft_adapter
+    from toolkit.training.peft import merge_adapter_into_checkpoint, save_peft_adapter
 
     _, base_dir = save_base("phi3", tmp_path / "base")
     model = lora_model("phi3", base_dir, **lora)
@@ -149,8 +149,11 @@ def test_peft_loads_the_adapter_written_on_the_fused_modules(tmp_path, lora):
     merged = HFCheckpointer(str(base_dir), model_family="phi3").save(
         model, tmp_path / "merged", state_dict=get_merged_state_dict(model)
     )
-    merged_hf = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    # tune merge: the fused adapter merged into the base's files, in HF's names.
+    offline = merge_adapter_into_checkpoint(base_dir, adapter, tmp_path / "offline")
     with torch.no_grad():
         ours = model(tokens())
         torch.testing.assert_close(theirs(tokens()).logits, ours, atol=1e-4, rtol=0)
-        torch.testing.assert_close(merged_hf(tokens()).logits, ours, atol=1e-4, rtol=0)
+        for folder in (merged, offline):
+            merged_hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            torch.testing.assert_close(merged_hf(tokens()).logits, ours, atol=1e-4, rtol=0)
