@@ -54,10 +54,16 @@ def _check_trained(out: Path) -> None:
 
 def test_full_finetune_trains_and_exports_the_fused_layout(phi_folder, tmp_path):
     result = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={tmp_path}",
-                  f"checkpointer.checkpoint_dir={phi_folder}", "optimizer.lr=1e-3", *FAST)
+                  f"checkpointer.checkpoint_dir={phi_folder}", "optimizer.lr=1e-3", *FAST,
+                  f"save_every_n_steps={STEPS}")
     assert result.returncode == 0, result.stderr[-3000:]
     _check_trained(tmp_path)
     final = tmp_path / "final"
+    # tune export joins the step checkpoint's q/k/v and gate/up (read back from its shards) as the run's export did.
+    exported = run_tune_here("export", str(tmp_path / "checkpoints" / f"step_{STEPS}"), "--output", str(tmp_path / "x"))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    ours, theirs = load_file(tmp_path / "x" / "model.safetensors"), load_file(final / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
     assert json.loads((final / "config.json").read_text())["model_type"] == "phi3"
     original, exported = load_file(phi_folder / "model.safetensors"), load_file(final / "model.safetensors")
     assert exported.keys() == original.keys()  # qkv_proj and gate_up_proj, as transformers writes them
