@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.launch import run_tune_here
+from tests.launch import run_tune, run_tune_here
 from tests.tiny_tokenizer import PHI4_SPECIALS, chatml_byte_level_bpe
 
 transformers = pytest.importorskip("transformers")
@@ -31,8 +31,9 @@ def phi_folder(tmp_path_factory) -> Path:
     texts = ["reverse: abcd dcba", "upper: word WORD", "sort: dcba abcd"] * 50
     tokenizer = chatml_byte_level_bpe(texts, vocab_size=400, special_tokens=PHI4_SPECIALS)
     tokenizer.save(str(folder / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() <= 320  # the embedding has rows to spare (as Phi-4's), and splits in two
     config = transformers.Phi3Config(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rope_theta=250_000.0,
         bos_token_id=0, eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
     )
@@ -52,15 +53,22 @@ def _check_trained(out: Path) -> None:
     assert losses[-1] < losses[0], losses
 
 
-def test_full_finetune_trains_and_exports_the_fused_layout(phi_folder, tmp_path):
-    result = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={tmp_path}",
+@pytest.fixture(scope="module")
+def one_process(phi_folder, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("phi3_one")
+    result = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={out}",
                   f"checkpointer.checkpoint_dir={phi_folder}", "optimizer.lr=1e-3", *FAST,
                   f"save_every_n_steps={STEPS}")
     assert result.returncode == 0, result.stderr[-3000:]
-    _check_trained(tmp_path)
-    final = tmp_path / "final"
+    return out
+
+
+def test_full_finetune_trains_and_exports_the_fused_layout(phi_folder, one_process, tmp_path):
+    _check_trained(one_process)
+    final = one_process / "final"
     # tune export joins the step checkpoint's q/k/v and gate/up (read back from its shards) as the run's export did.
-    exported = run_tune_here("export", str(tmp_path / "checkpoints" / f"step_{STEPS}"), "--output", str(tmp_path / "x"))
+    exported = run_tune_here("export", str(one_process / "checkpoints" / f"step_{STEPS}"), "--output",
+                             str(tmp_path / "x"))
     assert exported.returncode == 0, exported.stderr[-3000:]
     ours, theirs = load_file(tmp_path / "x" / "model.safetensors"), load_file(final / "model.safetensors")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
@@ -107,3 +115,18 @@ def test_a_phi3_feature_we_do_not_compute_stops_in_one_line(phi_folder, tmp_path
     (line,) = result.stderr.strip().splitlines()
     assert "config.json" in line and "partial_rotary_factor 0.75 is not supported" in line, line
     assert not out.exists()
+
+
+def test_tensor_parallel_splits_the_projections_and_exports_them_joined(phi_folder, one_process, tmp_path):
+    # Our q/k/v and gate/up are separate, so tensor parallelism splits them as in every family; the export writes
+    # each fused tensor from the processes' shards. fp32 on CPU: the layouts differ only in the order of float sums.
+    run_tune("run", "--nproc_per_node", "2", "full_finetune_distributed", "--config", "any_model",
+             f"output_dir={tmp_path}", f"checkpointer.checkpoint_dir={phi_folder}", "optimizer.lr=1e-3", *FAST,
+             "tensor_parallel=2", timeout_s=300, check=True)
+    torch.testing.assert_close(_losses(tmp_path), _losses(one_process), rtol=1e-5, atol=0)
+    ours, reference = load_file(tmp_path / "final" / "model.safetensors"), load_file(
+        one_process / "final" / "model.safetensors"
+    )
+    assert ours.keys() == reference.keys()
+    for key, weight in reference.items():
+        torch.testing.assert_close(ours[key], weight, rtol=1e-5, atol=1e-6, msg=key)
