@@ -35,6 +35,22 @@ def test_public_size_on_meta():
     assert {key: config[key] for key in expected} == expected
 
 
+def test_phi4s_config_json_builds_phi4_14b(tmp_path):
+    # The architecture fields of microsoft/phi-4's config.json (written by transformers 4.47).
+    config = {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "attention_bias": False, "hidden_act": "silu",
+        "hidden_size": 5120, "intermediate_size": 17920, "max_position_embeddings": 16384,
+        "num_attention_heads": 40, "num_hidden_layers": 40, "num_key_value_heads": 10,
+        "original_max_position_embeddings": 16384, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 250000,
+        "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 100352, "pad_token_id": 100349,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with torch.device("meta"):
+        ours, public = build_from_hf(path=tmp_path), phi4_14b()
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in public.state_dict().items()}
+    assert hf_config(ours) == hf_config(public)
+
+
 def test_weight_names_split_and_join():
     model = phi3(
         vocab_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, embed_dim=32, intermediate_dim=48,
