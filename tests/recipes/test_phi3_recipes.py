@@ -80,12 +80,24 @@ def test_full_finetune_trains_and_exports_the_fused_layout(phi_folder, one_proce
     transformers.AutoModelForCausalLM.from_pretrained(final)  # loads back
 
 
-def test_lora_trains_and_peft_loads_its_adapter_as_the_merged_model(phi_folder, tmp_path):
-    peft = pytest.importorskip("peft")
-    result = tune("lora_finetune_single_device", "--config", "any_model_lora", f"output_dir={tmp_path}",
-                  f"checkpointer.checkpoint_dir={phi_folder}", "save_merged=true", "optimizer.lr=1e-2",
-                  "model.lora_attn_modules=[q_proj,k_proj,v_proj,o_proj]", "model.apply_lora_to_mlp=true", *FAST)
+LORA = [
+    "save_merged=true", "optimizer.lr=1e-2", "model.lora_attn_modules=[q_proj,k_proj,v_proj,o_proj]",
+    "model.apply_lora_to_mlp=true", *FAST,
+]
+
+
+@pytest.fixture(scope="module")
+def lora_one_process(phi_folder, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("phi3_lora_one")
+    result = tune("lora_finetune_single_device", "--config", "any_model_lora", f"output_dir={out}",
+                  f"checkpointer.checkpoint_dir={phi_folder}", *LORA)
     assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_lora_trains_and_peft_loads_its_adapter_as_the_merged_model(phi_folder, lora_one_process):
+    peft = pytest.importorskip("peft")
+    tmp_path = lora_one_process
     _check_trained(tmp_path)
     adapter = tmp_path / "final" / "adapter"
     assert set(json.loads((adapter / "adapter_config.json").read_text())["target_modules"]) == {
@@ -130,3 +142,15 @@ def test_tensor_parallel_splits_the_projections_and_exports_them_joined(phi_fold
     assert ours.keys() == reference.keys()
     for key, weight in reference.items():
         torch.testing.assert_close(ours[key], weight, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_lora_under_zero3_writes_the_one_process_adapter(phi_folder, lora_one_process, tmp_path):
+    # Each rank's shards of the adapters gathered and fused as one process fuses them (fp32, float rounding apart).
+    run_tune("run", "--nproc_per_node", "2", "lora_finetune_distributed", "--config", "any_model_lora",
+             f"output_dir={tmp_path}", f"checkpointer.checkpoint_dir={phi_folder}", *LORA, "data_parallel=zero3",
+             timeout_s=300, check=True)
+    for name in ("adapter/adapter_model.safetensors", "merged/model.safetensors"):
+        ours, reference = load_file(tmp_path / "final" / name), load_file(lora_one_process / "final" / name)
+        assert ours.keys() == reference.keys()
+        for key, tensor in reference.items():
+            torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
