@@ -2,26 +2,19 @@
 expected sequences; and which phi3 folders get it."""
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models
 
+from tests.tiny_tokenizer import PHI4_SPECIALS, chatml_byte_level_bpe
 from toolkit.errors import UserError
 from toolkit.tokenizers import Phi4ChatFormat, from_pretrained, phi4_tokenizer
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>"]
 SYSTEM = {"role": "system", "content": "Be brief."}
 USER, ANSWER = {"role": "user", "content": "What is 2+2? ✨"}, {"role": "assistant", "content": "4"}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, corpus):
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer = chatml_byte_level_bpe(corpus, vocab_size=500, special_tokens=PHI4_SPECIALS)
     folder = tmp_path_factory.mktemp("phi4")
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "config.json").write_text('{"model_type": "phi3"}')
