@@ -247,7 +247,7 @@ class HFCheckpointer:
                 hf_key = self.family.tune_key_to_hf(key)
                 joined = sources.get(hf_key)
                 part = _Source(prefix + key, spec)
-                sources[hf_key] = part if joined is None else _Joined((*getattr(joined, "parts", (joined,)), part))
+                sources[hf_key] = part if joined is None else _Joined((*joined.parts, part))
             else:
                 sources.update({hf_key: _Source(prefix + key, spec, index) for index, hf_key in enumerate(slices)})
         for hf_key, source in sources.items():
