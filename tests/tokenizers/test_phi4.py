@@ -44,6 +44,11 @@ def test_chat_format_lays_out_the_published_turns(model_dir):
     assert tokenizer.stop_tokens == [end, tokenizer.engine.token_to_id("<|endoftext|>")]
 
 
+def test_a_folder_without_config_json_is_told_by_its_im_sep_token(model_dir, tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    assert isinstance(from_pretrained(str(tmp_path)).chat_format, Phi4ChatFormat)
+
+
 def test_masks_and_truncation(model_dir, conversations, check_masks):
     tokenizer = phi4_tokenizer(str(model_dir / "tokenizer.json"))
     for messages in conversations:

@@ -94,7 +94,7 @@ def from_pretrained(
     """The tokenizer of a Hugging Face model folder, chosen by ``config.json``'s ``model_type``.
 
     Without a ``config.json``, the files decide: a tiktoken ``tokenizer.model`` is Llama 3, a ``tokenizer.json``
-    with ``<|im_start|>`` is Qwen3, a sentencepiece model with ``<start_of_turn>`` is Gemma, one with ``[INST]``
+    with ``<|im_sep|>`` is Phi-4, one with ``<|im_start|>`` Qwen3, a sentencepiece model with ``<start_of_turn>`` is Gemma, one with ``[INST]``
     Mistral, and any other sentencepiece model Llama 2. A Llama 3 folder gets Llama 3.1+'s dated chat format or
     Llama 3.0's as :func:`is_dated_llama3` tells.
 
@@ -121,7 +121,10 @@ def _build(folder: Path, max_seq_len: int | None) -> ModelTokenizer:
     model_type = _SAME_TOKENIZER.get(model_type, model_type)
     sp_model = next((folder / n for n in ("tokenizer.model.v3", "tokenizer.model") if (folder / n).is_file()), None)
     if model_type is None:
-        if (folder / "tokenizer.json").is_file() and "<|im_start|>" in (folder / "tokenizer.json").read_text():
+        text = (folder / "tokenizer.json").read_text() if (folder / "tokenizer.json").is_file() else ""
+        if "<|im_sep|>" in text:
+            model_type = "phi3"
+        elif "<|im_start|>" in text:
             model_type = "qwen3"
         elif sp_model is not None and not _is_tiktoken(sp_model):
             pieces = sp_model.read_bytes()
