@@ -13,8 +13,8 @@ from toolkit.pretrained import from_pretrained
 
 def test_every_family_declares_its_model_types():
     assert hf_model_types() == {
-        "gemma2": "gemma2", "llama": "llama3", "mistral": "mistral", "mixtral": "mixtral", "qwen2": "qwen2_5",
-        "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+        "gemma2": "gemma2", "llama": "llama3", "mistral": "mistral", "mixtral": "mixtral", "phi3": "phi3",
+        "qwen2": "qwen2_5", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
     }
 
 
@@ -24,7 +24,7 @@ def test_unknown_model_type_names_the_file_and_the_supported_types(tmp_path):
         from_pretrained(tmp_path)
     message = str(e.value)
     assert str(tmp_path / "config.json") in message and "'gpt2'" in message
-    assert "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe" in message
+    assert "llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe" in message
 
 
 def test_missing_config_and_missing_field(tmp_path):
@@ -60,6 +60,7 @@ def test_sharded_checkpoint_in_bf16(tmp_path):
         ("mistral", "mistral_7b", "hidden_act", "silu"),
         ("qwen2_5", "qwen2_5_0_5b", "hidden_act", "silu"),
         ("qwen3", "qwen3_0_6b", "hidden_act", "silu"),
+        ("phi3", "phi4_14b", "hidden_act", "silu"),
         ("gemma2", "gemma2_2b", "hidden_activation", "gelu_pytorch_tanh"),
     ],
 )
@@ -118,6 +119,7 @@ def _architecture_read_by_us(model) -> dict:
         ("mistral", {"sliding_window": None}),
         ("qwen2", {"sliding_window": 32}),  # without use_sliding_window the window is off
         ("qwen3", {"sliding_window": 32}),
+        ("phi3", {}),  # no sliding_window: transformers' None
         ("gemma2", {}),  # head_dim 256, query_pre_attn_scalar 256, window 4096, soft-caps 50 and 30
         ("gemma2", {"sliding_window": None, "attn_logit_softcapping": None}),
     ],

@@ -25,7 +25,8 @@ from toolkit.training.peft import adapter_linear, fill_adapter_model, save_peft_
 
 # Tiny architectures that keep each family's quirks: Llama 2's multi-head attention, Mistral's sliding window and
 # explicit head_dim, Qwen2.5's q/k/v biases (untied output, so the output adapter is exercised), Qwen3's q/k norms
-# with a head_dim unlike embed_dim / num_heads (tied), Gemma 2's sandwich norms, soft-capping and local layers.
+# with a head_dim unlike embed_dim / num_heads (tied), Phi-3's fused qkv_proj and gate_up_proj in the checkpoint
+# (GQA, so q, k and v rows differ in number), Gemma 2's sandwich norms, soft-capping and local layers.
 # Every projection holds a multiple of 64 values, as NF4 needs.
 DIMS = {
     "llama2": dict(vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=64, intermediate_dim=128),
@@ -37,6 +38,9 @@ DIMS = {
     "qwen3": dict(
         vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, embed_dim=64, intermediate_dim=128,
         tie_word_embeddings=True,
+    ),
+    "phi3": dict(
+        vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, embed_dim=64, intermediate_dim=128,
     ),
     "gemma2": dict(
         vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, embed_dim=64, intermediate_dim=128,
@@ -180,7 +184,15 @@ def test_the_plain_builder_rebuilds_the_model_of_a_saved_adapter(family: str, us
     lora = dict(lora_attn_modules=["k_proj", "o_proj"]) if targets == "attention" else all_targets(family)
     model = lora_model(family, base_dir, **lora, use_dora=use_dora)
     perturb_adapters(model)
+    if family == "phi3" and use_dora and targets == "attention":  # DoRA's k rows alone: no PEFT form on qkv_proj
+        with pytest.raises(UserError, match=r"qkv_proj: DoRA on \['k_proj'\] only cannot be written"):
+            save_peft_adapter(model, tmp_path / "adapter", model_family=family)
+        return
     adapter = save_peft_adapter(model, tmp_path / "adapter", model_family=family)
+    if family == "phi3":  # one adapter on the fused qkv_proj / gate_up_proj: not split back into ours
+        with pytest.raises(UserError, match="adapters on the fused .* cannot be loaded into our separate projections"):
+            adapter_linear(adapter, model_family=family)
+        return
     plain, _ = builders(family)
     linear = adapter_linear(adapter, model_family=family)
     rebuilt = plain(**DIMS[family], max_seq_len=MAX_SEQ_LEN, linear=linear).eval()

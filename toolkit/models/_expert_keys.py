@@ -34,8 +34,10 @@ class Part:
         key: our tensor.
         index: the slice of ``key`` along its first dimension that the HF tensor is (one expert), or ``None``:
             the HF tensor has ``key``'s shape.
-        rows: ``(i, n)``: only the ``i``-th of ``n`` equal blocks of the HF tensor's rows (its second-to-last
-            dimension, the output features of a fused projection) go to ``key``; ``None``: all of them.
+        rows: ``(i, n)``: only the ``i``-th of the ``n`` blocks of the HF tensor's rows (its second-to-last
+            dimension, the output features of a fused projection) go to ``key``; ``None``: all of them. The blocks
+            are the parts' tensors in order, each as many rows as its ``key`` (equal for the experts' gate and up;
+            Phi-3's ``qkv_proj`` is ``q_proj``, ``k_proj`` and ``v_proj``, of fewer key/value rows under GQA).
     """
 
     key: str

@@ -16,6 +16,7 @@ Formats (each matches the tool-free path of its model's published template):
   v0.1/v0.2, Mixtral 8x7B Instruct v0.1).
 * :class:`ChatMLFormat`: ``<|im_start|>role\\ncontent<|im_end|>\\n`` (Qwen2.5).
 * :class:`Qwen3ChatFormat`: ChatML with Qwen3's ``<think>`` reasoning blocks.
+* :class:`Phi4ChatFormat`: ``<|im_start|>role<|im_sep|>content<|im_end|>``, no newlines (Phi-4).
 * :class:`GemmaChatFormat`: ``<start_of_turn>user\\ncontent<end_of_turn>\\n``, the assistant called ``model``.
 
 Messages may carry ``reasoning_content`` (a string), which only :class:`Qwen3ChatFormat` renders (the other
@@ -218,6 +219,23 @@ class Qwen3ChatFormat:
         if add_generation_prompt:
             out += _CHATML_PROMPT + ([] if self.enable_thinking else [Segment("<think>\n\n</think>\n\n")])
         return out
+
+
+class Phi4ChatFormat:
+    """Phi-4's chat format: ChatML's turns with the role closed by ``<|im_sep|>`` instead of a newline, and nothing
+    between turns. No default system prompt; the messages are rendered as they come, their content as is."""
+
+    @staticmethod
+    def _header(role: str) -> list[Segment]:
+        return [Segment("<|im_start|>", special=True), Segment(role), Segment("<|im_sep|>", special=True)]
+
+    def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
+        out: list[Segment] = []
+        for i, message in enumerate(messages):
+            out += self._header(message["role"]) + [
+                Segment(message["content"], message=i), Segment("<|im_end|>", special=True, message=i),
+            ]
+        return out + (self._header("assistant") if add_generation_prompt else [])
 
 
 class Llama2ChatFormat:

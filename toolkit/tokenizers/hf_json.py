@@ -1,11 +1,12 @@
-"""Vocabularies from a Hugging Face ``tokenizer.json`` (byte-level BPE for Qwen), on the ``tokenizers`` library."""
+"""Vocabularies from a Hugging Face ``tokenizer.json`` (byte-level BPE for Qwen and Phi-4), on the ``tokenizers``
+library."""
 
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from toolkit.errors import UserError
-from toolkit.tokenizers.chat_templates import ChatMLFormat, Qwen3ChatFormat
+from toolkit.tokenizers.chat_templates import ChatMLFormat, Phi4ChatFormat, Qwen3ChatFormat
 from toolkit.tokenizers.model_tokenizer import ModelTokenizer
 
 # What Qwen2.5's chat template says when a conversation brings no system message (Qwen3's says nothing).
@@ -80,6 +81,21 @@ def qwen3_tokenizer(path: str, max_seq_len: int | None = None, *, enable_thinkin
     """
     return ModelTokenizer(
         engine=TokenizerJSONEngine(path), chat_format=Qwen3ChatFormat(enable_thinking=enable_thinking),
+        bos_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        stop_tokens=["<|im_end|>", "<|endoftext|>"], max_seq_len=max_seq_len,
+    )
+
+
+def phi4_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokenizer:
+    """Phi-4's tokenizer (GPT-style byte-level BPE; :class:`~toolkit.tokenizers.chat_templates.Phi4ChatFormat`)
+    from its ``tokenizer.json``.
+
+    Args:
+        path: the ``tokenizer.json``.
+        max_seq_len: keep at most this many tokens per sequence; ``None`` keeps all.
+    """
+    return ModelTokenizer(
+        engine=TokenizerJSONEngine(path), chat_format=Phi4ChatFormat(),
         bos_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
         stop_tokens=["<|im_end|>", "<|endoftext|>"], max_seq_len=max_seq_len,
     )

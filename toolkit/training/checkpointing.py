@@ -234,19 +234,35 @@ class HFCheckpointer:
         parts = self._hf_key_to_parts(hf_key) if self._hf_key_to_parts is not None else None
         return parts if parts is not None else [Part(self.family.hf_key_to_tune(hf_key))]
 
-    def _hf_sources(self, specs: dict[str, "_TensorSpec"], *, prefix: str = "") -> dict[str, "_Source"]:
+    def _hf_sources(self, specs: dict[str, "_TensorSpec"], *, prefix: str = "") -> dict[str, "_Source | _Joined"]:
         """The HF tensors that our tensors (``specs``, by our key) are written as, in order, each with where its
-        values are (our key after ``prefix``): a tensor whole, or one slice along dim 0 of a stacked one."""
+        values are (our key after ``prefix``): a tensor whole, one slice along dim 0 of a stacked one, or several
+        whole ones joined along their rows (a fused projection)."""
         sources = {}
         for key, spec in specs.items():
             slices = None
             if self._tune_key_to_hf_slices is not None and spec.shape:
                 slices = self._tune_key_to_hf_slices(key, spec.shape[0])
             if slices is None:
-                sources[self.family.tune_key_to_hf(key)] = _Source(prefix + key, spec)
+                hf_key = self.family.tune_key_to_hf(key)
+                joined = sources.get(hf_key)
+                part = _Source(prefix + key, spec)
+                sources[hf_key] = part if joined is None else _Joined((*joined.parts, part))
             else:
                 sources.update({hf_key: _Source(prefix + key, spec, index) for index, hf_key in enumerate(slices)})
+        for hf_key, source in sources.items():
+            if isinstance(source, _Joined):
+                sources[hf_key] = self._order_joined(hf_key, source, prefix)
         return sources
+
+    def _order_joined(self, hf_key: str, joined: "_Joined", prefix: str) -> "_Joined":
+        """Several of our tensors written as one HF tensor (a fused projection: Phi-3's ``qkv_proj``): their rows
+        in the order of the family's ``hf_key_to_parts``; all of them, or none (the family would not load it)."""
+        order = [prefix + part.key for part in (self._hf_key_to_parts(hf_key) if self._hf_key_to_parts else None) or ()]
+        by_name = {part.name: part for part in joined.parts}
+        if sorted(order) != sorted(by_name):
+            raise ValueError(f"{hf_key}: the tensors {sorted(by_name)} do not make up its parts {order}")
+        return _Joined(tuple(by_name[name] for name in order))
 
     def _check_slice_counts(self, files: list[Path], targets: dict[str, torch.Tensor]) -> None:
         """Before any tensor is read, from the files' headers: the slices (experts) of each stacked tensor the
@@ -262,7 +278,10 @@ class HFCheckpointer:
                 with safe_open(str(file), framework="pt", device="cpu") as reader:
                     for hf_key in reader.keys():
                         for part in self._hf_key_to_parts(hf_key) or ():
-                            held = part.index + 1 if part.index is not None else reader.get_slice(hf_key).get_shape()[0]
+                            shape = reader.get_slice(hf_key).get_shape()
+                            if part.index is None and len(shape) < 3:
+                                continue  # a fused projection of whole matrices (Phi-3's qkv_proj): nothing stacked
+                            held = part.index + 1 if part.index is not None else shape[0]
                             if part.key in targets and held > counts.get(part.key, (0, ""))[0]:
                                 counts[part.key] = (held, hf_key)
             except SafetensorError as e:
@@ -299,11 +318,11 @@ class HFCheckpointer:
                     f"{file}: key {hf_key!r} has no counterpart in the model; is it a checkpoint of this model?"
                 )
             target = targets[key]
-            expected = _part_shape(tuple(target.shape), part)
+            expected, offset = _part_shape(tuple(target.shape), part, parts, targets)
             if shape != expected:
                 raise UserError(f"{file}: {hf_key!r} has shape {shape} but the model expects {expected}")
             if shape:
-                _copy_part(target, part, source, shape)
+                _copy_part(target, part, source, offset)
             else:
                 target.copy_(reader.get_tensor(hf_key))
             if part.index is None:
@@ -562,26 +581,62 @@ class _Source:
     def part_spec(self) -> _TensorSpec:
         return self.spec if self.index is None else _TensorSpec(self.spec.shape[1:], self.spec.dtype)
 
+    @property
+    def parts(self) -> tuple["_Source", ...]:
+        return (self,)
+
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.index is None else tensor[self.index]
 
+    def read(self, tensors: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The values, given our tensors by name."""
+        return self.take(tensors(self.name))
 
-def _part_specs(sources: dict[str, _Source]) -> dict[str, _TensorSpec]:
+
+@dataclass(frozen=True)
+class _Joined:
+    """An HF tensor whose rows (second-to-last dimension) are several of our whole tensors in order: a fused
+    projection (Phi-3's ``qkv_proj``, our ``q_proj``, ``k_proj`` and ``v_proj``)."""
+
+    parts: tuple[_Source, ...]
+
+    @property
+    def index(self) -> None:
+        return None
+
+    @property
+    def part_spec(self) -> _TensorSpec:
+        first = self.parts[0].spec
+        rows = sum(part.spec.shape[-2] for part in self.parts)
+        return _TensorSpec((*first.shape[:-2], rows, first.shape[-1]), first.dtype)
+
+    def read(self, tensors: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        return torch.cat([part.read(tensors) for part in self.parts], dim=-2)
+
+
+def _part_specs(sources: dict[str, "_Source | _Joined"]) -> dict[str, _TensorSpec]:
     return {key: source.part_spec for key, source in sources.items()}
 
 
-def _part_shape(shape: tuple[int, ...], part: Part) -> tuple[int, ...]:
-    """The shape of the HF tensor that fills ``part`` of our tensor of ``shape``."""
+def _part_shape(
+    shape: tuple[int, ...], part: Part, parts: list[Part], targets: dict[str, torch.Tensor]
+) -> tuple[tuple[int, ...], int]:
+    """The shape of the HF tensor that fills ``part`` of our tensor of ``shape``, and the first of its rows
+    (second-to-last dimension) that ``part`` takes: a fused tensor's row blocks are our ``parts``' rows, in order."""
     if part.index is not None:
         shape = shape[1:]
-    if part.rows is not None:
-        shape = (*shape[:-2], shape[-2] * part.rows[1], shape[-1])
-    return shape
+    if part.rows is None:
+        return shape, 0
+    blocks = sorted((p for p in parts if p.rows is not None), key=lambda p: p.rows[0])
+    rows = [targets[p.key].shape[-2] if p.key in targets else shape[-2] for p in blocks]
+    offset = sum(rows[: part.rows[0]])
+    return (*shape[:-2], sum(rows), shape[-1]), offset
 
 
-def _copy_part(target: torch.Tensor, part: Part, source: Any, shape: tuple[int, ...]) -> None:
-    """Copy the HF tensor ``source`` (a safetensors slice of ``shape``) into its ``part`` of ``target``; into a
-    sharded target, only what lies in this rank's shard is read (nothing for an expert of another rank)."""
+def _copy_part(target: torch.Tensor, part: Part, source: Any, offset: int) -> None:
+    """Copy the HF tensor ``source`` (a safetensors slice) into its ``part`` of ``target``, whose rows start at
+    ``offset`` in it; into a sharded target, only what lies in this rank's shard is read (nothing for an expert of
+    another rank)."""
     if isinstance(target, DTensor):
         local, region = target.to_local(), local_region(target)
     else:
@@ -592,7 +647,6 @@ def _copy_part(target: torch.Tensor, part: Part, source: Any, shape: tuple[int, 
             return
         local, region = local[part.index - first.start], region[1:]
     if part.rows is not None:
-        offset = part.rows[0] * (shape[-2] // part.rows[1])
         rows = region[-2]
         region = (*region[:-2], slice(rows.start + offset, rows.stop + offset), region[-1])
     local.copy_(source[region])
@@ -660,30 +714,35 @@ def _write_safetensors(
 TensorReader = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
 
 
-def _memory_reader(state: dict[str, torch.Tensor], sources: dict[str, _Source]) -> TensorReader:
-    return lambda keys: ((key, sources[key].take(state[sources[key].name])) for key in keys)
+def _memory_reader(state: dict[str, torch.Tensor], sources: dict[str, "_Source | _Joined"]) -> TensorReader:
+    return lambda keys: ((key, sources[key].read(state.__getitem__)) for key in keys)
 
 
-def dcp_tensor_reader(checkpoint_dir: Path, sources: dict[str, _Source], *, batch_bytes: int = 2**28) -> TensorReader:
+def dcp_tensor_reader(
+    checkpoint_dir: Path, sources: dict[str, "_Source | _Joined"], *, batch_bytes: int = 2**28
+) -> TensorReader:
     """Reads full tensors out of a ``torch.distributed.checkpoint`` folder, whatever the sharding it was written
-    with: each key's values from its source there (``sources``: a saved tensor whole, or one slice of it). Saved
-    tensors are loaded about ``batch_bytes`` at a time, a stacked one once for the run of its slices the keys ask
-    in a row. Runs in this process alone."""
+    with: each key's values from its sources there (``sources``: a saved tensor whole, one slice of it, or several
+    joined). Saved tensors are loaded about ``batch_bytes`` at a time, a stacked one once for the run of its slices
+    the keys ask in a row. Runs in this process alone."""
+
+    def saved(key: str) -> dict[str, _TensorSpec]:
+        return {part.name: part.spec for part in sources[key].parts}
 
     def read(keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        runs = [list(run) for _, run in itertools.groupby(keys, key=lambda k: sources[k].name)]
+        runs = [list(run) for _, run in itertools.groupby(keys, key=lambda k: tuple(saved(k)))]
         batch: list[list[str]] = []
         for i, run in enumerate(runs):
             batch.append(run)
-            size = sum(sources[r[0]].spec.nbytes for r in batch)
-            if i + 1 < len(runs) and size + sources[runs[i + 1][0]].spec.nbytes <= batch_bytes:
+            size = sum(spec.nbytes for r in batch for spec in saved(r[0]).values())
+            if i + 1 < len(runs) and size + sum(s.nbytes for s in saved(runs[i + 1][0]).values()) <= batch_bytes:
                 continue
             wanted = {
-                sources[r[0]].name: torch.empty(sources[r[0]].spec.shape, dtype=sources[r[0]].spec.dtype) for r in batch
+                name: torch.empty(spec.shape, dtype=spec.dtype) for r in batch for name, spec in saved(r[0]).items()
             }
             load_dcp(wanted, checkpoint_dir, no_dist=True)
             for run_keys in batch:
-                yield from ((k, sources[k].take(wanted[sources[k].name])) for k in run_keys)
+                yield from ((k, sources[k].read(wanted.__getitem__)) for k in run_keys)
             batch = []
 
     return read

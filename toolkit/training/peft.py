@@ -36,6 +36,8 @@ from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _weight_files, ga
 from toolkit.training.distributed import barrier
 from toolkit.training.step_checkpoint import TOKENIZER_FILES
 from toolkit.training.init import init_weights
+from toolkit.training.peft_fused import fused_members, peft_rank, refuse_fused
+from toolkit.training.peft_fused import peft_tensors as peft_fused_tensors
 from toolkit.training.peft_experts import (
     ROUTER_MODULES,
     TARGET_PARAMETERS,
@@ -162,17 +164,21 @@ def _save_adapter(
         if write:
             tensors[f"{_PEFT_PREFIX}{hf_moe_name(name)}.weight"] = weight.contiguous().cpu()
     linear = {name: module for name, module in modules.items() if name not in experts}
-    for name, module in linear.items():
-        hf_name = _hf_module_name(family, name)
-        for param_name in module.adapter_params():
-            key = f"{_PEFT_PREFIX}{hf_name}.{_TO_PEFT[param_name]}"
-            param = whole(module.get_parameter(param_name))
-            if write:
-                tensors[key] = param.contiguous().cpu()
     use_dora = _uniform({n: isinstance(m, DoRALinear) for n, m in modules.items()}, "adapter kind (LoRA or DoRA)")
     rank, alpha = _uniform({n: m.rank for n, m in modules.items()}, "rank"), _uniform(
         {n: m.alpha for n, m in modules.items()}, "alpha"
     )
+    # Our adapters by the Hugging Face module they adapt: several where the family fuses projections (Phi-3).
+    groups: dict[str, dict[str, nn.Module]] = {}
+    for name, module in linear.items():
+        groups.setdefault(_hf_module_name(family, name), {})[name] = module
+    width = peft_rank(groups, rank) if groups else rank
+    for hf_name, members in groups.items():
+        adapted = peft_fused_tensors(unwrap(model), hf_name, fused_members(family, hf_name), members, width)
+        if write:
+            tensors.update({f"{_PEFT_PREFIX}{hf_name}.{key}": tensor for key, tensor in adapted.items()})
+    if width != rank:  # the padded rank of fused modules; lora_alpha / r stays ours
+        rank, alpha = width, alpha * width / rank
     rank_pattern, alpha_pattern = peft_patterns(rank, alpha) if experts else ({}, {})
     config = {
         "peft_type": "LORA",
@@ -182,7 +188,7 @@ def _save_adapter(
         "lora_alpha": alpha,
         "lora_dropout": _uniform({n: m.dropout_p for n, m in modules.items()}, "dropout"),
         # PEFT matches target_modules against the end of each module's name.
-        "target_modules": sorted({_hf_module_name(family, n).rpartition(".")[2] for n in linear}) or None,
+        "target_modules": sorted({hf_name.rpartition(".")[2] for hf_name in groups}) or None,
         "use_dora": use_dora,
         "use_rslora": False,
         "bias": "none",
@@ -354,6 +360,7 @@ def adapter_linear(adapter_dir: str | Path, *, model_family: str) -> LinearFacto
     if not targets:
         raise UserError(f"{config_file}: target_modules is empty; nothing to adapt")
     family = load_model_family(model_family)
+    refuse_fused(family, model_family, [_hf_module_name(family, path) for path in _ADAPTABLE], str(config_file))
     hf_names = {_hf_module_name(family, path): name for path, name in _ADAPTABLE.items()}
     known = [hf_name.rpartition(".")[2] for hf_name in hf_names]
     adapted = set()
@@ -428,6 +435,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | Path, *, model_family
     config, by_module, _ = _read_adapter(adapter_dir)
     _refuse_merge_only(config, Path(adapter_dir) / ADAPTER_CONFIG)
     weights_file = Path(adapter_dir) / ADAPTER_WEIGHTS
+    refuse_fused(family, model_family, list(by_module), str(weights_file))
     modules = {_hf_module_name(family, name): module for name, module in adapter_modules(model).items()}
     if by_module.keys() != modules.keys():
         missing, extra = sorted(modules.keys() - by_module.keys()), sorted(by_module.keys() - modules.keys())

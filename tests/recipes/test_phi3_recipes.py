@@ -1,0 +1,156 @@
+"""Phi-4 (the Phi-3 architecture) through the recipes' `any_model` configs, on a tiny `Phi3ForCausalLM` that
+`transformers` writes, with a Phi-4-style BPE tokenizer the test trains: a full fine-tune and a LoRA run train
+(finite, falling loss) and export what `transformers` and `peft` load; a checkpoint with a feature the builder does
+not compute stops in one line before anything is written."""
+
+import json
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.launch import run_tune, run_tune_here
+from tests.tiny_tokenizer import PHI4_SPECIALS, chatml_byte_level_bpe
+
+transformers = pytest.importorskip("transformers")
+tune = partial(run_tune_here, "run")
+
+STEPS = 6
+FAST = [
+    f"max_steps={STEPS}", "dataset.num_samples=64", "batch_size=8", "micro_batch_size=4", "data_parallel=ddp",
+    "progress_bar=false", "~eval_tasks", "save_every_n_steps=null", "dtype=fp32", "max_seq_len=64",
+    "log_every_n_steps=1",
+]
+
+
+@pytest.fixture(scope="module")
+def phi_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_phi3")
+    texts = ["reverse: abcd dcba", "upper: word WORD", "sort: dcba abcd"] * 50
+    tokenizer = chatml_byte_level_bpe(texts, vocab_size=400, special_tokens=PHI4_SPECIALS)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() <= 320  # the embedding has rows to spare (as Phi-4's), and splits in two
+    config = transformers.Phi3Config(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rope_theta=250_000.0,
+        bos_token_id=0, eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.Phi3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _losses(out: Path) -> list[float]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [record["loss"] for record in map(json.loads, lines) if "loss" in record]
+
+
+def _check_trained(out: Path) -> None:
+    losses = _losses(out)
+    assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.fixture(scope="module")
+def one_process(phi_folder, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("phi3_one")
+    result = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={out}",
+                  f"checkpointer.checkpoint_dir={phi_folder}", "optimizer.lr=1e-3", *FAST,
+                  f"save_every_n_steps={STEPS}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_full_finetune_trains_and_exports_the_fused_layout(phi_folder, one_process, tmp_path):
+    _check_trained(one_process)
+    final = one_process / "final"
+    # tune export joins the step checkpoint's q/k/v and gate/up (read back from its shards) as the run's export did.
+    exported = run_tune_here("export", str(one_process / "checkpoints" / f"step_{STEPS}"), "--output",
+                             str(tmp_path / "x"))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    ours, theirs = load_file(tmp_path / "x" / "model.safetensors"), load_file(final / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+    assert json.loads((final / "config.json").read_text())["model_type"] == "phi3"
+    original, exported = load_file(phi_folder / "model.safetensors"), load_file(final / "model.safetensors")
+    assert exported.keys() == original.keys()  # qkv_proj and gate_up_proj, as transformers writes them
+    assert not torch.equal(exported["model.layers.0.self_attn.qkv_proj.weight"],
+                           original["model.layers.0.self_attn.qkv_proj.weight"])  # trained
+    transformers.AutoModelForCausalLM.from_pretrained(final)  # loads back
+
+
+LORA = [
+    "save_merged=true", "optimizer.lr=1e-2", "model.lora_attn_modules=[q_proj,k_proj,v_proj,o_proj]",
+    "model.apply_lora_to_mlp=true", *FAST,
+]
+
+
+@pytest.fixture(scope="module")
+def lora_one_process(phi_folder, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("phi3_lora_one")
+    result = tune("lora_finetune_single_device", "--config", "any_model_lora", f"output_dir={out}",
+                  f"checkpointer.checkpoint_dir={phi_folder}", *LORA)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_lora_trains_and_peft_loads_its_adapter_as_the_merged_model(phi_folder, lora_one_process):
+    peft = pytest.importorskip("peft")
+    tmp_path = lora_one_process
+    _check_trained(tmp_path)
+    adapter = tmp_path / "final" / "adapter"
+    assert set(json.loads((adapter / "adapter_config.json").read_text())["target_modules"]) == {
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj",
+    }
+    base = transformers.AutoModelForCausalLM.from_pretrained(phi_folder, dtype=torch.float32).eval()
+    theirs = peft.PeftModel.from_pretrained(base, adapter).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final" / "merged", dtype=torch.float32)
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, merged.eval()(tokens).logits, atol=1e-4, rtol=0)
+
+
+def test_a_phi3_feature_we_do_not_compute_stops_in_one_line(phi_folder, tmp_path):
+    folder = tmp_path / "phi4_mini_like"
+    folder.mkdir()
+    for name in ("tokenizer.json", "model.safetensors"):
+        (folder / name).symlink_to(phi_folder / name)
+    config = json.loads((phi_folder / "config.json").read_text())
+    # Where transformers 5 writes it (and reads it first): Phi-4-mini rotates 3/4 of each head's features.
+    config["rope_parameters"]["partial_rotary_factor"] = 0.75
+    (folder / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    result = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={out}",
+                  f"checkpointer.checkpoint_dir={folder}", *FAST)
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert "config.json" in line and "partial_rotary_factor 0.75 is not supported" in line, line
+    assert not out.exists()
+
+
+def test_tensor_parallel_splits_the_projections_and_exports_them_joined(phi_folder, one_process, tmp_path):
+    # Our q/k/v and gate/up are separate, so tensor parallelism splits them as in every family; the export writes
+    # each fused tensor from the processes' shards. fp32 on CPU: the layouts differ only in the order of float sums.
+    run_tune("run", "--nproc_per_node", "2", "full_finetune_distributed", "--config", "any_model",
+             f"output_dir={tmp_path}", f"checkpointer.checkpoint_dir={phi_folder}", "optimizer.lr=1e-3", *FAST,
+             "tensor_parallel=2", timeout_s=300, check=True)
+    torch.testing.assert_close(_losses(tmp_path), _losses(one_process), rtol=1e-5, atol=0)
+    ours, reference = load_file(tmp_path / "final" / "model.safetensors"), load_file(
+        one_process / "final" / "model.safetensors"
+    )
+    assert ours.keys() == reference.keys()
+    for key, weight in reference.items():
+        torch.testing.assert_close(ours[key], weight, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_lora_under_zero3_writes_the_one_process_adapter(phi_folder, lora_one_process, tmp_path):
+    # Each rank's shards of the adapters gathered and fused as one process fuses them (fp32, float rounding apart).
+    run_tune("run", "--nproc_per_node", "2", "lora_finetune_distributed", "--config", "any_model_lora",
+             f"output_dir={tmp_path}", f"checkpointer.checkpoint_dir={phi_folder}", *LORA, "data_parallel=zero3",
+             timeout_s=300, check=True)
+    for name in ("adapter/adapter_model.safetensors", "merged/model.safetensors"):
+        ours, reference = load_file(tmp_path / "final" / name), load_file(lora_one_process / "final" / name)
+        assert ours.keys() == reference.keys()
+        for key, tensor in reference.items():
+            torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-6, msg=key)

@@ -1,0 +1,65 @@
+"""Phi-4's tokenizer.json tokenizer and chat format, on a byte-level BPE the test trains, against hand-written
+expected sequences; and which phi3 folders get it."""
+
+import pytest
+from tokenizers import Tokenizer, models
+
+from tests.tiny_tokenizer import PHI4_SPECIALS, chatml_byte_level_bpe
+from toolkit.errors import UserError
+from toolkit.tokenizers import Phi4ChatFormat, from_pretrained, phi4_tokenizer
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+USER, ANSWER = {"role": "user", "content": "What is 2+2? ✨"}, {"role": "assistant", "content": "4"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, corpus):
+    tokenizer = chatml_byte_level_bpe(corpus, vocab_size=500, special_tokens=PHI4_SPECIALS)
+    folder = tmp_path_factory.mktemp("phi4")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text('{"model_type": "phi3"}')
+    return folder
+
+
+def test_chat_format_lays_out_the_published_turns(model_dir):
+    tokenizer = from_pretrained(str(model_dir))
+    assert isinstance(tokenizer.chat_format, Phi4ChatFormat)
+    tokens, mask = tokenizer.tokenize_messages([SYSTEM, USER, ANSWER], add_eos=False, train_on="assistant")
+    start, sep, end = (tokenizer.engine.token_to_id(t) for t in ("<|im_start|>", "<|im_sep|>", "<|im_end|>"))
+    text = tokenizer.engine.encode
+    # Special tokens by id (never produced by text), roles and contents as text, no newlines anywhere.
+    assert tokens == [
+        start, *text("system"), sep, *text("Be brief."), end,
+        start, *text("user"), sep, *text("What is 2+2? ✨"), end,
+        start, *text("assistant"), sep, *text("4"), end,
+    ]
+    assert tokenizer.decode(tokens, skip_special_tokens=False) == (
+        "<|im_start|>system<|im_sep|>Be brief.<|im_end|><|im_start|>user<|im_sep|>What is 2+2? ✨<|im_end|>"
+        "<|im_start|>assistant<|im_sep|>4<|im_end|>"
+    )
+    # Trained: the assistant's content and the <|im_end|> that closes it.
+    assert mask == [False] * (len(tokens) - len(text("4")) - 1) + [True] * (len(text("4")) + 1)
+    prompt = tokenizer.decode(tokenizer.prompt_tokens([USER]), skip_special_tokens=False)
+    assert prompt == "<|im_start|>user<|im_sep|>What is 2+2? ✨<|im_end|><|im_start|>assistant<|im_sep|>"
+    assert tokenizer.stop_tokens == [end, tokenizer.engine.token_to_id("<|endoftext|>")]
+
+
+def test_a_folder_without_config_json_is_told_by_its_im_sep_token(model_dir, tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    assert isinstance(from_pretrained(str(tmp_path)).chat_format, Phi4ChatFormat)
+
+
+def test_masks_and_truncation(model_dir, conversations, check_masks):
+    tokenizer = phi4_tokenizer(str(model_dir / "tokenizer.json"))
+    for messages in conversations:
+        check_masks(tokenizer, messages, [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"])
+
+
+def test_a_phi3_folder_without_phi4s_tokens_is_refused(tmp_path):
+    # Phi-3 and Phi-4-mini are model_type phi3 too, with another chat format (<|user|>...<|end|>).
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.add_special_tokens(["<|endoftext|>", "<|user|>", "<|end|>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text('{"model_type": "phi3"}')
+    with pytest.raises(UserError, match=r"tokenizer.json: no <\|im_sep\|> token: only Phi-4's chat format"):
+        from_pretrained(str(tmp_path))
