@@ -95,8 +95,8 @@ def from_pretrained(
 
     Without a ``config.json``, the files decide: a tiktoken ``tokenizer.model`` is Llama 3, a ``tokenizer.json``
     with ``<|im_sep|>`` is Phi-4, one with ``<|im_start|>`` Qwen3, a sentencepiece model with ``<start_of_turn>`` is
-    Gemma, one with ``[INST]`` Mistral, and any other sentencepiece model Llama 2. A Llama 3 folder gets Llama 3.1+'s dated chat format or
-    Llama 3.0's as :func:`is_dated_llama3` tells.
+    Gemma, one with ``[INST]`` Mistral, and any other sentencepiece model Llama 2. A Llama 3 folder gets Llama
+    3.1+'s dated chat format or Llama 3.0's as :func:`is_dated_llama3` tells.
 
     Args:
         path: the model folder.
