@@ -25,8 +25,8 @@ same rows for every kernel:
   A backend that cannot serve the call is reported as such.
 
 Times are medians over ``--iters`` after ``--warmup`` iterations (compilation happens there), each from the
-mask's construction (unless made before) to the end of backward (``torch.cuda.synchronize``). Memory is the peak allocated above what
-the layer and its input hold. The last column is the time relative to the dense mask.
+mask's construction (unless made before) to the end of backward (``torch.cuda.synchronize``). Memory is the peak
+allocated above what the layer and its input hold. The last column is the time relative to the dense mask.
 
 On CPU, PyTorch has no FlexAttention backward, so ``--device cpu`` times forward passes without gradients, and
 unfused (no compile): it checks that the script runs, not the speed of the kernels.

@@ -80,7 +80,8 @@ def test_yarn_frequencies_are_transformers_to_float32_rounding():
     # Qwen3's long-context setting, and the optional knobs (beta_fast/slow, mscale, a given attention_factor).
     for factor, original, head_dim, base, extra in [
         (4.0, 32_768, 128, 1e6, {}), (8.0, 4096, 64, 5e5, dict(beta_fast=16, beta_slow=2)),
-        (4.0, 1024, 32, 1e4, dict(mscale=0.707, mscale_all_dim=0.707)), (3.0, 1024, 32, 1e4, dict(attention_factor=1.3)),
+        (4.0, 1024, 32, 1e4, dict(mscale=0.707, mscale_all_dim=0.707)),
+        (3.0, 1024, 32, 1e4, dict(attention_factor=1.3)),
     ]:
         config = transformers.Qwen3Config(
             head_dim=head_dim, hidden_size=4 * head_dim, num_attention_heads=4, max_position_embeddings=4 * original,

@@ -4,7 +4,13 @@ https://arxiv.org/abs/2505.09388)."""
 
 from toolkit.models._decoder import LinearFactory, grouped_query_attention, plain_linear, prenorm_decoder
 from toolkit.models.llama3 import llama3_mlp
-from toolkit.modules import GroupedQueryAttention, RMSNorm, RotaryPositionalEmbeddings, TransformerDecoder, YarnRopeScaling
+from toolkit.modules import (
+    GroupedQueryAttention,
+    RMSNorm,
+    RotaryPositionalEmbeddings,
+    TransformerDecoder,
+    YarnRopeScaling,
+)
 
 
 def qwen3_attention(

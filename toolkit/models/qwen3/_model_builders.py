@@ -23,7 +23,9 @@ YarnFactor = Annotated[float | None, Float(gt=1, null=True)]
 
 
 def _yarn(factor: float | None) -> YarnRopeScaling | None:
-    return None if factor is None else YarnRopeScaling(factor=factor, original_max_position_embeddings=ORIGINAL_CONTEXT)
+    if factor is None:
+        return None
+    return YarnRopeScaling(factor=factor, original_max_position_embeddings=ORIGINAL_CONTEXT)
 
 
 def qwen3_0_6b(
