@@ -28,7 +28,9 @@ from toolkit.errors import UserError
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp_layouts")
-    result = run_workers(worker.__file__, str(out), nproc=4, timeout_s=600)
+    # Each rank's output kept apart: a rank that dies (once in CI: SIGABRT, no message of its own in the launch's
+    # tail) says why at the end of stderr, after the others' "connection closed".
+    result = run_workers(worker.__file__, str(out), nproc=4, timeout_s=600, per_rank_logs=True)
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 
