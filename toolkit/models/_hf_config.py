@@ -23,18 +23,24 @@ def rope_theta(config: dict[str, Any], default: float) -> float:
     return float(rope_parameters(config).get("rope_theta", default))
 
 
+def rope_type(config: dict[str, Any]) -> str:
+    """The rotary scaling the config asks for (``rope_type``, ``type`` in older files), ``default`` for none."""
+    params = rope_parameters(config)
+    return params.get("rope_type", params.get("type", "default"))
+
+
 def llama3_rope_scaling(config: dict[str, Any]) -> Llama3RopeScaling | None:
     """Llama 3.1's frequency scaling if the config asks for it, ``None`` for plain rotary embeddings.
 
     Raises:
-        UserError: another scaling type (linear, dynamic, yarn...), which no family here implements.
+        UserError: another scaling type (linear, dynamic, yarn...), which the families that call this do not
+            implement.
     """
-    params = rope_parameters(config)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
+    params, rope_type_ = rope_parameters(config), rope_type(config)
+    if rope_type_ == "default":
         return None
-    if rope_type != "llama3":
-        raise UserError(f"rope scaling type {rope_type!r} is not supported (only 'llama3' and plain rotary)")
+    if rope_type_ != "llama3":
+        raise UserError(f"rope scaling type {rope_type_!r} is not supported (only 'llama3' and plain rotary)")
     return Llama3RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),
@@ -49,12 +55,11 @@ def yarn_rope_scaling(config: dict[str, Any]) -> YarnRopeScaling | None:
     Raises:
         UserError: another scaling type, which the families that call this do not implement.
     """
-    params = rope_parameters(config)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
+    params, rope_type_ = rope_parameters(config), rope_type(config)
+    if rope_type_ == "default":
         return None
-    if rope_type != "yarn":
-        raise UserError(f"rope scaling type {rope_type!r} is not supported for this family (only 'yarn' and plain "
+    if rope_type_ != "yarn":
+        raise UserError(f"rope scaling type {rope_type_!r} is not supported for this family (only 'yarn' and plain "
                         "rotary)")
     original = params.get("original_max_position_embeddings") or config["max_position_embeddings"]
     factor = params.get("factor")

@@ -43,9 +43,9 @@ def from_hf_config(
     partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
     if partial != 1.0:
         raise UserError(f"partial_rotary_factor {partial} is not supported (only 1.0: rotary on every feature)")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise UserError(f"rope_scaling type {rope_type!r} is not supported for phi3 (only plain rotary)")
+    if _hf_config.rope_type(config) != "default":
+        raise UserError(f"rope_scaling type {_hf_config.rope_type(config)!r} is not supported for phi3 (only plain "
+                        "rotary)")
     if config.get("sliding_window") is not None:
         raise UserError(f"sliding_window {config['sliding_window']} is not supported for phi3 (only null)")
     return phi3(
