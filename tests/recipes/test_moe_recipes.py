@@ -91,6 +91,16 @@ def router_one_process(moe_folder, tmp_path_factory) -> Path:
                             *ROUTER, "save_every_n_steps=2", "keep_last_n=null")
 
 
+# QLoRA: the experts (and every attention projection) stored in NF4, adapters on the experts and the attention.
+QLORA = ["model.quantize_base=true", "model.apply_lora_to_experts=true", "optimizer.lr=1e-2", "save_merged=true"]
+
+
+@pytest.fixture(scope="module")
+def qlora_one_process(moe_folder, tmp_path_factory) -> Path:
+    return _one_process_run(tmp_path_factory.mktemp("moe_qlora_one"), "lora_finetune", "any_model_lora", moe_folder,
+                            *QLORA, "save_every_n_steps=2", "keep_last_n=null")
+
+
 DPO = ["save_every_n_steps=null", "optimizer.lr=1e-3"]
 KTO = [*DPO, "preference_loss=kto", "dataset._component_=toolkit.data.demo_unpaired_dataset"]
 
@@ -127,13 +137,17 @@ TWO_PROCESS_RUNS = {
         "ddp": ["data_parallel=ddp"], "zero3": ["data_parallel=zero3"],
         "ep2": ["data_parallel=zero3", "expert_parallel=2"]}.items()},
     "kto_ep2": ("preference_finetune", "any_model_dpo", [*KTO, "data_parallel=zero3", "expert_parallel=2"]),
+    # QLoRA with NF4 experts: FSDP2 shards the experts' codes and scales along the experts (zero3), or DDP.
+    **{f"qlora_{strategy}": ("lora_finetune", "any_model_lora", [*QLORA, f"data_parallel={strategy}",
+                                                                 "save_every_n_steps=null"])
+       for strategy in ("ddp", "zero3")},
 }
 
 
 @pytest.fixture(scope="module")
-def two_processes(moe_folder, one_process, tmp_path_factory) -> dict[str, Path]:
+def two_processes(moe_folder, one_process, qlora_one_process, tmp_path_factory) -> dict[str, Path]:
     """TWO_PROCESS_RUNS, and ep2_from_one: the one-process run's step 2 checkpoint resumed with the experts shared
-    out over 2 ranks."""
+    out over 2 ranks; qlora_zero3_from_one: the one-process QLoRA run's resumed on 2 under zero3."""
     root = tmp_path_factory.mktemp("moe_two")
     runs = {
         name: RecipeRun(recipe, root / name, *_overrides(moe_folder, *overrides), config=config)
@@ -142,6 +156,9 @@ def two_processes(moe_folder, one_process, tmp_path_factory) -> dict[str, Path]:
     runs["ep2_from_one"] = RecipeRun("full_finetune", root / "ep2_from_one", *_overrides(
         moe_folder, "data_parallel=zero3", "expert_parallel=2", "save_every_n_steps=null",
         f"resume_from={one_process / 'checkpoints' / 'step_2'}"), config="any_model")
+    runs["qlora_zero3_from_one"] = RecipeRun("lora_finetune", root / "qlora_zero3_from_one", *_overrides(
+        moe_folder, *QLORA, "data_parallel=zero3", "save_every_n_steps=null",
+        f"resume_from={qlora_one_process / 'checkpoints' / 'step_2'}"), config="any_model_lora")
     result = run_recipes(list(runs.values()), nproc=2, timeout_s=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return {name: run.output_dir for name, run in runs.items()}
@@ -413,3 +430,82 @@ def test_expert_adapters_trained_with_dropout_are_exported_merged_and_say_why(mo
         out / "final" / "merged" / "model.safetensors")
     assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in final)
     assert not (tmp_path / "export" / "adapter").exists()
+
+
+# --- QLoRA: NF4 experts -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_qlora_with_nf4_experts_trains_alike_on_two_processes(strategy, qlora_one_process, two_processes):
+    ours, reference = _records(two_processes[f"qlora_{strategy}"]), _records(qlora_one_process)
+    assert len(ours) == len(reference) == STEPS
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    # fp32 on CPU; the same NF4 base on every layout (quantized from the same checkpoint): float sums only, 1e-5.
+    for key in ("loss", "router_aux_loss", "grad_norm"):
+        torch.testing.assert_close([r[key] for r in ours], [r[key] for r in reference], rtol=1e-5, atol=0, msg=key)
+    torch.testing.assert_close(
+        load_file(two_processes[f"qlora_{strategy}"] / "final" / "merged" / "model.safetensors"),
+        load_file(qlora_one_process / "final" / "merged" / "model.safetensors"), rtol=1e-5, atol=1e-6,
+    )
+
+
+def test_a_qlora_step_checkpoint_resumes_on_two_processes(qlora_one_process, two_processes):
+    resumed = _records(two_processes["qlora_zero3_from_one"])
+    assert [r["step"] for r in resumed] == [3, 4, 5]
+    torch.testing.assert_close([r["loss"] for r in resumed], [r["loss"] for r in _records(qlora_one_process)][2:],
+                               rtol=1e-5, atol=0)
+
+
+def _nf4_round_trip_of(folder: Path):
+    """transformers' model of ``folder`` with every matrix QLoRA stores in NF4 (the layers' attention projections, and
+    each expert's gate, up and down matrices, one at a time) replaced by torchao's round trip of it."""
+    from toolkit.modules.peft import dequantize, to_nf4
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".self_attn." in name and name.endswith("_proj.weight"):
+                param.copy_(dequantize(to_nf4(param)))
+            elif ".experts." in name:  # [E, 2I, H] (gate and up, each its own matrix) or [E, H, I]
+                halves = 2 if name.endswith("gate_up_proj") else 1
+                for expert in param:
+                    for block in expert.chunk(halves):
+                        block.copy_(dequantize(to_nf4(block.clone())))
+    return model.eval()
+
+
+def test_the_qlora_adapter_on_the_nf4_base_is_the_merged_model_and_every_expert_trains(moe_folder,
+                                                                                    qlora_one_process):
+    peft = pytest.importorskip("peft")
+    final = qlora_one_process / "final"
+    adapter = load_file(final / "adapter" / "adapter_model.safetensors")
+    expert_b = {k: v for k, v in adapter.items() if ".experts." in k and "lora_B" in k}
+    assert expert_b and all(v.abs().sum() > 0 for v in expert_b.values())  # B starts at 0: they trained
+    # The merged model is the NF4 base (as torchao rounds it) plus the adapters: peft's adapter on that base.
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(final / "merged", dtype=torch.float32).eval()
+        adapted = peft.PeftModel.from_pretrained(_nf4_round_trip_of(moe_folder), final / "adapter").eval()
+        torch.testing.assert_close(adapted(tokens).logits, merged(tokens).logits, atol=1e-4, rtol=0)
+
+
+def test_qlora_experts_under_expert_parallelism_are_refused_in_one_line(moe_folder, tmp_path):
+    result = run_tune("run", "--nproc_per_node", "2", "lora_finetune_distributed", "--config", "any_model_lora",
+                      f"output_dir={tmp_path / 'out'}",
+                      *_overrides(moe_folder, *QLORA, "data_parallel=zero3", "expert_parallel=2"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert "expert_parallel: 2 ranks cannot share NF4 (QLoRA) experts yet" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_dpo_with_nf4_experts_starts_at_its_reference(moe_folder, tmp_path):
+    # The QLoRA DPO config on a mixture of experts: the reference is the NF4 policy with its adapters off, so at the
+    # first step every pair's loss is log 2 and the rest is the routers' load-balancing loss.
+    out = tmp_path / "out"
+    result = tune("preference_finetune_single_device", "--config", "any_model_qlora_dpo", f"output_dir={out}",
+                  *_overrides(moe_folder, *DPO, "max_steps=2", "model.apply_lora_to_mlp=false",
+                              "model.apply_lora_to_experts=true"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = _records(out)[0]
+    assert first["loss"] - math.log(2) == pytest.approx(first["router_aux_loss"], rel=1e-5)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
 from toolkit.config import apply_overrides, instantiate, load_config, recipe_keys, validate
 from toolkit.errors import UserError
-from toolkit.modules.moe import MoEFeedForward, active_parameter_count
+from toolkit.modules.moe import MoEFeedForward, active_parameter_count, parameter_count
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.parallel.mesh import EXPERT_PARALLEL_STRATEGIES
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
@@ -345,7 +345,7 @@ def plan_command(argv: Sequence[str]) -> int:
             expert_parallel=ep,
         )
 
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = parameter_count(model)
     n_active = active_parameter_count(model)
     active = f"{n_active / 1e6:,.2f}M active per token, " if n_active != n_params else ""
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -21,6 +21,8 @@ from toolkit.errors import UserError
 from toolkit.models._decoder import LinearFactory
 from toolkit.modules.moe import GroupedExperts
 from toolkit.modules.peft import DoRALinear, LoRAGroupedExperts, LoRALinear, NF4Linear, TrainedRouter
+from toolkit.modules.peft.nf4 import NF4_BLOCK_SIZE
+from toolkit.modules.peft.nf4_experts import quantize_experts_
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -57,8 +59,9 @@ def lora_linear(
         lora_dropout: dropout on the adapters' input.
         use_dora: DoRA (learned magnitude) instead of LoRA.
         quantize_base: QLoRA: every decoder-layer projection's frozen weight is stored in NF4, adapted or not
-            (Dettmers et al., 2023 quantize all linear layers of the base); the embedding, norms, biases and an
-            unadapted output projection keep the model dtype.
+            (Dettmers et al., 2023 quantize all linear layers of the base), the experts of mixture-of-experts blocks
+            too (:class:`~toolkit.modules.peft.NF4Stack`, one quantization per expert); the embedding, norms, biases,
+            routers and an unadapted output projection keep the model dtype.
 
     Raises:
         UserError: an unknown attention module, or nothing to adapt.
@@ -88,14 +91,19 @@ def lora_linear(
         return nn.Linear(in_dim, out_dim, bias=bias)
 
     def make_experts(*, num_experts: int, dim: int, hidden_dim: int) -> nn.Module:
-        if quantize_base:  # experts left in the model dtype would keep nearly all of an MoE model's weight
-            raise UserError("quantize_base: QLoRA does not store mixture-of-experts weights in NF4 yet; use LoRA")
         if apply_lora_to_experts:
-            return LoRAGroupedExperts(
+            experts = LoRAGroupedExperts(
                 num_experts=num_experts, dim=dim, hidden_dim=hidden_dim, rank=lora_rank, alpha=lora_alpha,
                 dropout=lora_dropout,
             )
-        return GroupedExperts(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
+        else:
+            experts = GroupedExperts(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
+        if quantize_base:  # the experts are nearly all of an MoE model's weights: NF4 too, one expert at a time
+            if (dim * hidden_dim) % NF4_BLOCK_SIZE:
+                raise UserError(f"quantize_base: an expert's {hidden_dim} x {dim} matrices are not a multiple of NF4's "
+                                f"{NF4_BLOCK_SIZE}-value blocks; use LoRA")
+            quantize_experts_(experts)
+        return experts
 
     linear.make_experts = make_experts
     if train_router:

@@ -124,7 +124,16 @@ class GroupedExperts(nn.Module):
     def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Projection ``name`` (``gate_proj``, ``up_proj`` or ``down_proj``) of rows ``x`` grouped by expert
         (``counts`` rows each); adapters override it."""
-        return grouped_mm(x, local(getattr(self, name)), counts)
+        weight = getattr(self, name)
+        if isinstance(weight, nn.Module):  # stored quantized (QLoRA's toolkit.modules.peft.NF4Stack): it multiplies
+            return weight(x, counts)
+        return grouped_mm(x, local(weight), counts)
+
+    def base_weight(self, name: str) -> torch.Tensor:
+        """Projection ``name``'s stacked weight ``[num_experts, out, in]`` in full precision (dequantized when stored
+        in NF4)."""
+        weight = getattr(self, name)
+        return weight.dequantize() if isinstance(weight, nn.Module) else weight
 
     def compute(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Every expert's SwiGLU on its rows of ``routed`` (grouped by expert, ``counts[e]`` rows for expert ``e``):
@@ -282,5 +291,23 @@ def active_shares(model: nn.Module) -> dict[int, float]:
 def active_parameter_count(model: nn.Module) -> int:
     """Parameters one token goes through (:func:`active_shares`): all, but of each mixture-of-experts block's experts
     (and their adapters) only the ``top_k / num_experts`` share it is routed to."""
-    shares = active_shares(model)
-    return round(sum(p.numel() * shares.get(id(p), 1) for p in model.parameters()))
+    return round(_values(model, active_shares(model)))
+
+
+def parameter_count(model: nn.Module) -> int:
+    """The model's parameters, counted as values: a stacked projection stored quantized (QLoRA's NF4 experts, a
+    module in :class:`GroupedExperts`' place of the parameter) counts the ``[num_experts, out, in]`` values it
+    stores, not its codes and scales."""
+    return round(_values(model, {}))
+
+
+def _values(model: nn.Module, shares: dict[int, float]) -> float:
+    total, counted = 0.0, set()
+    for experts in (m for m in model.modules() if isinstance(m, GroupedExperts)):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            stored = getattr(experts, name)
+            if isinstance(stored, nn.Module):
+                parts = [id(p) for p in stored.parameters()]
+                counted.update(parts)
+                total += stored.shape.numel() * shares.get(parts[0], 1)
+    return total + sum(p.numel() * shares.get(id(p), 1) for p in model.parameters() if id(p) not in counted)

@@ -33,6 +33,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from toolkit.errors import UserError
 from toolkit.modules.moe import GroupedExperts, MoEFeedForward, permute_rows
+from toolkit.modules.peft.nf4_experts import NF4Stack
 
 
 def check_expert_parallel(model: nn.Module, *, ep: int) -> None:
@@ -46,6 +47,9 @@ def check_expert_parallel(model: nn.Module, *, ep: int) -> None:
     if num_experts % ep:
         raise UserError(f"expert_parallel: {ep} ranks cannot share the model's {num_experts} experts; choose a "
                         f"divisor of {num_experts}")
+    if any(isinstance(m, NF4Stack) for m in model.modules()):
+        raise UserError(f"expert_parallel: {ep} ranks cannot share NF4 (QLoRA) experts yet; use expert_parallel=1 "
+                        "(data_parallel=zero3 shards the NF4 experts over the ranks), or LoRA (quantize_base=false)")
 
 
 def apply_ep(model: nn.Module, *, ep_mesh: DeviceMesh) -> nn.Module:

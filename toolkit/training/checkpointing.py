@@ -38,6 +38,7 @@ from toolkit.errors import UserError, read_json
 from toolkit.models._expert_keys import Part
 from toolkit.modules._dtensor import local_region
 from toolkit.modules.moe import MoEFeedForward
+from toolkit.modules.peft.nf4_experts import NF4Stack, nf4_stacks
 from toolkit.training.distributed import shared_filesystem
 from toolkit.training.watchdog import progress
 from toolkit.parallel import unwrap
@@ -165,7 +166,7 @@ class HFCheckpointer:
         """
         assert self.checkpoint_dir is not None, "load() needs a checkpoint_dir"
         self._check_routing(model)
-        targets = model.state_dict()
+        targets = _load_targets(model)
         loaded: set[str] = set()
         slices: dict[str, set[int]] = {}  # of a stacked tensor: the indices along dim 0 read so far
         if (self.checkpoint_dir / ".metadata").is_file():
@@ -212,6 +213,12 @@ class HFCheckpointer:
                     f"{tuple(targets[key].shape)}"
                 )
             wanted[name] = targets[key]
+        # NF4 experts (QLoRA) are read whole, one stack at a time, and quantized expert by expert.
+        for name, stack in [(name, wanted.pop(name)) for name, t in list(wanted.items()) if isinstance(t, NF4Stack)]:
+            full = torch.empty(stack.shape, dtype=saved[name].properties.dtype, device=stack.codes.device)
+            load_dcp({name: full}, self.checkpoint_dir, no_dist=True)
+            stack.quantize_all_(full)
+            loaded.add(name[len("model."):])
         # Sharded targets load collectively, each rank reading its part; whole ones alone.
         sharded = any(isinstance(t, DTensor) for t in wanted.values())
         load_dcp(wanted, self.checkpoint_dir, no_dist=not sharded)
@@ -633,10 +640,30 @@ def _part_shape(
     return (*shape[:-2], sum(rows), shape[-1]), offset
 
 
-def _copy_part(target: torch.Tensor, part: Part, source: Any, offset: int) -> None:
+def _load_targets(model: nn.Module) -> dict[str, "torch.Tensor | NF4Stack"]:
+    """What a load fills, by state-dict key: the model's state dict, with each NF4 stack of experts (QLoRA) in place of
+    its parts, under the key of the stacked weight it stores (``layers.0.mlp.experts.gate_proj``)."""
+    targets = model.state_dict()
+    for name, stack in nf4_stacks(model).items():
+        for part, _ in stack.named_parameters():
+            del targets[f"{name}.{part}"]
+        targets[name] = stack
+    return targets
+
+
+def _copy_part(target: "torch.Tensor | NF4Stack", part: Part, source: Any, offset: int) -> None:
     """Copy the HF tensor ``source`` (a safetensors slice) into its ``part`` of ``target``, whose rows start at
     ``offset`` in it; into a sharded target, only what lies in this rank's shard is read (nothing for an expert of
-    another rank)."""
+    another rank). An NF4 stack quantizes what it is given, one expert at a time."""
+    if isinstance(target, NF4Stack):
+        experts, rows, _ = target.shape
+        rows = slice(offset, offset + rows)
+        if part.index is not None:
+            target.quantize_(part.index, source[rows, :])
+        else:
+            for index in range(experts):
+                target.quantize_(index, source[index : index + 1, rows, :][0])
+        return
     if isinstance(target, DTensor):
         local, region = target.to_local(), local_region(target)
     else:

@@ -7,6 +7,7 @@ from torch import nn
 
 from toolkit.modules._dtensor import init_full_
 from toolkit.modules.peft.nf4 import is_nf4
+from toolkit.modules.peft.nf4_experts import NF4Stack
 
 
 def materialize(model: nn.Module, *, device: torch.device, dtype: torch.dtype | None = None) -> nn.Module:
@@ -31,7 +32,9 @@ def init_weights(model: nn.Module, *, std: float = 0.02) -> None:
     on every rank. Adapter layers reset their own adapters afterwards (``init_adapters``)."""
     for module in model.modules():
         own = dict(module.named_parameters(recurse=False))
-        if "weight" in own and own["weight"].dim() >= 2:
+        if isinstance(module, NF4Stack):  # QLoRA's experts: quantized one by one from what a plain stack would draw
+            module.quantize_all_(torch.empty(module.shape, device=module.codes.device).normal_(0.0, std))
+        elif "weight" in own and own["weight"].dim() >= 2:
             weight = own["weight"]
             if is_nf4(weight):  # a QLoRA base: NF4 has no in-place normal_, but copy_ quantizes what it is given
                 weight.copy_(torch.empty(weight.shape, dtype=torch.float32, device=weight.device).normal_(0.0, std))

@@ -240,11 +240,14 @@ def _is_subclass(t: torch.Tensor) -> bool:
 
 def _stored_bytes(t: torch.Tensor, element_bytes: int, shards: int = 1) -> int:
     """Bytes of ``t``'s shard on the rank holding the most: ``element_bytes`` per element, except for tensor
-    subclasses, which keep their own format (NF4: 4 bits and a scaler per block) whatever the dtype policy."""
+    subclasses, which keep their own format (NF4: 4 bits and a scaler per block) whatever the dtype policy, and
+    integer tensors (the codes and scales of NF4 experts), which keep their dtype."""
     if _is_subclass(t):
         names, _ = t.data.__tensor_flatten__()
         inner = sum(getattr(t.data, name).numel() * getattr(t.data, name).element_size() for name in names)
         return math.ceil(inner / shards)
+    if not t.dtype.is_floating_point:  # integers (NF4 experts' codes and scales) keep their dtype
+        element_bytes = t.element_size()
     if t.dim() == 0 or shards == 1:
         return t.numel() * element_bytes
     # FSDP2 shards dim 0 and pads it to a multiple of the shard count: every rank holds ceil(rows / shards) rows.

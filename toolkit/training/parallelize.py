@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from toolkit.modules.peft.nf4 import is_nf4
+from toolkit.modules.peft.nf4_experts import has_nf4
 from toolkit.parallel import ParallelDims, apply_data_parallel, apply_ep, apply_tp
 from toolkit.training.activations import (
     apply_activation_checkpointing,
@@ -68,7 +68,7 @@ def parallelize(
     if dims.ep > 1:
         apply_ep(model, ep_mesh=mesh["ep"])
     shard_first = dims.tp > 1 or dims.ep > 1 or (
-        dims.is_sharded and not dims.cpu_offload and not any(is_nf4(p) for p in model.parameters())
+        dims.is_sharded and not dims.cpu_offload and not has_nf4(model)
     )
     if shard_first:
         model = apply_data_parallel(model.to(dtype), dims=dims, device=device, mp_policy=mp_policy, mesh=mesh)

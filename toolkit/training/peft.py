@@ -30,7 +30,7 @@ from toolkit.models._decoder import LinearFactory
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES, lora_linear
 from toolkit.modules._dtensor import copy_full_
 from toolkit.modules.peft import DoRALinear, LoRAGroupedExperts, adapter_modules, init_adapters, is_adapter_key
-from toolkit.modules.peft import NF4Linear, get_merged_state_dict, trained_routers
+from toolkit.modules.peft import get_merged_state_dict, has_nf4, trained_routers
 from toolkit.parallel import unwrap
 from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _weight_files, gather_full_state_dict, load_model_family
 from toolkit.training.distributed import barrier
@@ -623,7 +623,7 @@ def save_adapter_and_merged(
     plain = unwrap(model)
     base = str(checkpointer.checkpoint_dir) if checkpointer.checkpoint_dir is not None else None
     sharded = any(isinstance(p, DTensor) for p in plain.parameters())
-    nf4 = any(isinstance(m, NF4Linear) or getattr(m, "quantize_base", False) for m in plain.modules())
+    nf4 = has_nf4(plain)
     no_adapter = no_peft_form(adapter_modules(plain))
     if no_adapter:
         log(f"{no_adapter}: writing the merged model instead of the adapter")

@@ -1,5 +1,5 @@
-"""Mixtral: builders, plain and with adapters (LoRA, DoRA; QLoRA is refused: the experts are not stored in NF4
-yet), sizes and checkpoint conversion."""
+"""Mixtral: builders, plain and with adapters (LoRA, DoRA, QLoRA with NF4 experts), sizes and checkpoint
+conversion."""
 
 from toolkit.models.mixtral._component_builders import mixtral
 from toolkit.models.mixtral._convert_weights import (
@@ -13,6 +13,8 @@ from toolkit.models.mixtral._lora_builders import (
     lora_mixtral,
     lora_mixtral_8x7b,
     lora_mixtral_8x22b,
+    qlora_mixtral_8x7b,
+    qlora_mixtral_8x22b,
 )
 from toolkit.models.mixtral._model_builders import HF_MODEL_TYPES, from_hf_config, mixtral_8x7b, mixtral_8x22b
 
@@ -28,6 +30,8 @@ __all__ = [
     "mixtral",
     "mixtral_8x22b",
     "mixtral_8x7b",
+    "qlora_mixtral_8x22b",
+    "qlora_mixtral_8x7b",
     "tune_key_to_hf",
     "tune_key_to_hf_slices",
 ]

@@ -1,5 +1,5 @@
-"""Qwen3-MoE: builders, plain and with adapters (LoRA, DoRA; QLoRA is refused: the experts are not stored in NF4
-yet), sizes and checkpoint conversion."""
+"""Qwen3-MoE: builders, plain and with adapters (LoRA, DoRA, QLoRA with NF4 experts), sizes and checkpoint
+conversion."""
 
 from toolkit.models.qwen3_moe._component_builders import qwen3_moe, sparse_layers
 from toolkit.models.qwen3_moe._convert_weights import (
@@ -13,6 +13,8 @@ from toolkit.models.qwen3_moe._lora_builders import (
     lora_qwen3_moe,
     lora_qwen3_moe_30b_a3b,
     lora_qwen3_moe_235b_a22b,
+    qlora_qwen3_moe_30b_a3b,
+    qlora_qwen3_moe_235b_a22b,
 )
 from toolkit.models.qwen3_moe._model_builders import (
     HF_MODEL_TYPES,
@@ -30,6 +32,8 @@ __all__ = [
     "lora_qwen3_moe",
     "lora_qwen3_moe_235b_a22b",
     "lora_qwen3_moe_30b_a3b",
+    "qlora_qwen3_moe_235b_a22b",
+    "qlora_qwen3_moe_30b_a3b",
     "qwen3_moe",
     "qwen3_moe_235b_a22b",
     "qwen3_moe_30b_a3b",

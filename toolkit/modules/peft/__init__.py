@@ -16,6 +16,7 @@ A LoRA recipe, in order::
 from toolkit.modules.peft.experts import LoRAGroupedExperts, TrainedRouter
 from toolkit.modules.peft.lora import DoRALinear, LoRALinear
 from toolkit.modules.peft.nf4 import NF4Linear, dequantize, is_nf4, to_nf4
+from toolkit.modules.peft.nf4_experts import NF4Stack, has_nf4, nf4_stacks
 from toolkit.modules.peft.utils import (
     adapter_modules,
     disable_adapters,
@@ -34,6 +35,7 @@ __all__ = [
     "LoRAGroupedExperts",
     "LoRALinear",
     "NF4Linear",
+    "NF4Stack",
     "TrainedRouter",
     "adapter_modules",
     "dequantize",
@@ -41,10 +43,12 @@ __all__ = [
     "get_adapter_params",
     "get_adapter_state_dict",
     "get_merged_state_dict",
+    "has_nf4",
     "init_adapters",
     "is_adapter_key",
     "is_nf4",
     "merge_lora_weights",
+    "nf4_stacks",
     "set_trainable_params",
     "to_nf4",
     "trained_routers",

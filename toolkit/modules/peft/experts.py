@@ -114,7 +114,7 @@ class LoRAGroupedExperts(GroupedExperts):
             adapter = self.adapter(name)
             dtype = adapter.lora_a.weight.dtype
             delta = torch.bmm(adapter.lora_b.weight.float(), adapter.lora_a.weight.float()) * self.scale
-            merged[name] = (getattr(self, name).float() + delta).to(dtype)
+            merged[name] = (self.base_weight(name).float() + delta).to(dtype)
         return merged
 
     def extra_repr(self) -> str:

@@ -82,14 +82,20 @@ def to_nf4(weight: torch.Tensor) -> torch.Tensor:
             f"NF4 needs a weight whose element count is a multiple of {NF4_BLOCK_SIZE}; got shape {tuple(weight.shape)}"
         )
     n_blocks = numel // NF4_BLOCK_SIZE
+    if weight.device.type == "meta":
+        return _meta_nf4(weight, n_blocks=n_blocks, scaler_block_size=scaler_block_size(numel))
+    return _torchao_quantization().to_nf4(weight.detach(), NF4_BLOCK_SIZE, scaler_block_size(numel))
+
+
+def scaler_block_size(numel: int) -> int:
+    """The double-quantization group (in blocks) of a weight of ``numel`` values (a multiple of the block): see
+    :func:`to_nf4`."""
+    n_blocks = numel // NF4_BLOCK_SIZE
     divisors = [d for d in range(1, min(MAX_SCALER_BLOCK_SIZE, n_blocks) + 1) if n_blocks % d == 0]
     # FSDP2 splits each of the NF4 tensor's parts into equal row chunks, one per rank: keep the number of groups a
     # multiple of SHARDABLE_GROUPS where the weight allows it (real layers already have thousands of groups).
     shardable = [d for d in divisors if (n_blocks // d) % SHARDABLE_GROUPS == 0]
-    scaler_block_size = max(shardable or divisors)
-    if weight.device.type == "meta":
-        return _meta_nf4(weight, n_blocks=n_blocks, scaler_block_size=scaler_block_size)
-    return _torchao_quantization().to_nf4(weight.detach(), NF4_BLOCK_SIZE, scaler_block_size)
+    return max(shardable or divisors)
 
 
 @functools.cache

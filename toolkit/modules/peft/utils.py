@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from toolkit.modules.moe import GroupedExperts
-from toolkit.modules.peft.experts import LoRAGroupedExperts, TrainedRouter
+from toolkit.modules.peft.experts import PROJECTIONS, LoRAGroupedExperts, TrainedRouter
 from toolkit.modules.peft.lora import DoRALinear, LoRALinear
 from toolkit.modules.peft.nf4 import NF4Linear, dequantize
+from toolkit.modules.peft.nf4_experts import nf4_stacks
 
 _ADAPTER_SUFFIXES = (".lora_a.weight", ".lora_b.weight", ".magnitude")
 
@@ -86,8 +87,8 @@ def get_adapter_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 def _dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    # The plain-linear weight of every adapted or quantized layer (the stacked weights of adapted experts), by
-    # state-dict key.
+    # The plain-linear weight of every adapted or quantized layer (the stacked weights of adapted or NF4 experts),
+    # by state-dict key.
     weights = {}
     for name, module in adapter_modules(model).items():
         if isinstance(module, LoRAGroupedExperts):
@@ -97,6 +98,9 @@ def _dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, NF4Linear):
             weights[f"{name}.weight"] = dequantize(module.weight)
+    for name, stack in nf4_stacks(model).items():
+        if name not in weights:  # not adapted (an adapted stack's merged weight is already there)
+            weights[name] = stack.dequantize()
     return weights
 
 
@@ -107,18 +111,24 @@ def get_merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     dropped. Keys are those of the model built without adapters. ``model`` is left unchanged.
     """
     dense = _dense_weights(model)
+    # An NF4 stack's parts (layers.0.mlp.experts.gate_proj.codes...) are one dense tensor (...experts.gate_proj).
+    stack_of = {
+        f"{name}.{part}": name for name, stack in nf4_stacks(model).items() for part, _ in stack.named_parameters()
+    }
     merged = {}
     for key, value in model.state_dict().items():
         if is_adapter_key(key):
             continue
-        merged[key] = dense.get(key, value)
+        key = stack_of.get(key, key)
+        if key not in merged:
+            merged[key] = dense.get(key, value)
     return merged
 
 
 @torch.no_grad()
 def merge_lora_weights(model: nn.Module) -> nn.Module:
     """Replace, in place, every LoRA/DoRA layer by a plain ``nn.Linear`` holding its merged weight, every NF4
-    layer by a dequantized one, and adapted experts by plain ones; return the model (a new module if ``model``
+    layer by a dequantized one, and adapted or NF4 experts by plain ones; return the model (a new module if ``model``
     itself was such a layer).
 
     The result has no adapter and no torchao tensor: save it with ``HFCheckpointer.save`` or export it anywhere.
@@ -126,13 +136,16 @@ def merge_lora_weights(model: nn.Module) -> nn.Module:
     """
     replaced: dict[str, nn.Module] = {}
     for name, module in list(model.named_modules()):
-        if isinstance(module, LoRAGroupedExperts):
+        if isinstance(module, LoRAGroupedExperts) or (isinstance(module, GroupedExperts) and nf4_stacks(module)):
             gate_proj = module.gate_proj
             plain = GroupedExperts(
                 num_experts=module.num_experts, dim=gate_proj.shape[2], hidden_dim=gate_proj.shape[1],
                 activation=module.activation,
             ).to(device="meta")
-            for param, merged in module.merged_weights().items():
+            weights = module.merged_weights() if isinstance(module, LoRAGroupedExperts) else {
+                param: module.base_weight(param) for param in PROJECTIONS
+            }
+            for param, merged in weights.items():
                 setattr(plain, param, nn.Parameter(merged.detach().clone()))
             replaced[name] = plain
         elif isinstance(module, (LoRALinear, NF4Linear)):
