@@ -230,6 +230,22 @@ def test_a_fused_tensor_of_the_wrong_size_is_refused(tmp_path):
         HFCheckpointer(str(tmp_path / "hf"), model_family="auto").load(model)
 
 
+def test_phi3_5_mini_style_files_build_longrope_on_every_feature(tmp_path):
+    # Phi-3-mini-128k's first config.json called LongRoPE "su"; its window, as Phi-3.5-mini's, is no shorter than its
+    # context (here exactly as long).
+    rope_scaling = {"type": "su", "short_factor": _SHORT, "long_factor": _LONG}
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "phi3", **DIMS, "sliding_window": 64, "original_max_position_embeddings": ORIGINAL,
+        "rope_scaling": rope_scaling,
+    }))
+    with torch.device("meta"):
+        model = build_from_hf(path=tmp_path)
+    rope = model.layers[0].self_attn.pos_embeddings
+    assert isinstance(rope, LongRopeRotaryEmbeddings) and rope.rotary_dim == rope.head_dim == 16
+    assert rope.scaling == LongRopeScaling(short_factor=tuple(_SHORT), long_factor=tuple(_LONG),
+                                           original_max_position_embeddings=ORIGINAL, factor=64 / ORIGINAL)
+
+
 @pytest.mark.parametrize(
     "fields,refused",
     [
@@ -241,8 +257,8 @@ def test_a_fused_tensor_of_the_wrong_size_is_refused(tmp_path):
          "rope_scaling long_factor: 6 numbers expected"),
         ({"partial_rotary_factor": 0.7}, "partial_rotary_factor 0.7 rotates 11 of each head's 16 features"),
         # Phi-3-mini 4k's window (2047 of 4096) is shorter than the context: refused; a longer one is none.
-        ({"sliding_window": 32}, r"sliding_window 32 is not supported for phi3 \(only null or at least the context, "
-                                 r"64\)"),
+        ({"sliding_window": 32}, r"sliding_window 32 is not supported for phi3 \(only null or at least "
+                                 r"max_position_embeddings, 64\)"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
 )

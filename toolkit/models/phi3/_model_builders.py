@@ -59,21 +59,21 @@ def from_hf_config(
     Raises:
         KeyError: a required field is missing.
         UserError: a feature the builder does not compute, named with its value: rotary scaling other than
-            ``longrope`` (``su``, its first name, is read as it), a sliding window shorter than the model's context
-            (Phi-3-mini 4k), attention biases or an activation other than SiLU; or a ``partial_rotary_factor`` or
+            ``longrope`` (``su``, its first name, is read as it), a sliding window shorter than
+            ``max_position_embeddings`` (Phi-3-mini 4k), attention biases or an activation other than SiLU; or a ``partial_rotary_factor`` or
             LongRoPE factor lists that do not fit the head's features.
     """
     _hf_config.check_activation(config, supported=_hf_config.SILU)
     if config.get("attention_bias"):
         raise UserError("Phi-3 checkpoints with attention_bias are not supported")
     rope = _hf_config.rope_parameters(config)
-    max_seq_len = max_seq_len or config["max_position_embeddings"]
     # Phi-3 128k, Phi-3.5-mini and Phi-4-mini set a window (262,144) longer than their context: no token is out of
-    # it, as without one.
-    window = config.get("sliding_window")
-    if window is not None and window < max_seq_len:
-        raise UserError(f"sliding_window {window} is not supported for phi3 (only null or at least the context, "
-                        f"{max_seq_len})")
+    # it, as without one. A shorter one is refused even where this model's max_seq_len would fit in it: the export
+    # (no window) would be another model past it.
+    window, context = config.get("sliding_window"), config["max_position_embeddings"]
+    if window is not None and window < context:
+        raise UserError(f"sliding_window {window} is not supported for phi3 (only null or at least "
+                        f"max_position_embeddings, {context})")
     head_dim = _hf_config.head_dim(config)
     partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
     rope_type = _hf_config.rope_type(config)
@@ -96,7 +96,7 @@ def from_hf_config(
         head_dim=head_dim,
         embed_dim=config["hidden_size"],
         intermediate_dim=config["intermediate_size"],
-        max_seq_len=max_seq_len,
+        max_seq_len=max_seq_len or context,
         norm_eps=config.get("rms_norm_eps", 1e-5),
         rope_base=_hf_config.rope_theta(config, default=10_000.0),
         partial_rotary_factor=partial,
