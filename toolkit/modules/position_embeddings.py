@@ -235,9 +235,10 @@ class LongRopeRotaryEmbeddings(RotaryPositionalEmbeddings):
     sequence length of the batch, padding included (Phi-4-mini trains a batch of up to 4096 tokens with the short
     factors, a longer one with the long factors); with explicit positions ``[b, s]`` (packed rows), the largest
     over the whole batch. The choice is made on the device, once per positions tensor: no host sync, no graph
-    break. Two cases differ from transformers: generating with a KV cache past the switch keeps the keys cached
-    before it as they were rotated (transformers encodes the whole sequence again once, at the switch), and under
-    context parallelism each rank chooses by the positions it holds.
+    break. A KV cache filled before the switch holds keys rotated with the short factors: as transformers,
+    :func:`toolkit.generation.generate` encodes the whole sequence again once, at the switch. Under context
+    parallelism each rank chooses by the positions it holds, so a sequence a little longer than the original
+    context (up to ``2 cp / (cp + 1)`` times) is rotated with the short factors on some ranks, unlike transformers.
 
     The cache holds the short table (positions below ``min(original, max_seq_len)``) followed by the long one
     (``max_seq_len`` positions).
