@@ -21,7 +21,7 @@ from toolkit.models.phi3 import (
 )
 from toolkit.modules import LongRopeRotaryEmbeddings, LongRopeScaling
 from toolkit.pretrained import from_pretrained
-from toolkit.training import HFCheckpointer
+from toolkit.training import HFCheckpointer, materialize
 
 # GQA (4 query heads over 2 key/value heads): q, k and v rows of the fused qkv_proj differ in number.
 DIMS = dict(
@@ -216,6 +216,18 @@ def test_longrope_picks_one_table_per_forward_by_its_largest_position():
     # The magnitude applies to both tables: sqrt(1 + ln 4 / ln 8).
     torch.testing.assert_close(rope.cos[0], torch.full((4,), (1 + math.log(4) / math.log(8)) ** 0.5))
     torch.testing.assert_close(rope.cos[8], rope.cos[0])  # the long table's position 0
+
+
+def test_longropes_tables_built_on_the_meta_device_are_rebuilt_as_built_eagerly():
+    # Recipes build on the meta device (the memory plan counts the buffers there) and materialize after.
+    scaling = LongRopeScaling(short_factor=(1.0, 1.5), long_factor=(3.0, 7.0), original_max_position_embeddings=8,
+                              factor=4.0)
+    with torch.device("meta"):
+        lazy = LongRopeRotaryEmbeddings(8, max_seq_len=32, base=100.0, scaling=scaling, rotary_dim=4)
+    assert lazy.cos.shape == (8 + 32, 4)
+    materialize(lazy, device=torch.device("cpu"))
+    eager = LongRopeRotaryEmbeddings(8, max_seq_len=32, base=100.0, scaling=scaling, rotary_dim=4)
+    assert torch.equal(lazy.cos, eager.cos) and torch.equal(lazy.sin, eager.sin)
 
 
 @pytest.mark.interop
