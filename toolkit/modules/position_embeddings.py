@@ -226,8 +226,8 @@ class RotaryPositionalEmbeddings(nn.Module):
 
 
 class LongRopeRotaryEmbeddings(RotaryPositionalEmbeddings):
-    """Rotary embeddings with LongRoPE's two sets of frequencies (:class:`LongRopeScaling`); arguments as
-    :class:`RotaryPositionalEmbeddings`'.
+    """Rotary embeddings with LongRoPE's two sets of frequencies (:class:`LongRopeScaling`); the arguments are
+    :class:`RotaryPositionalEmbeddings`' (``scaling`` required).
 
     Each forward rotates all its positions with one set, chosen as transformers' Phi-3 chooses it in a forward without
     a KV cache (``longrope_frequency_update``): the long factors when the largest position plus one exceeds
@@ -258,7 +258,8 @@ class LongRopeRotaryEmbeddings(RotaryPositionalEmbeddings):
 
     @property
     def _long_start(self) -> int:
-        # The cache row of the long table's position 0: the short table covers no position the model can reach.
+        # The cache row of the long table's position 0: the short table before it holds the positions below the
+        # original context (or all the model has, when max_seq_len is shorter), the only ones it is used for.
         return min(self.scaling.original_max_position_embeddings, self.max_seq_len)
 
     def _table_rows(self) -> int:
