@@ -137,3 +137,30 @@ def test_generate_with_an_adapter_on_the_plain_config_replies_as_the_merged_mode
     assert adapted == reply(f"checkpoint_dir={merged}")
     assert len(adapted[0]) == 16 and adapted[1].strip()
     assert adapted[0] != reply(f"checkpoint_dir={demo_base}")[0], "the adapter changes the reply"
+
+
+def test_generation_past_longropes_original_context_rotates_every_key_with_the_long_factors(monkeypatch):
+    # transformers encodes the whole sequence again once the first position past the original context comes; the
+    # cached keys rotated with the short factors would otherwise stay. Each step's logits equal the full forward's.
+    from toolkit.models.phi3 import phi3
+    from toolkit.modules import LongRopeScaling
+
+    torch.manual_seed(0)
+    scaling = LongRopeScaling(short_factor=(1.0, 1.2, 1.5), long_factor=(2.0, 5.0, 9.0),
+                              original_max_position_embeddings=8, factor=4.0)
+    model = phi3(vocab_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, embed_dim=32,
+                 intermediate_dim=64, max_seq_len=32, partial_rotary_factor=0.75, rope_scaling=scaling).eval()
+    seen = []
+
+    def greedy(logits, **_):
+        seen.append(logits)
+        return int(logits.argmax())
+
+    monkeypatch.setattr(toolkit.generation, "sample_next_token", greedy)
+    prompt = [1, 2, 3, 4, 5]
+    generated = generate(model, prompt, max_new_tokens=10)
+    assert len(generated) == 10 and len(prompt) + len(generated) > 8 + 1
+    with torch.no_grad():
+        for step, logits in enumerate(seen):
+            full = model(torch.tensor([prompt + generated[:step]]))[0, -1]
+            torch.testing.assert_close(logits, full, atol=1e-5, rtol=0, msg=f"step {step}")

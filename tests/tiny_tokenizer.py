@@ -1,11 +1,12 @@
 """A byte-level BPE tokenizer trained in a moment on a few strings, with ChatML's special tokens (Qwen's layout, or
-Phi-4's), for the tests that build a tiny Hugging Face checkpoint folder of their own."""
+Phi-4's) or Phi-4-mini's, for the tests that build a tiny Hugging Face checkpoint folder of their own."""
 
 from collections.abc import Iterable
 
 
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PHI4_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>")
+PHI4_MINI_SPECIALS = ("<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>")
 
 
 def chatml_byte_level_bpe(texts: Iterable[str], *, vocab_size: int, special_tokens: Iterable[str] = CHATML_SPECIALS):

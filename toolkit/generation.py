@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from toolkit.errors import UserError
-from toolkit.modules import TransformerDecoder
+from toolkit.modules import LongRopeRotaryEmbeddings, TransformerDecoder
 from toolkit.parallel import unwrap
 from toolkit.training.distributed import all_reduce_sum
 from toolkit.training.watchdog import progress
@@ -67,7 +67,10 @@ def generate(
     stopping before any of ``stop_tokens``, or after the token for which ``stop_when(generated)`` is true (a
     stop string that only shows once the tokens are decoded, for example).
 
-    The prompt is processed in one forward pass, then one token per step against the KV cache.
+    The prompt is processed in one forward pass, then one token per step against the KV cache. A model with
+    LongRoPE (:class:`~toolkit.modules.LongRopeRotaryEmbeddings`) whose sequence grows past its original context
+    processes the whole sequence again once, at the first position past it, so that every cached key is rotated
+    with the long factors, as ``transformers`` does.
 
     Returns:
         The generated token ids (without the prompt and without the stop token).
@@ -82,6 +85,8 @@ def generate(
     was_training = model.training
     model.eval()
     model.setup_caches(batch_size=1, max_seq_len=total_len)
+    rope = model.layers[0].self_attn.pos_embeddings
+    switch = rope.scaling.original_max_position_embeddings if isinstance(rope, LongRopeRotaryEmbeddings) else None
     generated: list[int] = []
     try:
         tokens = torch.tensor([prompt], device=device)
@@ -93,7 +98,12 @@ def generate(
             generated.append(token)
             if pos + 1 == total_len or (stop_when is not None and stop_when(generated)):
                 break
-            logits = model(torch.tensor([[token]], device=device), input_pos=torch.tensor([pos], device=device))[0, -1]
+            if pos == switch:  # the keys cached so far were rotated with the short factors
+                tokens = torch.tensor([prompt + generated], device=device)
+                logits = model(tokens, input_pos=torch.arange(pos + 1, device=device))[0, -1]
+            else:
+                tokens = torch.tensor([[token]], device=device)
+                logits = model(tokens, input_pos=torch.tensor([pos], device=device))[0, -1]
     finally:
         model.clear_caches()
         model.train(was_training)

@@ -11,6 +11,7 @@ from torch import nn
 from toolkit.errors import UserError
 from toolkit.models import build_from_hf
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES
+from toolkit.modules import LongRopeScaling
 from toolkit.modules.peft import (
     LoRALinear,
     NF4Linear,
@@ -26,7 +27,8 @@ from toolkit.training.peft import adapter_linear, fill_adapter_model, save_peft_
 # Tiny architectures that keep each family's quirks: Llama 2's multi-head attention, Mistral's sliding window and
 # explicit head_dim, Qwen2.5's q/k/v biases (untied output, so the output adapter is exercised), Qwen3's q/k norms
 # with a head_dim unlike embed_dim / num_heads (tied), Phi-3's fused qkv_proj and gate_up_proj in the checkpoint
-# (GQA, so q, k and v rows differ in number), Gemma 2's sandwich norms, soft-capping and local layers.
+# (GQA, so q, k and v rows differ in number) and Phi-4-mini's partial rotary and LongRoPE (the 12 test tokens past the
+# original 8: the long factors), Gemma 2's sandwich norms, soft-capping and local layers.
 # Every projection holds a multiple of 64 values, as NF4 needs.
 DIMS = {
     "llama2": dict(vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=64, intermediate_dim=128),
@@ -41,6 +43,10 @@ DIMS = {
     ),
     "phi3": dict(
         vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, embed_dim=64, intermediate_dim=128,
+        partial_rotary_factor=0.75, rope_scaling=LongRopeScaling(
+            short_factor=(1.0, 1.1, 1.2, 1.3, 1.4, 1.5), long_factor=(1.0, 2.0, 3.0, 5.0, 8.0, 13.0),
+            original_max_position_embeddings=8, factor=4.0,
+        ),
     ),
     "gemma2": dict(
         vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, embed_dim=64, intermediate_dim=128,

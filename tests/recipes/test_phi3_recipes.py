@@ -1,7 +1,7 @@
-"""Phi-4 (the Phi-3 architecture) through the recipes' `any_model` configs, on a tiny `Phi3ForCausalLM` that
-`transformers` writes, with a Phi-4-style BPE tokenizer the test trains: a full fine-tune and a LoRA run train
-(finite, falling loss) and export what `transformers` and `peft` load; a checkpoint with a feature the builder does
-not compute stops in one line before anything is written."""
+"""Phi-4 and Phi-4-mini (the Phi-3 architecture) through the recipes' `any_model` configs, on tiny
+`Phi3ForCausalLM`s that `transformers` writes, with Phi-4-style BPE tokenizers the test trains: a full fine-tune and
+LoRA runs train (finite, falling loss) and export what `transformers` and `peft` load; a checkpoint with a feature
+the builder does not compute stops in one line before anything is written."""
 
 import json
 from functools import partial
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.launch import run_tune, run_tune_here
-from tests.tiny_tokenizer import PHI4_SPECIALS, chatml_byte_level_bpe
+from tests.tiny_tokenizer import PHI4_MINI_SPECIALS, PHI4_SPECIALS, chatml_byte_level_bpe
 
 transformers = pytest.importorskip("transformers")
 tune = partial(run_tune_here, "run")
@@ -25,21 +25,38 @@ FAST = [
 ]
 
 
-@pytest.fixture(scope="module")
-def phi_folder(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny_phi3")
+def tiny_phi3_folder(folder: Path, special_tokens: tuple[str, ...], **fields) -> Path:
+    """A tiny ``Phi3ForCausalLM`` that transformers writes to ``folder``, with a BPE tokenizer trained around
+    ``special_tokens``; ``fields`` change its config."""
     texts = ["reverse: abcd dcba", "upper: word WORD", "sort: dcba abcd"] * 50
-    tokenizer = chatml_byte_level_bpe(texts, vocab_size=400, special_tokens=PHI4_SPECIALS)
+    tokenizer = chatml_byte_level_bpe(texts, vocab_size=400, special_tokens=special_tokens)
     tokenizer.save(str(folder / "tokenizer.json"))
     assert tokenizer.get_vocab_size() <= 320  # the embedding has rows to spare (as Phi-4's), and splits in two
-    config = transformers.Phi3Config(
-        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rope_theta=250_000.0,
-        bos_token_id=0, eos_token_id=3, pad_token_id=0, tie_word_embeddings=False,
-    )
+    config = transformers.Phi3Config(**{
+        "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "rope_theta": 250_000.0,
+        "bos_token_id": 0, "eos_token_id": 3, "pad_token_id": 0, "tie_word_embeddings": False, **fields,
+    })
     torch.manual_seed(0)
     transformers.Phi3ForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def phi_folder(tmp_path_factory) -> Path:
+    return tiny_phi3_folder(tmp_path_factory.mktemp("tiny_phi3"), PHI4_SPECIALS)
+
+
+@pytest.fixture(scope="module")
+def mini_folder(tmp_path_factory) -> Path:
+    # Phi-4-mini's shape: 6 of each head's 8 features rotated, LongRoPE over 32 tokens of original context (of 128),
+    # tied embeddings.
+    factors = torch.linspace(1.0, 4.0, 3).tolist()
+    return tiny_phi3_folder(
+        tmp_path_factory.mktemp("tiny_phi4_mini"), PHI4_MINI_SPECIALS, tie_word_embeddings=True,
+        partial_rotary_factor=0.75, original_max_position_embeddings=32,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.25, 1.5], "long_factor": factors},
+    )
 
 
 def _losses(out: Path) -> list[float]:
@@ -111,21 +128,38 @@ def test_lora_trains_and_peft_loads_its_adapter_as_the_merged_model(phi_folder, 
         torch.testing.assert_close(theirs(tokens).logits, merged.eval()(tokens).logits, atol=1e-4, rtol=0)
 
 
+def test_phi4_mini_lora_trains_and_peft_loads_its_adapter_as_the_merged_model(mini_folder, tmp_path):
+    peft = pytest.importorskip("peft")
+    result = tune("lora_finetune_single_device", "--config", "any_model_lora", f"output_dir={tmp_path}",
+                  f"checkpointer.checkpoint_dir={mini_folder}", *LORA)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _check_trained(tmp_path)
+    merged_dir = tmp_path / "final" / "merged"
+    assert json.loads((merged_dir / "config.json").read_text())["rope_scaling"]["long_factor"] == torch.linspace(
+        1.0, 4.0, 3).tolist()
+    base = transformers.AutoModelForCausalLM.from_pretrained(mini_folder, dtype=torch.float32).eval()
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "final" / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(0))  # past the original 32
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, merged(tokens).logits, atol=1e-4, rtol=0)
+
+
 def test_a_phi3_feature_we_do_not_compute_stops_in_one_line(phi_folder, tmp_path):
-    folder = tmp_path / "phi4_mini_like"
+    folder = tmp_path / "phi3_mini_4k_like"
     folder.mkdir()
     for name in ("tokenizer.json", "model.safetensors"):
         (folder / name).symlink_to(phi_folder / name)
     config = json.loads((phi_folder / "config.json").read_text())
-    # Where transformers 5 writes it (and reads it first): Phi-4-mini rotates 3/4 of each head's features.
-    config["rope_parameters"]["partial_rotary_factor"] = 0.75
+    # Phi-3-mini 4k's sliding window (2047 of its 4096 tokens), scaled to the tiny model's context.
+    config["sliding_window"] = 32
     (folder / "config.json").write_text(json.dumps(config))
     out = tmp_path / "run"
     result = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={out}",
                   f"checkpointer.checkpoint_dir={folder}", *FAST)
     assert result.returncode == 2, result.stderr[-3000:]
     (line,) = result.stderr.strip().splitlines()
-    assert "config.json" in line and "partial_rotary_factor 0.75 is not supported" in line, line
+    assert "config.json" in line and "sliding_window 32 is not supported for phi3" in line, line
     assert not out.exists()
 
 

@@ -4,7 +4,7 @@ the fields every decoder family writes."""
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.modules import Llama3RopeScaling, TransformerDecoder, YarnRopeScaling
+from toolkit.modules import Llama3RopeScaling, LongRopeScaling, TransformerDecoder, YarnRopeScaling
 from toolkit.modules.moe import MoEFeedForward
 
 
@@ -82,6 +82,44 @@ def yarn_rope_fields(scaling: YarnRopeScaling | None) -> dict[str, Any] | None:
             fields[key] = value
     if not scaling.truncate:
         fields["truncate"] = False
+    return fields
+
+
+def longrope_scaling(config: dict[str, Any], *, rotary_dim: int, default_original: int) -> LongRopeScaling:
+    """LongRoPE's settings as transformers reads them for Phi-3: ``short_factor`` and ``long_factor`` (one per
+    rotated feature pair), ``original_max_position_embeddings`` from the top level first (transformers gives it
+    priority), then ``rope_scaling``, else the architecture's ``default_original``; ``factor`` if given, else
+    ``max_position_embeddings`` over the original length; ``attention_factor`` if given.
+
+    Raises:
+        UserError: a factor list missing, not numbers, or not of ``rotary_dim / 2`` entries.
+    """
+    params = rope_parameters(config)
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = params.get(key)
+        if not isinstance(values, list) or len(values) != rotary_dim // 2 or not all(
+                isinstance(v, (int, float)) for v in values):
+            raise UserError(f"rope_scaling {key}: {rotary_dim // 2} numbers expected (one per rotated feature pair), "
+                            f"got {values!r}")
+        factors[key] = tuple(float(v) for v in values)
+    original = int(config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                   or default_original)
+    factor = params.get("factor") or config["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    return LongRopeScaling(**factors, original_max_position_embeddings=original, factor=float(factor),
+                           attention_factor=None if attention_factor is None else float(attention_factor))
+
+
+def longrope_fields(scaling: LongRopeScaling, *, max_position_embeddings: int) -> dict[str, Any]:
+    """``rope_scaling`` as a Phi-3 ``config.json`` writes LongRoPE, for an export: ``factor`` only where
+    ``max_position_embeddings`` over the original length would not give it back."""
+    fields: dict[str, Any] = {"type": "longrope", "short_factor": list(scaling.short_factor),
+                              "long_factor": list(scaling.long_factor)}
+    if scaling.factor != max_position_embeddings / scaling.original_max_position_embeddings:
+        fields["factor"] = scaling.factor
+    if scaling.attention_factor is not None:
+        fields["attention_factor"] = scaling.attention_factor
     return fields
 
 

@@ -3,7 +3,13 @@
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
 from toolkit.modules.feed_forward import FeedForward
 from toolkit.modules.kv_cache import KVCache
-from toolkit.modules.position_embeddings import Llama3RopeScaling, RotaryPositionalEmbeddings, YarnRopeScaling
+from toolkit.modules.position_embeddings import (
+    Llama3RopeScaling,
+    LongRopeRotaryEmbeddings,
+    LongRopeScaling,
+    RotaryPositionalEmbeddings,
+    YarnRopeScaling,
+)
 from toolkit.modules.rms_norm import RMSNorm
 from toolkit.modules.transformer import TransformerDecoder, TransformerDecoderLayer
 
@@ -13,6 +19,8 @@ __all__ = [
     "GroupedQueryAttention",
     "KVCache",
     "Llama3RopeScaling",
+    "LongRopeRotaryEmbeddings",
+    "LongRopeScaling",
     "RMSNorm",
     "RotaryPositionalEmbeddings",
     "TransformerDecoder",

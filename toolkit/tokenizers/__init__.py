@@ -10,8 +10,8 @@ sentencepiece, ``tokenizer.json``) with the model's chat format (:mod:`toolkit.t
 from toolkit.tokenizers.auto import from_pretrained
 from toolkit.tokenizers.base import TRAIN_ON, ChatTokenizer
 from toolkit.tokenizers.byte import ByteTokenizer, byte_tokenizer
-from toolkit.tokenizers.chat_templates import Llama3ChatFormat, Phi4ChatFormat, Qwen3ChatFormat
-from toolkit.tokenizers.hf_json import phi4_tokenizer, qwen2_5_tokenizer, qwen3_tokenizer
+from toolkit.tokenizers.chat_templates import Llama3ChatFormat, Phi4ChatFormat, Phi4MiniChatFormat, Qwen3ChatFormat
+from toolkit.tokenizers.hf_json import phi4_mini_tokenizer, phi4_tokenizer, qwen2_5_tokenizer, qwen3_tokenizer
 from toolkit.tokenizers.model_tokenizer import ModelTokenizer
 from toolkit.tokenizers.sentencepiece import gemma_tokenizer, llama2_tokenizer, mistral_tokenizer
 from toolkit.tokenizers.tiktoken_bpe import llama3_tokenizer
@@ -23,6 +23,7 @@ __all__ = [
     "Llama3ChatFormat",
     "ModelTokenizer",
     "Phi4ChatFormat",
+    "Phi4MiniChatFormat",
     "Qwen3ChatFormat",
     "byte_tokenizer",
     "from_pretrained",
@@ -30,6 +31,7 @@ __all__ = [
     "llama2_tokenizer",
     "llama3_tokenizer",
     "mistral_tokenizer",
+    "phi4_mini_tokenizer",
     "phi4_tokenizer",
     "qwen2_5_tokenizer",
     "qwen3_tokenizer",

@@ -5,7 +5,13 @@ from pathlib import Path
 
 from toolkit.errors import UserError, read_json
 from toolkit.tokenizers.chat_templates import ChatFormat
-from toolkit.tokenizers.hf_json import TokenizerJSONEngine, phi4_tokenizer, qwen2_5_tokenizer, qwen3_tokenizer
+from toolkit.tokenizers.hf_json import (
+    TokenizerJSONEngine,
+    phi4_mini_tokenizer,
+    phi4_tokenizer,
+    qwen2_5_tokenizer,
+    qwen3_tokenizer,
+)
 from toolkit.tokenizers.model_tokenizer import ModelTokenizer
 from toolkit.tokenizers.sentencepiece import gemma_tokenizer, llama2_tokenizer, mistral_tokenizer
 from toolkit.tokenizers.tiktoken_bpe import llama3_model_tokenizer, llama3_tokenizer
@@ -75,18 +81,21 @@ def _llama(folder: Path, max_seq_len: int | None) -> ModelTokenizer:
     raise UserError(f"{folder}: no tokenizer.model or tokenizer.json for this Llama checkpoint")
 
 
-def _phi4(folder: Path, max_seq_len: int | None) -> ModelTokenizer:
-    # model_type phi3 covers Phi-3, Phi-3.5 and Phi-4-mini too, whose chat format (<|user|>...<|end|>) is another.
+def _phi3(folder: Path, max_seq_len: int | None) -> ModelTokenizer:
+    # model_type phi3 covers Phi-4 (<|im_sep|>), Phi-4-mini (byte-level BPE, <|user|>...<|end|>) and Phi-3/3.5, whose
+    # <|user|>\n...<|end|>\n format comes with a sentencepiece-style vocabulary (byte fallback, no byte level).
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise UserError(f"{folder}: no tokenizer.json for this phi3 checkpoint")
-    if "<|im_sep|>" not in path.read_text():
-        raise UserError(
-            f"{path}: no <|im_sep|> token: only Phi-4's chat format is supported for model_type 'phi3' "
-            "(not Phi-3's or Phi-4-mini's <|user|>...<|end|>)"
-        )
-    return phi4_tokenizer(str(path), max_seq_len=max_seq_len)
-
+    text = path.read_text()
+    if "<|im_sep|>" in text:
+        return phi4_tokenizer(str(path), max_seq_len=max_seq_len)
+    if "<|end|>" in text and '"ByteLevel"' in text:
+        return phi4_mini_tokenizer(str(path), max_seq_len=max_seq_len)
+    raise UserError(
+        f"{path}: neither Phi-4's <|im_sep|> token nor Phi-4-mini's byte-level vocabulary with <|end|>: only their "
+        "chat formats are supported for model_type 'phi3' (not Phi-3's or Phi-3.5's)"
+    )
 
 def from_pretrained(
     path: str, max_seq_len: int | None = None, chat_format: ChatFormat | None = None
@@ -94,9 +103,9 @@ def from_pretrained(
     """The tokenizer of a Hugging Face model folder, chosen by ``config.json``'s ``model_type``.
 
     Without a ``config.json``, the files decide: a tiktoken ``tokenizer.model`` is Llama 3, a ``tokenizer.json``
-    with ``<|im_sep|>`` is Phi-4, one with ``<|im_start|>`` Qwen3, a sentencepiece model with ``<start_of_turn>`` is
-    Gemma, one with ``[INST]`` Mistral, and any other sentencepiece model Llama 2. A Llama 3 folder gets Llama
-    3.1+'s dated chat format or Llama 3.0's as :func:`is_dated_llama3` tells.
+    with ``<|im_sep|>`` is Phi-4, one with ``<|end|>`` Phi-4-mini, one with ``<|im_start|>`` Qwen3, a sentencepiece
+    model with ``<start_of_turn>`` is Gemma, one with ``[INST]`` Mistral, and any other sentencepiece model Llama 2. A
+    Llama 3 folder gets Llama 3.1+'s dated chat format or Llama 3.0's as :func:`is_dated_llama3` tells.
 
     Args:
         path: the model folder.
@@ -122,7 +131,7 @@ def _build(folder: Path, max_seq_len: int | None) -> ModelTokenizer:
     sp_model = next((folder / n for n in ("tokenizer.model.v3", "tokenizer.model") if (folder / n).is_file()), None)
     if model_type is None:
         text = (folder / "tokenizer.json").read_text() if (folder / "tokenizer.json").is_file() else ""
-        if "<|im_sep|>" in text:
+        if "<|im_sep|>" in text or "<|end|>" in text:
             model_type = "phi3"
         elif "<|im_start|>" in text:
             model_type = "qwen3"
@@ -137,7 +146,7 @@ def _build(folder: Path, max_seq_len: int | None) -> ModelTokenizer:
         build = qwen2_5_tokenizer if model_type == "qwen2" else qwen3_tokenizer
         return build(str(folder / "tokenizer.json"), max_seq_len=max_seq_len)
     if model_type == "phi3":
-        return _phi4(folder, max_seq_len)
+        return _phi3(folder, max_seq_len)
     if model_type in ("mistral", "gemma", "gemma2"):
         if sp_model is None:
             raise UserError(f"{folder}: no sentencepiece tokenizer.model for this {model_type} checkpoint")

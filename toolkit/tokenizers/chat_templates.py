@@ -17,6 +17,7 @@ Formats (each matches the tool-free path of its model's published template):
 * :class:`ChatMLFormat`: ``<|im_start|>role\\ncontent<|im_end|>\\n`` (Qwen2.5).
 * :class:`Qwen3ChatFormat`: ChatML with Qwen3's ``<think>`` reasoning blocks.
 * :class:`Phi4ChatFormat`: ``<|im_start|>role<|im_sep|>content<|im_end|>``, no newlines (Phi-4).
+* :class:`Phi4MiniChatFormat`: ``<|role|>content<|end|>``, no newlines (Phi-4-mini).
 * :class:`GemmaChatFormat`: ``<start_of_turn>user\\ncontent<end_of_turn>\\n``, the assistant called ``model``.
 
 Messages may carry ``reasoning_content`` (a string), which only :class:`Qwen3ChatFormat` renders (the other
@@ -236,6 +237,22 @@ class Phi4ChatFormat:
                 Segment(message["content"], message=i), Segment("<|im_end|>", special=True, message=i),
             ]
         return out + (self._header("assistant") if add_generation_prompt else [])
+
+
+class Phi4MiniChatFormat:
+    """Phi-4-mini's chat format (Phi-4-mini-instruct, Phi-4-mini-reasoning): each message as its role's special token
+    (``<|system|>``, ``<|user|>``, ``<|assistant|>``), its content as is and ``<|end|>``, nothing between messages,
+    and ``<|assistant|>`` to prompt an answer. No default system prompt. Where the template ends a conversation that
+    prompts for nothing with the eos token (``<|endoftext|>``), ``tokenize_messages(add_eos=True)`` appends it."""
+
+    def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
+        out: list[Segment] = []
+        for i, message in enumerate(messages):
+            out += [
+                Segment(f"<|{message['role']}|>", special=True), Segment(message["content"], message=i),
+                Segment("<|end|>", special=True, message=i),
+            ]
+        return out + ([Segment("<|assistant|>", special=True)] if add_generation_prompt else [])
 
 
 class Llama2ChatFormat:

@@ -6,7 +6,13 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from toolkit.errors import UserError
-from toolkit.tokenizers.chat_templates import ChatMLFormat, Phi4ChatFormat, Qwen3ChatFormat
+from toolkit.tokenizers.chat_templates import (
+    ChatFormat,
+    ChatMLFormat,
+    Phi4ChatFormat,
+    Phi4MiniChatFormat,
+    Qwen3ChatFormat,
+)
 from toolkit.tokenizers.model_tokenizer import ModelTokenizer
 
 # What Qwen2.5's chat template says when a conversation brings no system message (Qwen3's says nothing).
@@ -56,6 +62,17 @@ class TokenizerJSONEngine:
         return self._tokenizer.token_to_id(token)
 
 
+def _endoftext_tokenizer(
+    path: str, chat_format: ChatFormat, *, end_of_turn: str, max_seq_len: int | None
+) -> ModelTokenizer:
+    # The byte-level BPE families here (Qwen, Phi-4): no BOS, <|endoftext|> as eos and padding, and generation stops
+    # at the token that ends a turn or at <|endoftext|>.
+    return ModelTokenizer(
+        engine=TokenizerJSONEngine(path), chat_format=chat_format, bos_token=None, eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>", stop_tokens=[end_of_turn, "<|endoftext|>"], max_seq_len=max_seq_len,
+    )
+
+
 def qwen2_5_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokenizer:
     """Qwen2.5's tokenizer (ChatML, with Qwen2.5's default system prompt) from its ``tokenizer.json``.
 
@@ -63,11 +80,8 @@ def qwen2_5_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokeniz
         path: the ``tokenizer.json``.
         max_seq_len: keep at most this many tokens per sequence; ``None`` keeps all.
     """
-    return ModelTokenizer(
-        engine=TokenizerJSONEngine(path), chat_format=ChatMLFormat(default_system_prompt=QWEN2_5_DEFAULT_SYSTEM),
-        bos_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        stop_tokens=["<|im_end|>", "<|endoftext|>"], max_seq_len=max_seq_len,
-    )
+    chat_format = ChatMLFormat(default_system_prompt=QWEN2_5_DEFAULT_SYSTEM)
+    return _endoftext_tokenizer(path, chat_format, end_of_turn="<|im_end|>", max_seq_len=max_seq_len)
 
 
 def qwen3_tokenizer(path: str, max_seq_len: int | None = None, *, enable_thinking: bool = True) -> ModelTokenizer:
@@ -79,11 +93,8 @@ def qwen3_tokenizer(path: str, max_seq_len: int | None = None, *, enable_thinkin
         enable_thinking: as Qwen3's template: ``False`` makes generation prompts end with an empty think block
             (see :class:`~toolkit.tokenizers.chat_templates.Qwen3ChatFormat`).
     """
-    return ModelTokenizer(
-        engine=TokenizerJSONEngine(path), chat_format=Qwen3ChatFormat(enable_thinking=enable_thinking),
-        bos_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        stop_tokens=["<|im_end|>", "<|endoftext|>"], max_seq_len=max_seq_len,
-    )
+    chat_format = Qwen3ChatFormat(enable_thinking=enable_thinking)
+    return _endoftext_tokenizer(path, chat_format, end_of_turn="<|im_end|>", max_seq_len=max_seq_len)
 
 
 def phi4_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokenizer:
@@ -94,8 +105,15 @@ def phi4_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokenizer:
         path: the ``tokenizer.json``.
         max_seq_len: keep at most this many tokens per sequence; ``None`` keeps all.
     """
-    return ModelTokenizer(
-        engine=TokenizerJSONEngine(path), chat_format=Phi4ChatFormat(),
-        bos_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        stop_tokens=["<|im_end|>", "<|endoftext|>"], max_seq_len=max_seq_len,
-    )
+    return _endoftext_tokenizer(path, Phi4ChatFormat(), end_of_turn="<|im_end|>", max_seq_len=max_seq_len)
+
+
+def phi4_mini_tokenizer(path: str, max_seq_len: int | None = None) -> ModelTokenizer:
+    """Phi-4-mini's tokenizer (byte-level BPE on o200k's vocabulary;
+    :class:`~toolkit.tokenizers.chat_templates.Phi4MiniChatFormat`) from its ``tokenizer.json``.
+
+    Args:
+        path: the ``tokenizer.json``.
+        max_seq_len: keep at most this many tokens per sequence; ``None`` keeps all.
+    """
+    return _endoftext_tokenizer(path, Phi4MiniChatFormat(), end_of_turn="<|end|>", max_seq_len=max_seq_len)

@@ -4,6 +4,7 @@ then v) and its gate and up projections as one ``mlp.gate_up_proj.weight`` (``[2
 Each fused tensor is the parts of our separate projections (``toolkit.models._expert_keys.Part`` row blocks): the
 checkpointer splits it on load and joins our tensors back, in the same order, on export."""
 
+import math
 import re
 from typing import Any
 
@@ -11,7 +12,7 @@ from toolkit.models import _hf_config
 from toolkit.models._expert_keys import Part
 from toolkit.models.llama3._convert_weights import hf_key_to_tune as llama_hf_key_to_tune
 from toolkit.models.llama3._convert_weights import tune_key_to_hf as llama_tune_key_to_hf
-from toolkit.modules import TransformerDecoder
+from toolkit.modules import LongRopeRotaryEmbeddings, RotaryPositionalEmbeddings, TransformerDecoder
 
 __all__ = ["FUSED", "hf_config", "hf_key_to_parts", "hf_key_to_tune", "tune_key_to_hf"]
 
@@ -60,6 +61,7 @@ def tune_key_to_hf(key: str) -> str:
 def hf_config(model: TransformerDecoder) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face ``Phi3ForCausalLM`` with the architecture of ``model``."""
     attn = model.layers[0].self_attn
+    rope = attn.pos_embeddings
     vocab_size = model.embed_tokens.weight.shape[0]
     # transformers' Phi3Config defaults pad_token_id to 32000 (Phi-3's), the padding row of its embedding, which it
     # refuses to build with a smaller vocabulary; such a model gets none (at 32000 or more the source's id stays).
@@ -70,8 +72,8 @@ def hf_config(model: TransformerDecoder) -> dict[str, Any]:
         "model_type": "phi3",
         **_hf_config.decoder_fields(model),
         "head_dim": attn.head_dim,
-        "rope_scaling": None,
-        "partial_rotary_factor": 1.0,
+        **_rope_fields(rope, max_position_embeddings=model.max_seq_len),
+        "partial_rotary_factor": _partial_rotary_factor(rope.rotary_dim, rope.head_dim),
         "sliding_window": None,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -79,3 +81,20 @@ def hf_config(model: TransformerDecoder) -> dict[str, Any]:
         "embd_pdrop": 0.0,
         "attention_dropout": 0.0,
     }
+
+
+def _rope_fields(rope: RotaryPositionalEmbeddings, *, max_position_embeddings: int) -> dict[str, Any]:
+    # LongRoPE's factors, and the original context at the top level, where Phi-3's files keep it.
+    if not isinstance(rope, LongRopeRotaryEmbeddings):
+        return {"rope_scaling": None}
+    return {
+        "rope_scaling": _hf_config.longrope_fields(rope.scaling, max_position_embeddings=max_position_embeddings),
+        "original_max_position_embeddings": rope.scaling.original_max_position_embeddings,
+    }
+
+
+def _partial_rotary_factor(rotary_dim: int, head_dim: int) -> float:
+    # The share transformers turns back into rotary_dim with int(head_dim * share): the quotient, or the next float
+    # above it where rounding put it just below (44 features, 30 rotated).
+    share = rotary_dim / head_dim
+    return share if int(head_dim * share) == rotary_dim else math.nextafter(share, 1.0)
