@@ -303,6 +303,8 @@ TP_CASES = [
     ("full_finetune", ["context_parallel=2", "data_parallel=zero3", "expert_parallel=2", *TINY_MOE], 4,
      "expert_parallel"),
     ("full_finetune", ["context_parallel=2", *TINY_MOE], 2, "context_parallel"),  # experts' per-row loss
+    ("full_finetune", ["context_parallel=2", "model._component_=toolkit.models.phi3.phi4_mini"], 2,
+     "context_parallel"),  # LongRoPE's short or long factors, chosen by each rank's positions
     ("preference_finetune", ["context_parallel=2"], 2, "context_parallel"),  # not read by these recipes (yet)
     ("distill", ["context_parallel=2"], 2, "context_parallel"),
 ]

@@ -236,9 +236,9 @@ class LongRopeRotaryEmbeddings(RotaryPositionalEmbeddings):
     factors, a longer one with the long factors); with explicit positions ``[b, s]`` (packed rows), the largest
     over the whole batch. The choice is made on the device, once per positions tensor: no host sync, no graph
     break. A KV cache filled before the switch holds keys rotated with the short factors: as transformers,
-    :func:`toolkit.generation.generate` encodes the whole sequence again once, at the switch. Under context
-    parallelism each rank chooses by the positions it holds, so a sequence a little longer than the original
-    context (up to ``2 cp / (cp + 1)`` times) is rotated with the short factors on some ranks, unlike transformers.
+    :func:`toolkit.generation.generate` encodes the whole sequence again once, at the switch. Context parallelism
+    is refused (each rank would choose by the positions it holds: a sequence up to ``2 cp / (cp + 1)`` times the
+    original context would be rotated with the short factors on some ranks and the long ones on others).
 
     The cache holds the short table (positions below ``min(original, max_seq_len)``) followed by the long one
     (``max_seq_len`` positions).

@@ -29,6 +29,7 @@ from toolkit.config._schema import (
     rule,
 )
 from toolkit.errors import UserError
+from toolkit.modules.position_embeddings import LongRopeRotaryEmbeddings
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.attention import SDPA_BACKENDS
 from toolkit.training.metric_loggers import parse_metric_logger_spec
@@ -252,6 +253,9 @@ def context_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
         yield "context_parallel", f"{with_cp} needs one of the toolkit's decoder models (its attention layers split "\
             "the sequence)"
         return
+    if any(isinstance(module, LongRopeRotaryEmbeddings) for module in model.modules()):
+        yield "context_parallel", f"{with_cp} cannot split a LongRoPE model's sequences yet (each rank would choose "\
+            "the short or long rotary factors by its own positions); use context_parallel=1"
     if getattr(model, "_moe_blocks", None):
         yield "context_parallel", f"{with_cp} cannot split a mixture-of-experts model's sequences yet (its "\
             "load-balancing loss is per whole row); use context_parallel=1"
