@@ -236,11 +236,27 @@ def test_experts_whose_matrices_nf4_cannot_block_are_refused_in_one_line():
                          quantize_base=True)
 
 
-def test_expert_parallelism_refuses_nf4_experts_in_one_line():
-    from toolkit.parallel.expert_parallel import check_expert_parallel
 
-    with pytest.raises(UserError) as e:
-        check_expert_parallel(qlora_model("qwen3_moe"), ep=2)
-    assert str(e.value).startswith("expert_parallel: 2 ranks cannot share NF4 (QLoRA) experts yet; use "
-                                   "expert_parallel=1")
-    check_expert_parallel(qlora_model("qwen3_moe", quantize_base=False), ep=2)  # LoRA: shared out
+def test_the_memory_plan_counts_the_whole_nf4_model_each_rank_loads():
+    from toolkit.training.memory import estimate_memory
+
+    def plan(model: nn.Module, strategy: str):
+        return estimate_memory(model, strategy=strategy, world_size=8, micro_batch_size=1, max_seq_len=32,
+                               dtype="bf16")
+
+    qlora, lora = qlora_model("qwen3_moe"), qlora_model("qwen3_moe", quantize_base=False)
+
+    def stored(p: torch.Tensor) -> int:  # torchao's NF4 (the attention): its codes and scales; bf16; codes as they are
+        if is_nf4(p):
+            return sum(getattr(p, name).nbytes for name in p.__tensor_flatten__()[0])
+        return p.numel() * (2 if p.dtype.is_floating_point else p.element_size())
+
+    whole = sum(stored(p) for p in qlora.parameters()) + sum(b.nbytes for b in qlora.buffers())
+    zero3 = plan(qlora, "zero3")
+    # Every rank quantizes the whole model before zero3 splits it: the load is the peak of this tiny model.
+    assert zero3.loading == whole and zero3.total == max(zero3.loading, zero3.params + zero3.grads
+                                                        + zero3.optimizer_state + zero3.activations
+                                                        + zero3.temporary)
+    assert zero3.params < zero3.loading  # split 8 ways while training
+    assert "loading (whole)" in zero3.table()
+    assert plan(lora, "zero3").loading == 0 and "loading" not in plan(lora, "zero3").table()

@@ -33,7 +33,6 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from toolkit.errors import UserError
 from toolkit.modules.moe import GroupedExperts, MoEFeedForward, permute_rows
-from toolkit.modules.peft.nf4_experts import NF4Stack
 
 
 def check_expert_parallel(model: nn.Module, *, ep: int) -> None:
@@ -47,14 +46,12 @@ def check_expert_parallel(model: nn.Module, *, ep: int) -> None:
     if num_experts % ep:
         raise UserError(f"expert_parallel: {ep} ranks cannot share the model's {num_experts} experts; choose a "
                         f"divisor of {num_experts}")
-    if any(isinstance(m, NF4Stack) for m in model.modules()):
-        raise UserError(f"expert_parallel: {ep} ranks cannot share NF4 (QLoRA) experts yet; use expert_parallel=1 "
-                        "(data_parallel=zero3 shards the NF4 experts over the ranks), or LoRA (quantize_base=false)")
 
 
 def apply_ep(model: nn.Module, *, ep_mesh: DeviceMesh) -> nn.Module:
     """Share out the experts of every mixture-of-experts layer of ``model`` over ``ep_mesh`` (the mesh's ``ep``
-    dimension), in place; call it on the meta device, before data parallelism.
+    dimension), in place, before data parallelism: on the meta device, or filled (every rank holding the same
+    whole experts, as an NF4 base is loaded: each keeps its own).
 
     Raises:
         UserError: see :func:`check_expert_parallel`.
@@ -71,7 +68,7 @@ def apply_ep(model: nn.Module, *, ep_mesh: DeviceMesh) -> nn.Module:
 
 def _stacked_parameters(experts: GroupedExperts) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """``(module, name, parameter)`` of every parameter of ``experts`` stacked along its experts (dim 0): the
-    weights, and the adapters' (LoRAGroupedExperts)."""
+    weights (an NF4 stack's codes and scales), and the adapters' (LoRAGroupedExperts)."""
     return [(module, name, param) for module in experts.modules()
             for name, param in module.named_parameters(recurse=False)]
 

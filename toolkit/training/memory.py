@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import UserError
+from toolkit.modules.peft.nf4_experts import has_nf4
 from toolkit.parallel.expert_parallel import check_expert_parallel, expert_parallel_local_parameters
 from toolkit.parallel.mesh import expert_parallel_problems, tensor_parallel_problems
 from toolkit.parallel.tensor_parallel import check_tensor_parallel
@@ -139,6 +140,9 @@ class MemoryEstimate:
             the compute dtype, whole under ddp and zero1, sharded as the parameters under the sharded strategies
             (resharded after every forward, zero2 included), plus what it gathers while it scores (its root unit,
             kept gathered, and a layer and the next one's all-gather buffer).
+        loading: per-device bytes while the checkpoint loads, for a model with NF4 weights (QLoRA): every rank
+            holds the whole model, quantized, before it is split (``toolkit.training.parallelize``: each weight is
+            quantized whole, as on one process); 0 for other models, which are split before they are filled.
     """
 
     strategy: str
@@ -157,6 +161,7 @@ class MemoryEstimate:
     expert_parallel: int = 1
     all_to_all: int = 0
     reference: int = 0
+    loading: int = 0
 
     @property
     def label(self) -> str:
@@ -174,8 +179,9 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        """Per-device bytes at the peak (the sum of every part)."""
-        return self.params + self.grads + self.optimizer_state + self.activations + self.temporary + self.reference
+        """Per-device bytes at the peak: the sum of every part during a step, or the load's if that is more."""
+        step = self.params + self.grads + self.optimizer_state + self.activations + self.temporary + self.reference
+        return max(step, self.loading)
 
     def table(self) -> str:
         """The estimate as a one-column table (see :func:`format_table`)."""
@@ -194,6 +200,7 @@ _ROWS = (
     ("gathered", "gathered"),
     ("all-to-all", "all_to_all"),
     ("frozen model", "reference"),  # the preference recipe's reference copy, distillation's teacher
+    ("loading (whole)", "loading"),  # an NF4 model before it is split
     ("total", "total"),
 )
 
@@ -219,7 +226,7 @@ def format_table(estimates: Sequence[MemoryEstimate], *, usable_bytes: int | Non
             lines.append(row("", [f"x {name}{getattr(e, degree)}" if getattr(e, degree) > 1 else ""
                                   for e in estimates]))
     shown = {"all_to_all": any(e.expert_parallel > 1 for e in estimates),
-             "reference": any(e.reference for e in estimates)}
+             "reference": any(e.reference for e in estimates), "loading": any(e.loading for e in estimates)}
     for title, attribute in _ROWS:
         if shown.get(attribute, True):  # not a row of zeros without expert parallelism or a reference
             lines.append(row(title, [f"{getattr(e, attribute) / scale:.2f}" for e in estimates]))
@@ -560,6 +567,8 @@ def estimate_memory(
             model, micro_batch_size=rows, seq_len=max_seq_len, dtype=dtype, expert_parallel=expert_parallel
         ),
         reference=reference,
+        # NF4 weights are quantized whole as they load, on every rank, and split afterwards (parallelize).
+        loading=sum(_stored_bytes(t, p) for t in model.parameters()) + buffer_bytes if has_nf4(model) else 0,
     )
 
 

@@ -46,7 +46,7 @@ def parallelize(
     it is filled; so do CPU offload and NF4 (QLoRA) bases, whose weights FSDP2 takes whole.
 
     Expert parallelism (``dims.ep`` > 1) splits the experts over the ranks of an EP group, on the meta device too
-    (:func:`~toolkit.parallel.apply_ep`).
+    (:func:`~toolkit.parallel.apply_ep`); with an NF4 base, once it is filled, as FSDP2 does.
 
     ``mesh`` is the job's device mesh (:meth:`ParallelDims.build_mesh`), built here when needed and not given;
     pass the one the run built, so that every dimension comes from one mesh. ``sequence_parallel`` splits the
@@ -63,17 +63,20 @@ def parallelize(
         apply_activation_offloading(model, device=device)
     if mesh is None and (dims.tp > 1 or dims.uses_fsdp):
         mesh = dims.build_mesh(device.type)
+    # NF4 bases load whole on every rank: a shard quantized on its own would hold other values than the whole
+    # weight quantized (one process's), so they are split only once filled.
+    nf4 = has_nf4(model)
     if dims.tp > 1:
         apply_tp(model, tp_mesh=mesh["tp"], sequence_parallel=sequence_parallel)
-    if dims.ep > 1:
+    if dims.ep > 1 and not nf4:
         apply_ep(model, ep_mesh=mesh["ep"])
-    shard_first = dims.tp > 1 or dims.ep > 1 or (
-        dims.is_sharded and not dims.cpu_offload and not has_nf4(model)
-    )
+    shard_first = dims.tp > 1 or (dims.ep > 1 and not nf4) or (dims.is_sharded and not dims.cpu_offload and not nf4)
     if shard_first:
         model = apply_data_parallel(model.to(dtype), dims=dims, device=device, mp_policy=mp_policy, mesh=mesh)
     materialize(model, device=device, dtype=None if shard_first else dtype)
     fill(model)
+    if dims.ep > 1 and nf4:
+        apply_ep(model, ep_mesh=mesh["ep"])
     if not shard_first:
         model = apply_data_parallel(model, dims=dims, device=device, mp_policy=mp_policy, mesh=mesh)
     return model

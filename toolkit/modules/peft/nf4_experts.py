@@ -7,15 +7,17 @@ the nearest NF4 level, the block scales quantized again to int8 in groups. Each 
 (its own scale mean), exactly as :func:`~toolkit.modules.peft.nf4.to_nf4` quantizes that expert's ``[out, in]``
 matrix, so a checkpoint loads one expert at a time and any expert-wise split of the stack holds whole experts.
 
-The four parts are parameters (frozen) whose first dimension is the expert: FSDP2 shards them as it shards any
-stacked weight, along the experts, each rank keeping whole experts' codes and scales. The grouped matmul dequantizes
+The four parts are parameters (frozen) whose first dimension is the expert: expert parallelism and FSDP2 split them
+as they split any stacked weight, along the experts, each rank keeping whole experts' codes and scales. The grouped matmul dequantizes
 all experts of a projection at once in the forward and again in the backward (:class:`_NF4GroupedMM`), so only the
 4-bit codes are kept between them, as torchao's ``LinearNF4`` does for a linear layer.
 """
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from toolkit.modules._dtensor import local_region
 from toolkit.modules.moe import GroupedExperts, grouped_mm, local
 from toolkit.modules.peft.experts import PROJECTIONS
 from toolkit.modules.peft.nf4 import NF4_BLOCK_SIZE, NF4Linear, scaler_block_size, to_nf4
@@ -74,15 +76,21 @@ class NF4Stack(nn.Module):
     @torch.no_grad()
     def quantize_(self, index: int, weight: torch.Tensor) -> None:
         """Store expert ``index``'s matrix ``weight`` ``[out_dim, in_dim]`` (any float dtype), quantized as
-        :func:`~toolkit.modules.peft.nf4.to_nf4` quantizes it, in the nominal dtype, on this stack's device (an
-        unsharded stack: checkpoints load before FSDP2 shards a QLoRA model)."""
+        :func:`~toolkit.modules.peft.nf4.to_nf4` quantizes it, in the nominal dtype, on this stack's device. In a
+        stack split along its experts (expert parallelism, FSDP2), only the rank holding expert ``index`` stores it;
+        the others return at once."""
         if tuple(weight.shape) != tuple(self.shape[1:]):
             raise ValueError(f"expert {index}: expected shape {tuple(self.shape[1:])}, got {tuple(weight.shape)}")
-        nf4 = to_nf4(weight.to(device=self.codes.device, dtype=self.dtype).contiguous())
-        self.codes[index].copy_(nf4.quantized_data)
-        self.scalers[index].copy_(nf4.quantized_scalers)
-        self.factors[index].copy_(nf4.quantization_factor)
-        self.means[index].copy_(nf4.scaler_mean)
+        parts = (self.codes, self.scalers, self.factors, self.means)
+        if isinstance(self.codes, DTensor):  # every part is split alike: they all have the experts first
+            held = local_region(self.codes)[0]
+            if not held.start <= index < held.stop:
+                return
+            index, parts = index - held.start, tuple(part.to_local() for part in parts)
+        nf4 = to_nf4(weight.to(device=parts[0].device, dtype=self.dtype).contiguous())
+        for part, values in zip(parts, (nf4.quantized_data, nf4.quantized_scalers, nf4.quantization_factor,
+                                        nf4.scaler_mean)):
+            part[index].copy_(values)
 
     @torch.no_grad()
     def quantize_all_(self, weights: torch.Tensor) -> None:
