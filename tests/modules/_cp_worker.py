@@ -20,7 +20,7 @@ from torch import nn
 from toolkit.data.packing import packed_attention_mask
 from toolkit.modules import GroupedQueryAttention
 from toolkit.modules.position_embeddings import RotaryPositionalEmbeddings
-from toolkit.parallel.context_parallel import ContextParallel, RingAttention, local_positions
+from toolkit.parallel.context_parallel import ContextParallel, local_positions
 
 DIM, HEAD_DIM, SEQ, BATCH = 32, 8, 48, 2
 # name: (heads, kv heads, packed documents, sliding window, soft-cap)
@@ -81,14 +81,12 @@ def main() -> None:
         ref_out, ref_dx, ref_grads = run(attn, x, input_pos, cotangent, mask=whole)
         for cp_size, (group, cp_rank) in groups.items():
             for split, (method, fused) in SPLITS.items():
-                cp = ContextParallel(group, cp_size, cp_rank, method)
+                cp = ContextParallel(group, cp_size, cp_rank, method, fused)
                 batch = {"tokens": torch.zeros(BATCH, SEQ, dtype=torch.long)}
                 if input_pos is not None:
                     batch["input_pos"] = input_pos
                 local, mask = cp.shard(batch, full_mask=lambda b: None if "input_pos" not in b else
                                        packed_attention_mask(b["input_pos"]))
-                if not fused:
-                    mask = RingAttention(cp, seq_len=SEQ, document_ids=mask.document_ids, fused=False)
                 positions = local_positions(SEQ, cp=cp_size, rank=cp_rank)
                 out, dx, grads = run(attn, x[:, positions], local["input_pos"], cotangent[:, positions], mask=mask)
                 errors = [

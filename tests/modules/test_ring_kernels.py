@@ -128,3 +128,17 @@ def test_ring_kernels_equal_whole_row_attention_on_cuda(dtype, case, fused):
     assert fused_ring_kernel(torch.zeros(1, 1, 1, 16, dtype=dtype, device="cuda"))
     error = largest_error(case, 4, fused, dtype=dtype, device="cuda", head_dim=16)
     assert error <= (2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("case", ["gqa", "packed", "window"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_the_cuda_kernels_are_called_as_their_schemas_say(dtype, case):
+    # Meta tensors run the CUDA branch's calls (flash, memory-efficient, their backwards) through the operators'
+    # shape functions without a GPU: arguments, the log-sum-exp's layout and the gradients' shapes.
+    heads, kv, packed, window = CASES[case]
+    q, dout = (torch.empty(BATCH, heads, SEQ, 16, device="meta", dtype=dtype) for _ in range(2))
+    k, v = (torch.empty(BATCH, kv, SEQ, 16, device="meta", dtype=dtype) for _ in range(2))
+    docs = document_ids(packed, "cpu")
+    found = ring_on_one_process(q, k, v, dout, cp=4, docs=None if docs is None else docs.to("meta"), window=window,
+                                fused=True)
+    assert [t.shape for t in found] == [q.shape, q.shape, k.shape, v.shape]

@@ -103,12 +103,16 @@ class ContextParallel:
         size: ``cp``.
         rank: this rank's index in ``group``.
         method: ``ring`` or ``alltoall``.
+        fused: ``ring`` scores its blocks with PyTorch's fused attention kernel where one takes them
+            (:func:`fused_ring_kernel`); False: with its explicit kernel everywhere (tests and the benchmark compare
+            the two).
     """
 
     group: dist.ProcessGroup
     size: int
     rank: int
     method: str = "ring"
+    fused: bool = True
 
     def local(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's positions of ``rows`` ``[b, s, ...]``."""
@@ -143,7 +147,7 @@ class ContextParallel:
             whole = full_mask(batch) if full_mask is not None else None
             return local, UlyssesAttention(self, seq_len=seq_len, whole_mask=whole, device=tokens.device)
         docs = None if input_pos is None else document_ids(input_pos)
-        return local, RingAttention(self, seq_len=seq_len, document_ids=docs)
+        return local, RingAttention(self, seq_len=seq_len, document_ids=docs, fused=self.fused)
 
 
 class UlyssesAttention(SplitSequenceAttention):
@@ -196,7 +200,7 @@ class RingAttention(SplitSequenceAttention):
         seq_len: the whole row's length.
         document_ids: ``[b, seq_len]``, the packed documents each position belongs to (None: unpacked rows).
         fused: score the blocks with PyTorch's fused attention kernel where one takes them (:func:`fused_ring_kernel`);
-            False: with the explicit kernel everywhere (the tests compare the two).
+            False: with the explicit kernel everywhere.
     """
 
     def __init__(self, cp: ContextParallel, *, seq_len: int, document_ids: torch.Tensor | None,
