@@ -26,7 +26,8 @@ among them), counts every position once. ``S`` must be a multiple of ``2 x cp``:
   (float64 for float64 inputs) for one chunk of queries at a time, so its memory stays bounded at any length.
 
 Both are exact: the outputs and gradients equal single-process attention over the whole row up to float
-rounding (``tests/modules/test_context_parallel.py`` checks float64 against SDPA).
+rounding (``tests/modules/test_context_parallel.py`` checks float64 against SDPA, ``test_ring_kernels.py`` each ring
+kernel in float64 and float32).
 
 **Where CP ranks sit.** They are data-parallel ranks that read the same samples: FSDP2 or DDP reduce their
 gradients like any other data-parallel rank's (each holds the gradient of its positions' share of the loss), so
