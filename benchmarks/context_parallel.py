@@ -8,7 +8,9 @@ Each layout is one job (``mp.spawn``, gloo, one thread per process) training the
 ``--dim``; 4 query and 2 key/value heads) on the same random row of ``--seq_len`` tokens through the recipes' path
 (``parallelize``, ``forward_backward``, ``optimizer_step`` with AdamW): ``cp1`` on one process, ``ring`` and
 ``alltoall`` with the row split over ``--nproc`` ranks (2 by default), which are data-parallel (DDP) ranks that read
-the same row. The global batch is the same row in every layout, so the work is the same.
+the same row. ``ring`` scores its blocks with PyTorch's fused attention kernel (the CPU flash kernel; on CUDA flash or
+memory-efficient), ``ring_explicit`` with the ring's explicit matmul kernel (``ContextParallel(fused=False)``): the
+two differ only there. The global batch is the same row in every layout, so the work is the same.
 
 Memory: the high-water mark of the process above what it held right before the timed steps' first forward, after
 one warmup step on a short row (host resident memory on CPU, ``max_memory_allocated`` on CUDA), the largest over the
@@ -22,6 +24,7 @@ tokens over the median step time. Ratios are to ``cp1`` measured in the same run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,7 +40,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scaling import free_port, host_high_water_kib, print_markdown_table, reset_host_high_water  # noqa: E402 (the benchmarks folder is no package)
 
-LAYOUTS = {"cp1": (1, None), "ring": (None, "ring"), "alltoall": (None, "alltoall")}
+# layout: (processes, None for --nproc; context_parallel_method; the ring's fused kernel)
+LAYOUTS = {"cp1": (1, None, True), "ring": (None, "ring", True), "ring_explicit": (None, "ring", False),
+           "alltoall": (None, "alltoall", True)}
 
 
 def _worker(rank: int, world_size: int, port: int, options: dict, layout: str, result_file: str) -> None:
@@ -51,10 +56,12 @@ def _worker(rank: int, world_size: int, port: int, options: dict, layout: str, r
     )
     torch.set_num_threads(options["threads"])
     env = init_distributed(device=options["device"])
-    method = LAYOUTS[layout][1]
+    _, method, fused = LAYOUTS[layout]
     dims = parallel_dims(strategy="ddp", world_size=world_size, local_world_size=world_size,
                          device_type=env.device.type, rank=rank, context_parallel=world_size)
-    context_parallel = dims.context_parallel(env.device.type, method) if method else None
+    context_parallel = None
+    if method:
+        context_parallel = dataclasses.replace(dims.context_parallel(env.device.type, method), fused=fused)
     set_seed(0)
     component = {"_component_": options["model"], "max_seq_len": options["seq_len"]}
     if options["model"] == "toolkit.models.llama3.llama3":
@@ -151,7 +158,7 @@ def main() -> None:
     for layout, r in results.items():
         mem = f"{r['peak_mib'] / base['peak_mib']:.2f}x" if base else "-"
         speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
-        name = "one process" if layout == "cp1" else f"{r['label']}, {layout}"
+        name = "one process" if layout == "cp1" else f"{r['label']}, {layout.replace('_', ' ')}"
         table.append((name, f"{r['peak_mib']:.0f}", mem, f"{r['tokens_per_s']:.0f}", speed))
     print_markdown_table(table)
 

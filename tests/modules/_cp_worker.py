@@ -4,9 +4,10 @@ process, in float64.
 
 Every rank builds the same layer and inputs (seeded) and computes the reference itself: SDPA (or the layer's
 explicit soft-capped scores) over the whole rows. Then, in the 4 ranks as one CP group and as two groups of 2, it
-computes the same with the row split (:meth:`ContextParallel.shard`), for each method and case: outputs at its
-positions, the gradient of its input positions and the layer's weight gradients (summed over the group: each rank
-holds its positions' share). Rank zero writes the largest differences, per case, to ``sys.argv[1]`` (JSON).
+computes the same with the row split (:meth:`ContextParallel.shard`), for each method and case (``ring`` with its
+fused block kernel where one applies, and with its explicit kernel everywhere): outputs at its positions, the
+gradient of its input positions and the layer's weight gradients (summed over the group: each rank holds its
+positions' share). Rank zero writes the largest differences, per case, to ``sys.argv[1]`` (JSON).
 """
 
 import json
@@ -19,7 +20,7 @@ from torch import nn
 from toolkit.data.packing import packed_attention_mask
 from toolkit.modules import GroupedQueryAttention
 from toolkit.modules.position_embeddings import RotaryPositionalEmbeddings
-from toolkit.parallel.context_parallel import CP_METHODS, ContextParallel, local_positions
+from toolkit.parallel.context_parallel import ContextParallel, local_positions
 
 DIM, HEAD_DIM, SEQ, BATCH = 32, 8, 48, 2
 # name: (heads, kv heads, packed documents, sliding window, soft-cap)
@@ -31,6 +32,8 @@ CASES = {
     "window": (4, 2, False, 7, None),
     "packed_window_softcap": (4, 2, True, 5, 3.0),
 }
+# name: (method, the ring's fused kernel where one applies)
+SPLITS = {"ring": ("ring", True), "ring_explicit": ("ring", False), "alltoall": ("alltoall", True)}
 
 
 def layer(heads: int, kv_heads: int, window: int | None, softcap: float | None) -> GroupedQueryAttention:
@@ -77,8 +80,8 @@ def main() -> None:
         whole = None if input_pos is None else packed_attention_mask(input_pos)
         ref_out, ref_dx, ref_grads = run(attn, x, input_pos, cotangent, mask=whole)
         for cp_size, (group, cp_rank) in groups.items():
-            for method in CP_METHODS:
-                cp = ContextParallel(group, cp_size, cp_rank, method)
+            for split, (method, fused) in SPLITS.items():
+                cp = ContextParallel(group, cp_size, cp_rank, method, fused)
                 batch = {"tokens": torch.zeros(BATCH, SEQ, dtype=torch.long)}
                 if input_pos is not None:
                     batch["input_pos"] = input_pos
@@ -96,7 +99,7 @@ def main() -> None:
                 error = torch.stack(errors).max()
                 dist.all_reduce(error, op=dist.ReduceOp.MAX)
                 scale = max(float(ref_out.abs().max()), float(ref_dx.abs().max()))
-                results[f"{name}/cp{cp_size}/{method}"] = {"error": float(error), "scale": scale}
+                results[f"{name}/cp{cp_size}/{split}"] = {"error": float(error), "scale": scale}
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)

@@ -1,8 +1,9 @@
 """Context parallelism's attention (toolkit.parallel.context_parallel) against the same layer over whole rows.
 
 One torchrun launch of 4 processes (``_cp_worker.py``) runs every case on one CP group of 4 and on two groups of
-2, for both methods: grouped-query, multi-head and one key/value head (which ``alltoall`` repeats to share out),
-packed documents crossing the chunk boundaries, a sliding window, and all of these with Gemma 2's soft-cap. In
+2, for both methods (the ring with its fused block kernel where one applies, and with its explicit one everywhere):
+grouped-query, multi-head and one key/value head (which ``alltoall`` repeats to share out), packed documents crossing
+the chunk boundaries, a sliding window, and all of these with Gemma 2's soft-cap. In
 float64 the split computes the same sums in another order: outputs, input gradients and weight gradients agree
 to about 1e-14 (measured at most 1.1e-14); we allow 1e-12. The soft-capped reference takes its softmax in float32
 (as Gemma 2's code does; the ring keeps float64), so there the two agree to float32's rounding (measured 1e-6).
@@ -27,10 +28,10 @@ def errors(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("method", CP_METHODS)
+@pytest.mark.parametrize("split", worker.SPLITS)
 @pytest.mark.parametrize("case", worker.CASES)
-def test_split_attention_equals_whole_row_attention(errors, case, method, cp):
-    found = errors[f"{case}/cp{cp}/{method}"]
+def test_split_attention_equals_whole_row_attention(errors, case, split, cp):
+    found = errors[f"{case}/cp{cp}/{split}"]
     softcapped = worker.CASES[case][4] is not None
     assert found["error"] <= (1e-5 if softcapped else 1e-12) * found["scale"]
 

@@ -17,11 +17,17 @@ among them), counts every position once. ``S`` must be a multiple of ``2 x cp``:
 - ``ring`` (Liu et al., 2023, https://arxiv.org/abs/2310.01889): the key/value blocks travel round the ranks,
   each rank scoring its queries against one block per step while the next block is in flight, and the partial
   softmaxes are combined exactly through their log-sum-exp. The backward recomputes the scores block by block
-  and sends the key/value gradients round the ring after their blocks. Scores are computed in float32 (float64 for
-  float64 inputs) for one chunk of queries at a time (the memory stays bounded at any length), fully masked chunk pairs are skipped.
+  and sends the key/value gradients round the ring after their blocks. Fully masked chunk pairs are skipped. Each
+  block is scored by PyTorch's fused attention kernel that returns the log-sum-exp where one takes it
+  (:func:`fused_ring_kernel`: the CPU flash kernel; on CUDA flash, or memory-efficient for masked blocks and
+  float32): its backward, given the whole row's output and log-sum-exp, yields the block's exact share of the
+  gradients. Packed documents and sliding windows reach it as an additive mask, a chunk against itself as its causal
+  flag. Where none applies (Gemma 2's soft-caps, float64 on CUDA) the ring's explicit kernel scores in float32
+  (float64 for float64 inputs) for one chunk of queries at a time, so its memory stays bounded at any length.
 
 Both are exact: the outputs and gradients equal single-process attention over the whole row up to float
-rounding (``tests/modules/test_context_parallel.py`` checks float64 against SDPA).
+rounding (``tests/modules/test_context_parallel.py`` checks float64 against SDPA, ``test_ring_kernels.py`` each ring
+kernel in float64 and float32).
 
 **Where CP ranks sit.** They are data-parallel ranks that read the same samples: FSDP2 or DDP reduce their
 gradients like any other data-parallel rank's (each holds the gradient of its positions' share of the loss), so
@@ -98,12 +104,16 @@ class ContextParallel:
         size: ``cp``.
         rank: this rank's index in ``group``.
         method: ``ring`` or ``alltoall``.
+        fused: ``ring`` scores its blocks with PyTorch's fused attention kernel where one takes them
+            (:func:`fused_ring_kernel`); False: with its explicit kernel everywhere (tests and the benchmark compare
+            the two).
     """
 
     group: dist.ProcessGroup
     size: int
     rank: int
     method: str = "ring"
+    fused: bool = True
 
     def local(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's positions of ``rows`` ``[b, s, ...]``."""
@@ -138,7 +148,7 @@ class ContextParallel:
             whole = full_mask(batch) if full_mask is not None else None
             return local, UlyssesAttention(self, seq_len=seq_len, whole_mask=whole, device=tokens.device)
         docs = None if input_pos is None else document_ids(input_pos)
-        return local, RingAttention(self, seq_len=seq_len, document_ids=docs)
+        return local, RingAttention(self, seq_len=seq_len, document_ids=docs, fused=self.fused)
 
 
 class UlyssesAttention(SplitSequenceAttention):
@@ -184,12 +194,22 @@ class UlyssesAttention(SplitSequenceAttention):
 
 
 class RingAttention(SplitSequenceAttention):
-    """``ring``: key/value blocks passed round the CP ranks, partial softmaxes combined by log-sum-exp."""
+    """``ring``: key/value blocks passed round the CP ranks, partial softmaxes combined by log-sum-exp.
 
-    def __init__(self, cp: ContextParallel, *, seq_len: int, document_ids: torch.Tensor | None) -> None:
+    Args:
+        cp: this rank's place in its context-parallel group.
+        seq_len: the whole row's length.
+        document_ids: ``[b, seq_len]``, the packed documents each position belongs to (None: unpacked rows).
+        fused: score the blocks with PyTorch's fused attention kernel where one takes them (:func:`fused_ring_kernel`);
+            False: with the explicit kernel everywhere.
+    """
+
+    def __init__(self, cp: ContextParallel, *, seq_len: int, document_ids: torch.Tensor | None,
+                 fused: bool = True) -> None:
         self.cp = cp
         self.seq_len = seq_len
         self.document_ids = document_ids
+        self.fused = fused
 
     def attend(self, layer: GroupedQueryAttention, q, k, v):
         b, h, s, d = q.shape
@@ -198,12 +218,25 @@ class RingAttention(SplitSequenceAttention):
         spec = _RingSpec(
             cp=self.cp, seq_len=self.seq_len, document_ids=self.document_ids, scale=scale,
             window=layer.sliding_window, softcap=layer.logit_softcap,
+            fused=self.fused and layer.logit_softcap is None and fused_ring_kernel(q),
         )
         q5 = q.reshape(b, k.shape[1], groups, s, d)  # [b, kv heads, groups, s, d]: GQA without copying k and v
         # Its float32 sums are its own: autocast (mixed precision) would run them in bfloat16.
         with torch.autocast(q.device.type, enabled=False):
             out = _RingFunction.apply(q5, k, v, spec)
         return out.reshape(b, h, s, d)
+
+
+def fused_ring_kernel(q: torch.Tensor) -> bool:
+    """Whether PyTorch has a fused attention kernel that returns the log-sum-exp for the ring's blocks of queries
+    like ``q`` ``[b, h, s, d]``: on CPU its flash kernel (float64, float32, bfloat16); on CUDA the flash kernel
+    (float16, bfloat16, blocks without a mask or with the causal one) and the memory-efficient kernel (float32 too,
+    and masked blocks), for head dimensions that are multiples of 8 up to 256. None takes Gemma 2's soft-capped
+    scores: those the ring scores with its explicit kernel."""
+    if q.device.type == "cpu":
+        return q.dtype in (torch.float64, torch.float32, torch.bfloat16)
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
 
 
 @dataclass(frozen=True)
@@ -214,6 +247,7 @@ class _RingSpec:
     scale: float
     window: int | None
     softcap: float | None
+    fused: bool = False
 
     @property
     def chunk(self) -> int:
@@ -237,18 +271,25 @@ class _RingSpec:
                 whole = k_chunk < q_chunk and self.window is None
                 yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), q_chunk * c, k_chunk * c, whole
 
-    def blocks(self, kv_rank: int, *, lead: int, device: torch.device):
-        """``(local query rows, local key slice, mask)`` for every block of this rank's queries against ``kv_rank``'s
-        keys that has a key its query may see: the chunk pairs, each cut into pieces of at most
-        :data:`RING_SCORE_BLOCK` scores per ``lead`` (batch x heads)."""
+    def blocks(self, kv_rank: int, *, batch: int, heads: int, device: torch.device):
+        """``(local query rows, local key slice, mask, causal)`` for every block of this rank's queries against
+        ``kv_rank``'s keys that has a key its query may see: the chunk pairs, each cut into pieces of at most
+        :data:`RING_SCORE_BLOCK` scores per row and head (the explicit kernel's buffers) or mask entries per row (a
+        fused kernel's). ``mask`` is None where every key is visible to every query. A fused kernel needs no buffer
+        of scores and applies the causal mask itself: a pair that needs no mask, or only the causal one (a chunk
+        against itself, ``causal``), comes to it whole."""
         for q_sl, k_sl, q0, k0, whole in self.pairs(kv_rank):
-            k_rows = k0 + torch.arange(k_sl.stop - k_sl.start, device=device)
-            for rows in _query_blocks(q_sl, k_sl.stop - k_sl.start, lead):
+            if self.fused and self.document_ids is None and (whole or self.window is None):
+                yield q_sl, k_sl, None, not whole
+                continue
+            k_len = k_sl.stop - k_sl.start
+            k_rows = k0 + torch.arange(k_len, device=device)
+            for rows in _query_blocks(q_sl, k_len, batch if self.fused else batch * heads):
                 if whole and self.document_ids is None:
-                    yield rows, k_sl, None
+                    yield rows, k_sl, None, False
                     continue
                 q_rows = q0 + torch.arange(rows.start - q_sl.start, rows.stop - q_sl.start, device=device)
-                yield rows, k_sl, self.mask(q_rows, k_rows)
+                yield rows, k_sl, self.mask(q_rows, k_rows), False
 
     def mask(self, q_rows: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
         # [b or 1, 1, 1, sq, sk], True where allowed: causal, within the window, within a document.
@@ -285,36 +326,169 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _explicit_forward(spec: _RingSpec, q, k, v, mask):
+    # q [b, kv, g, sq, d], k and v [b, kv, sk, d], in the accumulation dtype -> (out [b, kv, g, sq, d], lse)
+    scores, _ = _score(spec, q, k, mask)
+    lse = torch.logsumexp(scores, dim=-1)  # [b, kv, g, sq]
+    weights = scores.sub_(lse[..., None]).exp_().nan_to_num_(0.0)
+    return weights @ v[:, :, None], lse
+
+
+def _explicit_backward(spec: _RingSpec, q, k, v, dout, lse, delta, mask):
+    # The block's share of (dq, dk, dv), from the whole row's lse and delta = sum(dout * out) [b, kv, g, sq].
+    scores, tanh = _score(spec, q, k, mask)
+    probs = scores.sub_(lse[..., None]).exp_()  # [b, kv, g, sq, sk]; 0 where masked
+    dv = torch.einsum("bhgst,bhgsd->bhtd", probs, dout)
+    dscores = torch.einsum("bhgsd,bhtd->bhgst", dout, v)  # d probs, then d scores in place
+    dscores.sub_(delta[..., None]).mul_(probs)
+    if tanh is not None:
+        dscores.mul_(1 - tanh * tanh)
+    dscores.mul_(spec.scale)
+    return torch.einsum("bhgst,bhtd->bhgsd", dscores, k), torch.einsum("bhgst,bhgsd->bhtd", dscores, q), dv
+
+
+def _fused_forward(spec: _RingSpec, q, k, v, mask, causal: bool):
+    # q [b, kv, g, sq, d], k and v [b, kv, sk, d], in the inputs' dtype -> (out, lse) in the accumulation dtype.
+    b, kv, g, sq, d = q.shape
+    out, lse = _fused_kernel_forward(_flat_heads(q), _kv_per_head(k, g), _kv_per_head(v, g),
+                                     bias=_bias(mask, q.dtype), causal=causal, scale=spec.scale)
+    acc = _accumulation_dtype(q.dtype)
+    out, lse = out.reshape(b, kv, g, sq, d).to(acc), lse.reshape(b, kv, g, sq).to(acc)
+    if mask is not None:
+        # A row that sees no key of the block contributes nothing; the kernels' log-sum-exp there is no -inf (the
+        # CPU kernel's is 0), which would give its zero output weight when the blocks are combined.
+        seen = mask.any(-1)  # [b or 1, 1, 1, sq]
+        out = out.masked_fill(~seen[..., None], 0.0)
+        lse = lse.masked_fill(~seen, float("-inf"))
+    return out, lse
+
+
+def _fused_backward(spec: _RingSpec, q, k, v, dout, lse, out, mask, causal: bool):
+    # The kernel's backward given the whole row's output and log-sum-exp scores the block's probabilities as the
+    # whole row's softmax has them and takes sum(dout * out) over the whole row: its gradients are the block's share.
+    b, kv, g, sq, d = q.shape
+    sk = k.shape[2]
+    dq, dk, dv = _fused_kernel_backward(
+        _flat_heads(dout), _flat_heads(q), _kv_per_head(k, g), _kv_per_head(v, g), _flat_heads(out),
+        lse.reshape(b, kv * g, sq), bias=_bias(mask, q.dtype), causal=causal, scale=spec.scale,
+    )
+    # Each query head's key/value gradient goes to the key/value head its group shares.
+    return dq.reshape(b, kv, g, sq, d), dk.reshape(b, kv, g, sk, d).sum(2), dv.reshape(b, kv, g, sk, d).sum(2)
+
+
+def _flat_heads(x: torch.Tensor) -> torch.Tensor:
+    # [b, kv, g, s, d] -> [b, kv x g, s, d], the heads in the order of the layer's query heads
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _kv_per_head(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # [b, kv, sk, d] -> [b, kv x groups, sk, d]: each key/value head once per query head of its group
+    b, kv, sk, d = x.shape
+    return x[:, :, None].expand(b, kv, groups, sk, d).reshape(b, kv * groups, sk, d)
+
+
+def _bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    # [b or 1, 1, 1, sq, sk] allowed -> [b or 1, 1, sq, sk] added to the scores: the fused kernels take no bool mask.
+    if mask is None:
+        return None
+    return torch.zeros(mask[:, 0].shape, dtype=dtype, device=mask.device).masked_fill_(~mask[:, 0], float("-inf"))
+
+
+def _fused_kernel_forward(q, k, v, *, bias, causal: bool, scale: float):
+    # q [b, h, sq, d], k and v [b, h, sk, d] -> (out [b, h, sq, d], lse [b, h, sq])
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    if bias is None and q.dtype != torch.float32:
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
+        return out, lse
+    out, lse = aten._scaled_dot_product_efficient_attention(
+        q, k, v, _aligned_bias(bias, q), True, 0.0, causal, scale=scale)[:2]
+    return out, lse[..., :q.shape[2]]  # (its log-sum-exp is kept for a multiple of 32 queries)
+
+
+def _fused_kernel_backward(dout, q, k, v, out, lse, *, bias, causal: bool, scale: float):
+    # The backward of _fused_kernel_forward's kernel, given the output and log-sum-exp to use -> (dq, dk, dv)
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    no_dropout = torch.empty(0, dtype=torch.int64, device=q.device)  # (the dropout's random state: none is drawn)
+    if bias is None and q.dtype != torch.float32:
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, no_dropout,
+            no_dropout, scale=scale)
+    padded = torch.nn.functional.pad(lse, (0, -q.shape[2] % 32))  # the kernel's own layout (see the forward)
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, _aligned_bias(bias, q), out, padded, no_dropout, no_dropout, 0.0, [True, True, True, False],
+        causal, scale=scale)
+    return dq, dk, dv
+
+
+def _aligned_bias(bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    # The memory-efficient kernel reads the bias [b, h, sq, sk] with rows a multiple of 16 elements apart.
+    if bias is None:
+        return None
+    sk = bias.shape[-1]
+    padded = bias.new_zeros(*bias.shape[:-1], sk + -sk % 16)
+    padded[..., :sk] = bias
+    return padded[..., :sk].expand(q.shape[0], q.shape[1], q.shape[2], sk)
+
+
+def _attend_source(spec: _RingSpec, q, k, v, source: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Adds this rank's queries ``q`` ``[b, kv, g, s, d]`` attending to rank ``source``'s keys and values ``k``, ``v``
+    ``[b, kv, s, d]`` to the running output ``out`` and log-sum-exp ``lse`` ``[b, kv, g, s]`` (in place)."""
+    b, kv, g = q.shape[:3]
+    for rows, k_sl, mask, causal in spec.blocks(source, batch=b, heads=kv * g, device=q.device):
+        if spec.fused:
+            part, part_lse = _fused_forward(spec, q[:, :, :, rows], k[:, :, k_sl], v[:, :, k_sl], mask, causal)
+        else:
+            part, part_lse = _explicit_forward(spec, q[:, :, :, rows], k[:, :, k_sl], v[:, :, k_sl], mask)
+        new_lse = torch.logaddexp(lse[..., rows], part_lse)
+        keep = torch.exp(lse[..., rows] - new_lse).nan_to_num_(0.0)
+        gain = torch.exp(part_lse - new_lse).nan_to_num_(0.0)
+        out[..., rows, :] = out[..., rows, :] * keep[..., None] + part * gain[..., None]
+        lse[..., rows] = new_lse
+
+
+def _add_source_grads(spec: _RingSpec, q, dout, out, lse, delta, k, v, source: int, dq, dk, dv) -> None:
+    """Adds the gradients of attending with rank ``source``'s keys and values ``k``, ``v`` to ``dq`` and to that rank's
+    ``dk``, ``dv`` (in place), given the whole row's ``out`` and ``lse`` (and ``delta`` for the explicit kernel)."""
+    b, kv, g = q.shape[:3]
+    for rows, k_sl, mask, causal in spec.blocks(source, batch=b, heads=kv * g, device=q.device):
+        inputs = (q[:, :, :, rows], k[:, :, k_sl], v[:, :, k_sl], dout[:, :, :, rows], lse[..., rows])
+        if spec.fused:
+            dq_part, dk_part, dv_part = _fused_backward(spec, *inputs, out[..., rows, :], mask, causal)
+        else:
+            dq_part, dk_part, dv_part = _explicit_backward(spec, *inputs, delta[..., rows], mask)
+        dq[:, :, :, rows] += dq_part
+        dk[:, :, k_sl] += dk_part
+        dv[:, :, k_sl] += dv_part
+
+
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, spec: _RingSpec):
         cp, dtype = spec.cp, q.dtype
-        acc = _accumulation_dtype(q.dtype)
-        qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
-        out = torch.zeros_like(qf)  # [b, kv, g, s, d]
-        lse = torch.full(qf.shape[:-1], float("-inf"), device=q.device, dtype=acc)  # [b, kv, g, s]
+        acc = _accumulation_dtype(dtype)
+        # The explicit kernel scores in the accumulation dtype; a fused kernel takes the inputs as they are (and the
+        # ring passes them so).
+        qf, kf, vf = (q, k, v) if spec.fused else (q.to(acc), k.to(acc), v.to(acc))
+        out = torch.zeros(q.shape, device=q.device, dtype=acc)  # [b, kv, g, s, d]
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=acc)  # [b, kv, g, s]
         ring = _Ring(cp)
         block = (kf, vf)
-        lead = qf.shape[0] * qf.shape[1] * qf.shape[2]
         for step in range(cp.size):
             source = (cp.rank - step) % cp.size
             pending = ring.pass_on(block) if step < cp.size - 1 else None
-            k_b, v_b = block
-            for rows, k_sl, mask in spec.blocks(source, lead=lead, device=q.device):
-                scores, _ = _score(spec, qf[:, :, :, rows], k_b[:, :, k_sl], mask)
-                part_lse = torch.logsumexp(scores, dim=-1)  # [b, kv, g, rows]
-                weights = scores.sub_(part_lse[..., None]).exp_().nan_to_num_(0.0)
-                part = weights @ v_b[:, :, None, k_sl]
-                new_lse = torch.logaddexp(lse[..., rows], part_lse)
-                keep = torch.exp(lse[..., rows] - new_lse).nan_to_num_(0.0)
-                gain = torch.exp(part_lse - new_lse).nan_to_num_(0.0)
-                out[..., rows, :] = out[..., rows, :] * keep[..., None] + part * gain[..., None]
-                lse[..., rows] = new_lse
+            _attend_source(spec, qf, *block, source, out, lse)
             if pending is not None:
                 block = pending()
+        result = out.to(dtype)
         ctx.spec = spec
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(dtype)
+        # A fused kernel's backward takes the output in the inputs' dtype, the explicit one its accumulated sums.
+        ctx.save_for_backward(q, k, v, result if spec.fused else out, lse)
+        return result
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -323,30 +497,18 @@ class _RingFunction(torch.autograd.Function):
         cp = spec.cp
         q, k, v, out, lse = ctx.saved_tensors
         acc = _accumulation_dtype(q.dtype)
-        qf, dout = q.to(acc), grad_out.to(acc)
-        delta = (dout * out).sum(-1)  # [b, kv, g, s]
-        dq = torch.zeros_like(qf)
+        if spec.fused:
+            qf, dout, kv, delta = q, grad_out.to(q.dtype), (k, v), None  # (the kernel computes its delta itself)
+        else:
+            qf, dout, kv = q.to(acc), grad_out.to(acc), (k.to(acc), v.to(acc))
+            delta = (dout * out).sum(-1)  # [b, kv, g, s]
+        dq = torch.zeros(q.shape, device=q.device, dtype=acc)
         ring = _Ring(cp)
-        kv = (k.to(acc), v.to(acc))
-        grads = (torch.zeros_like(kv[0]), torch.zeros_like(kv[1]))
-        lead = qf.shape[0] * qf.shape[1] * qf.shape[2]
+        grads = (torch.zeros(k.shape, device=k.device, dtype=acc), torch.zeros(v.shape, device=v.device, dtype=acc))
         for step in range(cp.size):
             source = (cp.rank - step) % cp.size
             pending = ring.pass_on(kv) if step < cp.size - 1 else None  # the next block travels meanwhile
-            (k_b, v_b), (dk_b, dv_b) = kv, grads
-            for rows, k_sl, mask in spec.blocks(source, lead=lead, device=q.device):
-                k_part, v_part = k_b[:, :, k_sl], v_b[:, :, k_sl]
-                scores, tanh = _score(spec, qf[:, :, :, rows], k_part, mask)
-                probs = scores.sub_(lse[..., rows, None]).exp_()  # [b, kv, g, rows, sk]; 0 where masked
-                d_rows = dout[:, :, :, rows]
-                dv_b[:, :, k_sl] += torch.einsum("bhgst,bhgsd->bhtd", probs, d_rows)
-                dscores = torch.einsum("bhgsd,bhtd->bhgst", d_rows, v_part)  # d probs, then d scores in place
-                dscores.sub_(delta[..., rows, None]).mul_(probs)
-                if tanh is not None:
-                    dscores.mul_(1 - tanh * tanh)
-                dscores.mul_(spec.scale)
-                dq[:, :, :, rows] += torch.einsum("bhgst,bhtd->bhgsd", dscores, k_part)
-                dk_b[:, :, k_sl] += torch.einsum("bhgst,bhgsd->bhtd", dscores, qf[:, :, :, rows])
+            _add_source_grads(spec, qf, dout, out, lse, delta, *kv, source, dq, *grads)
             # This block's gradients, with this rank's share added, follow the block; after cp moves they are home.
             grads = ring.pass_on(grads)()
             if pending is not None:
