@@ -3,7 +3,12 @@
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
 from toolkit.modules.feed_forward import FeedForward
 from toolkit.modules.kv_cache import KVCache
-from toolkit.modules.position_embeddings import Llama3RopeScaling, RotaryPositionalEmbeddings, YarnRopeScaling
+from toolkit.modules.position_embeddings import (
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    RotaryPositionalEmbeddings,
+    YarnRopeScaling,
+)
 from toolkit.modules.rms_norm import RMSNorm
 from toolkit.modules.transformer import TransformerDecoder, TransformerDecoderLayer
 
@@ -12,6 +17,7 @@ __all__ = [
     "FeedForward",
     "GroupedQueryAttention",
     "KVCache",
+    "LinearRopeScaling",
     "Llama3RopeScaling",
     "RMSNorm",
     "RotaryPositionalEmbeddings",
