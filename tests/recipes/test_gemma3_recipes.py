@@ -1,8 +1,9 @@
 """Gemma 3 through the recipes' `any_model` configs, on a tiny multimodal `Gemma3ForConditionalGeneration` that
 `transformers` writes (vision tower included), with a Gemma-style sentencepiece tokenizer the test trains: a full
 fine-tune and a LoRA run train the language model (finite, falling loss), say in one line that the vision tensors
-are skipped, and export text-only folders that `transformers` and `peft` load; a checkpoint with a feature the
-builder does not compute stops in one line before anything is written."""
+are skipped, and export text-only folders that `transformers` and `peft` load; `tune merge` merges the adapter into
+the multimodal base; tensor parallelism over two processes trains as one process does; a checkpoint with a feature
+the builder does not compute stops in one line before anything is written."""
 
 import json
 from functools import partial
@@ -12,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.launch import run_tune_here
-from tests.recipes._tiny_checkpoint import FAST, check_trained, refusal
+from tests.launch import run_tune, run_tune_here
+from tests.recipes._tiny_checkpoint import FAST, check_trained, losses, refusal
 from tests.tiny_tokenizer import gemma_sentencepiece
 from toolkit.pretrained import from_pretrained
 from toolkit.training import HFCheckpointer
@@ -46,13 +47,20 @@ def _check_skipped_vision(stderr: str, folder: Path) -> None:
     assert f"skipped {len(vision)} tensors the gemma3 model does not use" in stderr, stderr[-3000:]
 
 
-def test_full_finetune_trains_the_language_model_and_exports_it_text_only(gemma3_folder, tmp_path):
-    result = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={tmp_path}",
+@pytest.fixture(scope="module")
+def one_process(gemma3_folder, tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("gemma3_one")
+    result = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={out}",
                   f"checkpointer.checkpoint_dir={gemma3_folder}", "optimizer.lr=1e-3", *FAST)
     assert result.returncode == 0, result.stderr[-3000:]
-    check_trained(tmp_path)
-    _check_skipped_vision(result.stderr, gemma3_folder)
-    final = tmp_path / "final"
+    return out, result.stderr
+
+
+def test_full_finetune_trains_the_language_model_and_exports_it_text_only(gemma3_folder, one_process):
+    out, stderr = one_process
+    check_trained(out)
+    _check_skipped_vision(stderr, gemma3_folder)
+    final = out / "final"
     assert json.loads((final / "config.json").read_text())["model_type"] == "gemma3_text"
     assert (final / "tokenizer.model").is_file()
     exported = load_file(final / "model.safetensors")
@@ -60,6 +68,18 @@ def test_full_finetune_trains_the_language_model_and_exports_it_text_only(gemma3
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
     assert type(reloaded).__name__ == "Gemma3ForCausalLM"
     assert not torch.equal(reloaded.model.layers[0].self_attn.q_norm.weight, torch.zeros(8))  # trained
+
+
+def test_tensor_parallel_trains_like_one_process(gemma3_folder, one_process, tmp_path):
+    # The q/k norms and both rotary embeddings act per head, so each rank computes its heads as one process does.
+    run_tune("run", "--nproc_per_node", "2", "full_finetune_distributed", "--config", "any_model",
+             f"output_dir={tmp_path}", f"checkpointer.checkpoint_dir={gemma3_folder}", "optimizer.lr=1e-3", *FAST,
+             "tensor_parallel=2", timeout_s=300, check=True)
+    torch.testing.assert_close(losses(tmp_path), losses(one_process[0]), rtol=1e-5, atol=0)
+    ours, reference = (load_file(out / "final" / "model.safetensors") for out in (tmp_path, one_process[0]))
+    assert ours.keys() == reference.keys()
+    for key, weight in reference.items():
+        torch.testing.assert_close(ours[key], weight, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_lora_trains_and_peft_loads_its_adapter_onto_the_text_model(gemma3_folder, tmp_path):
@@ -83,6 +103,15 @@ def test_lora_trains_and_peft_loads_its_adapter_onto_the_text_model(gemma3_folde
         assert (expected - base(tokens).logits).abs().max() > 1e-2  # the adapters matter
         theirs = peft.PeftModel.from_pretrained(base, tmp_path / "run" / "final" / "adapter").eval()
         torch.testing.assert_close(theirs(tokens).logits, expected, atol=1e-4, rtol=0)
+    # tune merge into the multimodal base itself: its language model becomes the merged one, the vision tower stays.
+    merged_here = tmp_path / "multimodal_merged"
+    result = run_tune_here("merge", "--base", str(gemma3_folder), "--adapter",
+                           str(tmp_path / "run" / "final" / "adapter"), "--output", str(merged_here))
+    assert result.returncode == 0, result.stderr[-3000:]
+    multimodal = transformers.Gemma3ForConditionalGeneration.from_pretrained(merged_here, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(multimodal(input_ids=tokens).logits, expected, atol=1e-4, rtol=0)
+    assert load_file(merged_here / "model.safetensors").keys() == load_file(gemma3_folder / "model.safetensors").keys()
 
 
 def test_a_gemma3_feature_we_do_not_compute_stops_in_one_line(gemma3_folder, tmp_path):
