@@ -199,6 +199,7 @@ def test_the_language_model_of_a_multimodal_checkpoint_loads_and_exports_text_on
     "fields,refused",
     [
         ({"layer_types": ["full_attention", "sliding_attention"] * 2}, r"layer_types \['full_attention', .* are not"),
+        ({"layer_types": ["full_attention"] * 4}, r"layer_types \['full_attention', .* are not"),
         ({"sliding_window": None}, "sliding_window null is not supported"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention True is not supported"),
         ({"attention_bias": True}, "attention_bias True is not supported"),

@@ -52,7 +52,8 @@ def gemma3(
         max_seq_len: the rotary caches' length.
         query_pre_attn_scalar: attention scores are scaled by ``query_pre_attn_scalar ** -0.5``.
         sliding_window: window of the local layers.
-        sliding_window_pattern: every this-many-th layer is global (:func:`is_global_layer`), the others local.
+        sliding_window_pattern: every this-many-th layer is global (:func:`is_global_layer`), the others local; at
+            least 2, so that the first layer is local.
         norm_eps: epsilon of every RMSNorm, the per-head q/k norms included.
         rope_base: rotary theta of the global layers.
         rope_local_base: rotary theta of the local layers.
@@ -61,6 +62,8 @@ def gemma3(
         final_logit_softcap: cap on output logits (``None`` in every release).
         linear: makes each projection (plain ``nn.Linear`` by default; the LoRA builders pass adapter layers).
     """
+    if sliding_window_pattern < 2:
+        raise ValueError(f"sliding_window_pattern must be at least 2, got {sliding_window_pattern}")
     ropes = {
         False: RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_local_base),
         True: RotaryPositionalEmbeddings(head_dim, max_seq_len=max_seq_len, base=rope_base, scaling=rope_scaling),

@@ -41,10 +41,6 @@ def skipped_hf_key(key: str) -> str | None:
     return match.group(1) if match else None
 
 
-def _global_layer(model: TransformerDecoder) -> int | None:
-    return next((i for i, layer in enumerate(model.layers) if layer.self_attn.sliding_window is None), None)
-
-
 def hf_config(model: TransformerDecoder) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face ``Gemma3ForCausalLM`` with the architecture of ``model``.
 
@@ -52,12 +48,9 @@ def hf_config(model: TransformerDecoder) -> dict[str, Any]:
     and ``rope_scaling`` for the global layers, ``rope_local_base_freq`` for the local ones. A model too shallow to
     have a global layer writes no global settings (transformers' defaults; no layer uses them).
     """
-    attn = model.layers[0].self_attn
-    first_global = _global_layer(model)
+    attn = model.layers[0].self_attn  # a local layer (the builder puts at least one before each global one)
+    first_global = next((i for i, layer in enumerate(model.layers) if layer.self_attn.sliding_window is None), None)
     pattern = first_global + 1 if first_global is not None else len(model.layers) + 1
-    windows = [layer.self_attn.sliding_window for layer in model.layers]
-    local_rope = next((layer.self_attn.pos_embeddings for layer in model.layers if layer.self_attn.sliding_window),
-                      attn.pos_embeddings)
     config = {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
@@ -67,15 +60,15 @@ def hf_config(model: TransformerDecoder) -> dict[str, Any]:
         "query_pre_attn_scalar": round(attn.softmax_scale**-2),
         "attn_logit_softcapping": attn.logit_softcap,
         "final_logit_softcapping": getattr(model, "final_logit_softcap", None),
-        "sliding_window": next(w for w in windows if w is not None),
+        "sliding_window": attn.sliding_window,
         "sliding_window_pattern": pattern,
         "layer_types": ["full_attention" if is_global_layer(i, pattern) else "sliding_attention"
                         for i in range(len(model.layers))],
-        "rope_local_base_freq": local_rope.base,
+        "rope_local_base_freq": attn.pos_embeddings.base,
         "rope_scaling": None,
         "hidden_activation": "gelu_pytorch_tanh",
     }
-    del config["rope_theta"]  # decoder_fields reads layer 0's, a local one
+    del config["rope_theta"]  # decoder_fields reads layer 0's, the local one
     if first_global is not None:
         rope = model.layers[first_global].self_attn.pos_embeddings
         config["rope_theta"] = rope.base

@@ -87,7 +87,7 @@ def from_hf_config(
     Raises:
         KeyError: a multimodal config without ``text_config``.
         UserError: a feature the builder does not compute, named with its value: layer types that are not one
-            global layer every ``k`` (Gemma 3's pattern), no sliding window, bidirectional attention
+            global layer every ``k >= 2`` (Gemma 3's pattern), no sliding window, bidirectional attention
             (EmbeddingGemma), a rotary scaling other than linear (or any on the local layers), attention biases,
             an untied output, or an activation other than tanh-approximated GELU.
     """
@@ -106,10 +106,10 @@ def from_hf_config(
         for i in range(num_layers)
     ]
     pattern = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else num_layers + 1
-    if layer_types != ["full_attention" if is_global_layer(i, pattern) else "sliding_attention"
-                       for i in range(num_layers)]:
+    if pattern < 2 or layer_types != ["full_attention" if is_global_layer(i, pattern) else "sliding_attention"
+                                      for i in range(num_layers)]:
         raise UserError(f"layer_types {layer_types} are not supported for gemma3 (only one full_attention layer "
-                        "every k layers, the others sliding_attention)")
+                        "every k >= 2 layers, the others sliding_attention)")
     global_rope, local_rope = _rope_settings(text)
     if _rope_type(local_rope) != "default":
         raise UserError(f"rope type {_rope_type(local_rope)!r} of the sliding_attention layers is not supported for "
