@@ -13,7 +13,8 @@ from toolkit.pretrained import from_pretrained
 
 def test_every_family_declares_its_model_types():
     assert hf_model_types() == {
-        "gemma2": "gemma2", "llama": "llama3", "mistral": "mistral", "mixtral": "mixtral", "phi3": "phi3",
+        "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "llama": "llama3", "mistral": "mistral",
+        "mixtral": "mixtral", "phi3": "phi3",
         "qwen2": "qwen2_5", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
     }
 
@@ -62,6 +63,7 @@ def test_sharded_checkpoint_in_bf16(tmp_path):
         ("qwen3", "qwen3_0_6b", "hidden_act", "silu"),
         ("phi3", "phi4_14b", "hidden_act", "silu"),
         ("gemma2", "gemma2_2b", "hidden_activation", "gelu_pytorch_tanh"),
+        ("gemma3", "gemma3_1b", "hidden_activation", "gelu_pytorch_tanh"),
     ],
 )
 def test_an_activation_the_builder_does_not_compute_is_refused(tmp_path, family, size, key, supported):

@@ -1,4 +1,5 @@
-"""The interop check every family runs against `transformers` (see ``hf_interop``)."""
+"""The checks several families run: against `transformers` (see ``hf_interop``), and a KV cache against the full
+forward (``check_kv_cache``)."""
 
 from collections.abc import Callable
 from pathlib import Path
@@ -56,3 +57,24 @@ def hf_interop(tmp_path: Path) -> Callable[[torch.nn.Module, str], None]:
     ``toolkit.pretrained.from_pretrained``, and check logits, 20 greedy tokens, and the round trip back through
     ``HFCheckpointer.save`` into `transformers`."""
     return lambda hf_model, family: _check(hf_model, family, tmp_path)
+
+
+def _check_kv_cache(model: torch.nn.Module, vocab_size: int) -> None:
+    torch.manual_seed(0)
+    model.eval()
+    tokens = torch.randint(0, vocab_size, (1, 12))
+    with torch.no_grad():
+        full = model(tokens)
+        model.setup_caches(batch_size=1, max_seq_len=16)
+        prefill = model(tokens[:, :5], input_pos=torch.arange(5))
+        steps = [model(tokens[:, i : i + 1], input_pos=torch.tensor([i])) for i in range(5, 12)]
+        model.clear_caches()
+    torch.testing.assert_close(prefill, full[:, :5], atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 5:], atol=1e-5, rtol=0)
+
+
+@pytest.fixture
+def check_kv_cache() -> Callable[[torch.nn.Module, int], None]:
+    """``check_kv_cache(model, vocab_size)``: a 5-token prefill and 7 single-token steps through the KV cache give
+    the full forward's logits of 12 random tokens."""
+    return _check_kv_cache

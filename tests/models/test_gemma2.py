@@ -49,18 +49,8 @@ def test_logits_are_soft_capped_and_local_layers_slide():
     assert windows == [4, None]
 
 
-def test_kv_cache_matches_full_forward():
-    torch.manual_seed(0)
-    model = tiny(attn_logit_softcap=1.0).eval()
-    tokens = torch.randint(0, 64, (1, 12))
-    with torch.no_grad():
-        full = model(tokens)
-        model.setup_caches(batch_size=1, max_seq_len=16)
-        prefill = model(tokens[:, :5], input_pos=torch.arange(5))
-        steps = [model(tokens[:, i : i + 1], input_pos=torch.tensor([i])) for i in range(5, 12)]
-        model.clear_caches()
-    torch.testing.assert_close(prefill, full[:, :5], atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 5:], atol=1e-5, rtol=0)
+def test_kv_cache_matches_full_forward(check_kv_cache):
+    check_kv_cache(tiny(attn_logit_softcap=1.0), 64)
 
 
 @pytest.mark.interop

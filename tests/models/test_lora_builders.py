@@ -11,7 +11,7 @@ from torch import nn
 from toolkit.errors import UserError
 from toolkit.models import build_from_hf
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES
-from toolkit.modules import LongRopeScaling
+from toolkit.modules import LinearRopeScaling, LongRopeScaling
 from toolkit.modules.peft import (
     LoRALinear,
     NF4Linear,
@@ -28,7 +28,8 @@ from toolkit.training.peft import adapter_linear, fill_adapter_model, save_peft_
 # explicit head_dim, Qwen2.5's q/k/v biases (untied output, so the output adapter is exercised), Qwen3's q/k norms
 # with a head_dim unlike embed_dim / num_heads (tied), Phi-3's fused qkv_proj and gate_up_proj in the checkpoint
 # (GQA, so q, k and v rows differ in number) and Phi-4-mini's partial rotary and LongRoPE (the 12 test tokens past the
-# original 8: the long factors), Gemma 2's sandwich norms, soft-capping and local layers.
+# original 8: the long factors), Gemma 2's sandwich norms, soft-capping and local layers, Gemma 3's q/k norms, local
+# and global layers with their two rotary bases (the global one scaled).
 # Every projection holds a multiple of 64 values, as NF4 needs.
 DIMS = {
     "llama2": dict(vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=64, intermediate_dim=128),
@@ -52,9 +53,13 @@ DIMS = {
         vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, embed_dim=64, intermediate_dim=128,
         query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcap=50.0, final_logit_softcap=30.0,
     ),
+    "gemma3": dict(
+        vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, embed_dim=64, intermediate_dim=128,
+        query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=2, rope_scaling=LinearRopeScaling(4.0),
+    ),
 }
 FAMILIES = sorted(DIMS)
-TIED = {"qwen3", "gemma2"}
+TIED = {"qwen3", "gemma2", "gemma3"}
 MAX_SEQ_LEN = 32
 
 

@@ -12,17 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 from tests.launch import run_tune, run_tune_here
+from tests.recipes._tiny_checkpoint import FAST, STEPS, check_trained, losses, refusal
 from tests.tiny_tokenizer import PHI4_MINI_SPECIALS, PHI4_SPECIALS, chatml_byte_level_bpe
 
 transformers = pytest.importorskip("transformers")
 tune = partial(run_tune_here, "run")
-
-STEPS = 6
-FAST = [
-    f"max_steps={STEPS}", "dataset.num_samples=64", "batch_size=8", "micro_batch_size=4", "data_parallel=ddp",
-    "progress_bar=false", "~eval_tasks", "save_every_n_steps=null", "dtype=fp32", "max_seq_len=64",
-    "log_every_n_steps=1",
-]
 
 
 def tiny_phi3_folder(folder: Path, special_tokens: tuple[str, ...], **fields) -> Path:
@@ -59,17 +53,6 @@ def mini_folder(tmp_path_factory) -> Path:
     )
 
 
-def _losses(out: Path) -> list[float]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [record["loss"] for record in map(json.loads, lines) if "loss" in record]
-
-
-def _check_trained(out: Path) -> None:
-    losses = _losses(out)
-    assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses))), losses
-    assert losses[-1] < losses[0], losses
-
-
 @pytest.fixture(scope="module")
 def one_process(phi_folder, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("phi3_one")
@@ -81,7 +64,7 @@ def one_process(phi_folder, tmp_path_factory) -> Path:
 
 
 def test_full_finetune_trains_and_exports_the_fused_layout(phi_folder, one_process, tmp_path):
-    _check_trained(one_process)
+    check_trained(one_process)
     final = one_process / "final"
     # tune export joins the step checkpoint's q/k/v and gate/up (read back from its shards) as the run's export did.
     exported = run_tune_here("export", str(one_process / "checkpoints" / f"step_{STEPS}"), "--output",
@@ -115,7 +98,7 @@ def lora_one_process(phi_folder, tmp_path_factory) -> Path:
 def test_lora_trains_and_peft_loads_its_adapter_as_the_merged_model(phi_folder, lora_one_process):
     peft = pytest.importorskip("peft")
     tmp_path = lora_one_process
-    _check_trained(tmp_path)
+    check_trained(tmp_path)
     adapter = tmp_path / "final" / "adapter"
     assert set(json.loads((adapter / "adapter_config.json").read_text())["target_modules"]) == {
         "qkv_proj", "o_proj", "gate_up_proj", "down_proj",
@@ -133,7 +116,7 @@ def test_phi4_mini_lora_trains_and_peft_loads_its_adapter_as_the_merged_model(mi
     result = tune("lora_finetune_single_device", "--config", "any_model_lora", f"output_dir={tmp_path}",
                   f"checkpointer.checkpoint_dir={mini_folder}", *LORA)
     assert result.returncode == 0, result.stderr[-3000:]
-    _check_trained(tmp_path)
+    check_trained(tmp_path)
     merged_dir = tmp_path / "final" / "merged"
     assert json.loads((merged_dir / "config.json").read_text())["rope_scaling"]["long_factor"] == torch.linspace(
         1.0, 4.0, 3).tolist()
@@ -146,21 +129,10 @@ def test_phi4_mini_lora_trains_and_peft_loads_its_adapter_as_the_merged_model(mi
 
 
 def test_a_phi3_feature_we_do_not_compute_stops_in_one_line(phi_folder, tmp_path):
-    folder = tmp_path / "phi3_mini_4k_like"
-    folder.mkdir()
-    for name in ("tokenizer.json", "model.safetensors"):
-        (folder / name).symlink_to(phi_folder / name)
-    config = json.loads((phi_folder / "config.json").read_text())
     # Phi-3-mini 4k's sliding window (2047 of its 4096 tokens), scaled to the tiny model's context.
-    config["sliding_window"] = 32
-    (folder / "config.json").write_text(json.dumps(config))
-    out = tmp_path / "run"
-    result = tune("full_finetune_single_device", "--config", "any_model", f"output_dir={out}",
-                  f"checkpointer.checkpoint_dir={folder}", *FAST)
-    assert result.returncode == 2, result.stderr[-3000:]
-    (line,) = result.stderr.strip().splitlines()
-    assert "config.json" in line and "sliding_window 32 is not supported for phi3" in line, line
-    assert not out.exists()
+    line = refusal(phi_folder, ("tokenizer.json", "model.safetensors"),
+                   lambda config: config.update(sliding_window=32), tmp_path)
+    assert "sliding_window 32 is not supported for phi3" in line, line
 
 
 def test_tensor_parallel_splits_the_projections_and_exports_them_joined(phi_folder, one_process, tmp_path):
@@ -169,7 +141,7 @@ def test_tensor_parallel_splits_the_projections_and_exports_them_joined(phi_fold
     run_tune("run", "--nproc_per_node", "2", "full_finetune_distributed", "--config", "any_model",
              f"output_dir={tmp_path}", f"checkpointer.checkpoint_dir={phi_folder}", "optimizer.lr=1e-3", *FAST,
              "tensor_parallel=2", timeout_s=300, check=True)
-    torch.testing.assert_close(_losses(tmp_path), _losses(one_process), rtol=1e-5, atol=0)
+    torch.testing.assert_close(losses(tmp_path), losses(one_process), rtol=1e-5, atol=0)
     ours, reference = load_file(tmp_path / "final" / "model.safetensors"), load_file(
         one_process / "final" / "model.safetensors"
     )

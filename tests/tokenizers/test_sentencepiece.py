@@ -2,6 +2,7 @@
 and each family's published chat format."""
 
 import io
+import json
 
 import jinja2
 import pytest
@@ -19,6 +20,28 @@ GEMMA_TEMPLATE = (
     "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
     "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+
+# Gemma 3's published chat template (gemma-3-*-it tokenizer_config.json): a system message is folded, untrimmed,
+# into the first user turn; content may also be a list of parts (text, or an image placeholder).
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n"
 )
 
 
@@ -141,6 +164,29 @@ def test_gemma_matches_the_published_template(gemma_model, conversations):
             assert tokenizer.prompt_tokens(messages) == expected
         else:
             assert tokenizer.tokenize_messages(messages, add_eos=False)[0] == expected
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma3_text"])
+def test_gemma3_folders_match_gemma3s_template(gemma_model, conversations, tmp_path, model_type):
+    # Gemma 3 (the multimodal 4B-27B and the text-only 1B) ships Gemma's sentencepiece format with the same turn
+    # markers; its template, in the folder's tokenizer_config.json, takes a system message.
+    path, sp = gemma_model
+    (tmp_path / "tokenizer.model").write_bytes(path.read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": GEMMA3_TEMPLATE}))
+    tokenizer = from_pretrained(str(tmp_path))
+    template = jinja2.Environment().from_string(json.loads((tmp_path / "tokenizer_config.json").read_text())[
+        "chat_template"])
+    spaced = [{"role": "system", "content": "  Be brief. \n"}, *conversations[0]]  # kept untrimmed
+    for messages in (*conversations, spaced):
+        for prompt in (False, True):
+            shown = messages[:-1] if prompt else messages
+            rendered = template.render(messages=shown, bos_token="<bos>", add_generation_prompt=prompt)
+            expected = [sp.bos_id()] + sp.encode(rendered.removeprefix("<bos>"))
+            if prompt:
+                assert tokenizer.prompt_tokens(shown) == expected
+            else:
+                assert tokenizer.tokenize_messages(shown, add_eos=False)[0] == expected
 
 
 @pytest.mark.parametrize("family", ["llama2", "mistral", "gemma"])

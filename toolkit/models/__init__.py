@@ -2,11 +2,12 @@
 
 A family package exposes ``hf_key_to_tune``, ``tune_key_to_hf`` and ``hf_config`` (checkpoint conversion; a family
 whose tensors Hugging Face stores in parts, as the experts of Mixtral and Qwen3-MoE, also ``hf_key_to_parts`` and
-``tune_key_to_hf_slices``: see ``toolkit.models._expert_keys``) and, when it builds Hugging Face checkpoints,
-``HF_MODEL_TYPES`` (the ``model_type`` values of ``config.json`` it handles) with
-``from_hf_config(config, *, max_seq_len)``. :func:`read_hf_config` finds families by scanning
-this package, so a new family needs no registration. Nothing here imports the training or checkpoint code: loading
-a model's weights is :func:`toolkit.pretrained.from_pretrained`, which sits above both.
+``tune_key_to_hf_slices``: see ``toolkit.models._expert_keys``; a family that builds part of a larger checkpoint,
+as Gemma 3's language model, also ``skipped_hf_key``, naming the tensors it leaves) and, when it builds Hugging Face
+checkpoints, ``HF_MODEL_TYPES`` (the ``model_type`` values of ``config.json`` it handles) with
+``from_hf_config(config, *, max_seq_len)``. :func:`read_hf_config` finds families by scanning this package, so a
+new family needs no registration. Nothing here imports the training or checkpoint code: loading a model's weights
+is :func:`toolkit.pretrained.from_pretrained`, which sits above both.
 """
 
 import importlib

@@ -4,6 +4,7 @@ from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
 from toolkit.modules.feed_forward import FeedForward
 from toolkit.modules.kv_cache import KVCache
 from toolkit.modules.position_embeddings import (
+    LinearRopeScaling,
     Llama3RopeScaling,
     LongRopeRotaryEmbeddings,
     LongRopeScaling,
@@ -18,6 +19,7 @@ __all__ = [
     "FeedForward",
     "GroupedQueryAttention",
     "KVCache",
+    "LinearRopeScaling",
     "Llama3RopeScaling",
     "LongRopeRotaryEmbeddings",
     "LongRopeScaling",

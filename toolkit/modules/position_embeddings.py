@@ -38,6 +38,21 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation (Chen et al., 2023, https://arxiv.org/abs/2306.15595): every frequency divided by
+    ``factor``, so positions ``factor`` times further apart turn as far as the trained ones did (Gemma 3's global
+    layers: 8, from 16,384 to 131,072 positions)."""
+
+    factor: float
+
+    # The rotation's size is unchanged.
+    magnitude = 1.0
+
+    def apply(self, inv_freq: torch.Tensor, *, base: float, head_dim: int) -> torch.Tensor:
+        return inv_freq / self.factor
+
+
+@dataclass(frozen=True)
 class YarnRopeScaling:
     """YaRN (Peng et al., 2023, https://arxiv.org/abs/2309.00071): a context ``factor`` times longer than the
     ``original_max_position_embeddings`` the model was trained at. Rotary frequencies that turn more than
@@ -122,7 +137,7 @@ class RotaryPositionalEmbeddings(nn.Module):
         head_dim: features per head (even).
         max_seq_len: longest sequence the cos/sin cache covers.
         base: the rotary base (theta).
-        scaling: optional frequency scaling for long context: Llama 3.1's or YaRN.
+        scaling: optional frequency scaling for long context: Llama 3.1's, linear (Gemma 3) or YaRN.
         rotary_dim: rotate only the first ``rotary_dim`` features of each head and pass the others through
             unchanged (partial rotary: Phi-4-mini's ``partial_rotary_factor`` 0.75); ``None`` rotates all.
     """
@@ -132,7 +147,7 @@ class RotaryPositionalEmbeddings(nn.Module):
         head_dim: int,
         max_seq_len: int = 4096,
         base: float = 10_000.0,
-        scaling: Llama3RopeScaling | YarnRopeScaling | None = None,
+        scaling: Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling | None = None,
         rotary_dim: int | None = None,
     ) -> None:
         super().__init__()

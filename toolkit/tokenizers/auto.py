@@ -18,10 +18,11 @@ from toolkit.tokenizers.tiktoken_bpe import llama3_model_tokenizer, llama3_token
 
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+$")
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
-    "gemma", "gemma2", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe",
+    "gemma", "gemma2", "gemma3", "gemma3_text", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe",
 )
-# Mixture-of-experts releases that share a dense family's tokenizer.
-_SAME_TOKENIZER = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
+# Releases that share another family's tokenizer: mixtures of experts their dense family's, Gemma 3 Gemma 2's
+# (a larger sentencepiece vocabulary with the same turn markers).
+_SAME_TOKENIZER = {"mixtral": "mistral", "qwen3_moe": "qwen3", "gemma3": "gemma2", "gemma3_text": "gemma2"}
 
 
 def _is_tiktoken(path: Path) -> bool:

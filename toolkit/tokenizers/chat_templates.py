@@ -305,7 +305,8 @@ class MistralChatFormat:
 
 
 class GemmaChatFormat:
-    """Gemma's turns; Gemma has no system role, so a system message is prepended to the first user turn."""
+    """Gemma's turns (Gemma 2 and 3); Gemma has no system role, so a system message is prepended to the first user
+    turn, untrimmed and followed by a blank line, as Gemma 3's template does (Gemma 2's refuses system messages)."""
 
     def segments(self, messages: list[dict], *, add_generation_prompt: bool) -> list[Segment]:
         system, turns = _split_system(messages)
@@ -313,7 +314,7 @@ class GemmaChatFormat:
         for position, (i, message) in enumerate(turns):
             content = message["content"].strip()
             if position == 0 and system is not None and message["role"] == "user":
-                content = f"{system.strip()}\n\n{content}"
+                content = f"{system}\n\n{content}"
             role = "model" if message["role"] == "assistant" else message["role"]
             out += [
                 Segment("<start_of_turn>", special=True),

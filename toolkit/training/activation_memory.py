@@ -66,6 +66,10 @@ def _norm_bytes_per_token(norm: nn.Module, *, embed_dim: int, compute: int, auto
     return (4 + normed) * embed_dim + 4
 
 
+def _head_normed_bytes(norm: nn.Module, compute: int) -> int:
+    return 4 if isinstance(norm, GemmaRMSNorm) else compute
+
+
 def _layer_activation_bytes_per_token(
     layer: nn.Module, *, embed_dim: int, seq_len: int, compute: int, autocast: bool, flex_attention: bool = False,
     tensor_parallel: int = 1, expert_parallel: int = 1,
@@ -88,10 +92,11 @@ def _layer_activation_bytes_per_token(
     # logsumexp [b, n_h, s]; o_proj's input is a view of that output (flash kernels lay it out as [b, s, n_h, h_d]).
     total += c * (2 * q_dim + 2 * kv_dim) + 4 * n_h
     if attn.q_norm is not None:
-        # Per-head norms save their fp32 input copy, rsqrt and normalized value (Qwen3).
-        total += (4 + c) * q_dim + 4 * n_h
+        # Per-head norms save their fp32 input copy, rsqrt and normalized value (Qwen3; in fp32 for Gemma 3's,
+        # which scale before casting back).
+        total += (4 + _head_normed_bytes(attn.q_norm, c)) * q_dim + 4 * n_h
     if attn.k_norm is not None:
-        total += (4 + c) * kv_dim + 4 * n_kv
+        total += (4 + _head_normed_bytes(attn.k_norm, c)) * kv_dim + 4 * n_kv
     if attn.logit_softcap is not None and not flex_attention:
         # Explicit attention (Gemma 2) instead of SDPA's logsumexp: repeated k and v, then per query and head
         # the scores' tanh, the fp32 softmax and its cast (masks of size s x s per layer are not counted).
@@ -212,7 +217,8 @@ def activation_bytes(
     not counted there: a fraction of a percent.
 
     The formula is exact for the tensors PyTorch's CPU and flash/memory-efficient SDPA kernels save (checked
-    against ``saved_tensors_hooks`` in the tests); per-document attention masks of packed batches are not counted.
+    against ``saved_tensors_hooks`` in the tests); attention masks (per-document ones of packed batches, the
+    sliding-window band of Gemma's local layers under SDPA, ``s x s`` per layer) are not counted.
     With a frozen base (LoRA) a norm with a frozen weight saves no normalized value and LoRA adds rank-sized
     tensors: there the estimate is a few percent high.
 

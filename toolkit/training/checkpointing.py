@@ -12,6 +12,7 @@ Where a family stacks tensors that Hugging Face stores one by one (the experts o
 import importlib
 import itertools
 import json
+import logging
 import math
 import pkgutil
 import shutil
@@ -61,6 +62,8 @@ from toolkit.training.step_checkpoint import (
 _NOT_FROM_SOURCE = (
     "rope_scaling", "rope_theta", "rope_parameters", "dtype", "torch_dtype", "auto_map", "quantization_config",
 )
+log = logging.getLogger(__name__)
+
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SHARDS_DIR = ".shards"  # an export's intermediate per-rank shards, removed when it completes
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -127,6 +130,8 @@ class HFCheckpointer:
         # A family with stacked tensors (experts) also maps HF tensors to their parts (toolkit.models._expert_keys).
         self._hf_key_to_parts = getattr(self.family, "hf_key_to_parts", None)
         self._tune_key_to_hf_slices = getattr(self.family, "tune_key_to_hf_slices", None)
+        # A family built from part of a larger checkpoint names the tensors it leaves (Gemma 3's vision tower).
+        self._skipped_hf_key = getattr(self.family, "skipped_hf_key", None)
         # Where an export takes the source's config.json (token ids, context length... where the model agrees) and
         # tokenizer files from, the first folder holding each: a step checkpoint's copy of its base's, or the folder.
         self.source_dirs: tuple[Path, ...] = ()
@@ -169,6 +174,7 @@ class HFCheckpointer:
         targets = _load_targets(model)
         loaded: set[str] = set()
         slices: dict[str, set[int]] = {}  # of a stacked tensor: the indices along dim 0 read so far
+        skipped: Counter[str] = Counter()  # tensors the model does not use, by what the family says they are
         if (self.checkpoint_dir / ".metadata").is_file():
             self._load_step_checkpoint(targets, loaded)
         files = _weight_files(self.checkpoint_dir) if not loaded else []
@@ -179,9 +185,16 @@ class HFCheckpointer:
             try:
                 with safe_open(str(file), framework="pt", device="cpu") as reader:
                     for hf_key in reader.keys():
+                        if self._skipped_hf_key is not None and (part := self._skipped_hf_key(hf_key)) is not None:
+                            skipped[part] += 1
+                            continue
                         self._load_tensor(file, reader, hf_key, targets, loaded, slices)
             except SafetensorError as e:
                 raise UserError(_unreadable(file, e)) from None
+        if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+            parts = ", ".join(f"{count} of {part}" for part, count in sorted(skipped.items()))
+            log.warning("%s: skipped %d tensors the %s model does not use (%s)", self.checkpoint_dir,
+                        sum(skipped.values()), self.family_name, parts)
         loaded.update(key for key, indices in slices.items() if len(indices) == targets[key].shape[0])
         missing = sorted(key for key in set(targets) - loaded if ignore_missing is None or not ignore_missing(key))
         if missing:

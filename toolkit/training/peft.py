@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from toolkit.errors import UserError, read_json
-from toolkit.models import read_hf_config
+from toolkit.models import hf_model_types, read_hf_config
 from toolkit.models._decoder import LinearFactory
 from toolkit.models._lora import ATTN_MODULES, MLP_MODULES, lora_linear
 from toolkit.modules._dtensor import copy_full_
@@ -478,10 +478,11 @@ def merge_adapter_into_checkpoint(
 ) -> Path:
     """Write the Hugging Face checkpoint of ``base_dir`` with the PEFT adapter of ``adapter_dir`` merged in.
 
-    Works on the files alone (no model is built, any family): the base is streamed one safetensors file at a
-    time, each adapted weight replaced by its merged value and each weight of a module trained whole
-    (``modules_to_save``: trained routers) by the adapter's, and written with the same file names and index;
-    ``config.json`` and tokenizer files are copied. The folder appears only when complete.
+    Works on the files alone (no model is built, any family; a family the base's ``config.json`` names also
+    matches weights its files name otherwise than the adapter, as Gemma 3's multimodal checkpoints): the base is
+    streamed one safetensors file at a time, each adapted weight replaced by its merged value and each weight of a
+    module trained whole (``modules_to_save``: trained routers) by the adapter's, and written with the same file
+    names and index; ``config.json`` and tokenizer files are copied. The folder appears only when complete.
 
     Args:
         base_dir: the base model's Hugging Face folder.
@@ -513,8 +514,20 @@ def merge_adapter_into_checkpoint(
         for module, params in by_module.items() if is_fused(module)
     }
     # (A family without experts has none of their tensors: each adapted one is then missing.)
-    family = load_model_family(read_hf_config(base_dir)[1]) if experts or saved else None
-    hf_key_to_parts = getattr(family, "hf_key_to_parts", lambda key: None)
+    family = load_model_family(read_hf_config(base_dir)[1]) if experts or saved else _known_family(base_dir)
+    # A base whose files name the adapted weights otherwise than the adapter does (Gemma 3's multimodal checkpoint
+    # holds its language model under language_model.model.*, the adapter names the text-only layout) is matched by
+    # the family's names for both.
+    by_ours = {} if family is None else {ours: key for key in targets if (ours := _tune_key(family, key)) is not None}
+
+    def target(key: str) -> str | None:
+        """The adapted weight (by the adapter's name) that the base's tensor ``key`` is, if any."""
+        if key in targets:
+            return key
+        return by_ours.get(_tune_key(family, key)) if by_ours else None
+
+    # Experts' parts only where the adapter has experts or whole weights (a fused dense projection is no expert).
+    hf_key_to_parts = getattr(family if experts or saved else None, "hf_key_to_parts", lambda key: None)
     # The weights trained whole, by our name: the adapter names them as transformers 5 holds them (``mlp.gate``),
     # the checkpoint's files as its family writes them (Mixtral's ``block_sparse_moe.gate``).
     replaced = {}
@@ -528,8 +541,8 @@ def merge_adapter_into_checkpoint(
         try:
             with safe_open(str(file), framework="pt", device="cpu") as reader:
                 for key in reader.keys():
-                    if key in targets:
-                        found.add(key)
+                    if (adapted := target(key)) is not None:
+                        found.add(adapted)
                     if replaced and (ours := _tune_key(family, key)) in replaced:
                         found.add(ours)
                     for part in hf_key_to_parts(key) or ():
@@ -549,13 +562,13 @@ def merge_adapter_into_checkpoint(
                 metadata = reader.metadata() or {"format": "pt"}
                 for key in reader.keys():
                     tensor = reader.get_tensor(key)
-                    if key in targets:
-                        params = targets[key]
+                    if (adapted := target(key)) is not None:
+                        params = targets[adapted]
                         shape = (params["lora_B.weight"].shape[0], params["lora_A.weight"].shape[1])
                         if tuple(tensor.shape) != shape:
                             got = tuple(tensor.shape)
                             raise UserError(f"{file}: {key} has shape {got}; the adapter expects {shape}")
-                        tensor = _merge(tensor, params, scales[key])
+                        tensor = _merge(tensor, params, scales[adapted])
                     elif (parts := hf_key_to_parts(key)) and part_of_fused(parts[0].key)[0] in experts:
                         delta = _experts_delta(parts, experts)
                         if delta.shape != tensor.shape:
@@ -574,6 +587,15 @@ def merge_adapter_into_checkpoint(
                 shutil.copy2(base_dir / name, tmp_dir / name)
 
     return _write_atomically(output_dir, write)
+
+
+def _known_family(base_dir: Path) -> Any:
+    """The family of the ``config.json`` in ``base_dir``, or None where there is none we know (a merge by the
+    adapter's names alone needs none)."""
+    config = base_dir / "config.json"
+    if not config.is_file() or read_json(config).get("model_type") not in hf_model_types():
+        return None
+    return load_model_family(read_hf_config(base_dir)[1])
 
 
 def _tune_key(family: Any, hf_key: str) -> str | None:
