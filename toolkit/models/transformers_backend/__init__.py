@@ -235,8 +235,8 @@ def from_folder(
 
     if extract_weight_conversions_for_model(causal_lm):  # e.g. gpt_neox's embed_out.weight, its lm_head's
         raise UserError(
-            f"{config_file}: {type(causal_lm).__name__} stores weights under other names than its modules' (transformers "
-            "renames them on load and save), which the transformers backend does not follow"
+            f"{config_file}: {type(causal_lm).__name__} stores weights under other names than its modules' "
+            "(transformers renames them on load and save), which the transformers backend does not follow"
         )
     if max_seq_len is None:
         max_seq_len = getattr(hf_config, "max_position_embeddings", None) or 2048
