@@ -159,3 +159,19 @@ def test_remote_code_is_refused_unless_allowed(folders, tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "set model.trust_remote_code=true only if you trust that folder" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("config_name", ["full_finetune/transformers_backend", "lora_finetune/transformers_backend_lora"])
+def test_configs_validate_on_a_backend_checkpoint(config_name, folders):
+    result = run_tune_here("validate", config_name, f"checkpointer.checkpoint_dir={folders['olmo2']}")
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("tensor_parallel=2", "its layers are transformers' (the transformers backend)"),
+    ("context_parallel=2", "not the transformers backend"),
+])
+def test_tensor_and_context_parallelism_are_refused(override, message, folders):
+    result = run_tune_here("validate", "full_finetune/transformers_backend", "--nproc_per_node", "2",
+                           f"checkpointer.checkpoint_dir={folders['olmo2']}", override)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]

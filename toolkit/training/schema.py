@@ -29,6 +29,7 @@ from toolkit.config._schema import (
     rule,
 )
 from toolkit.errors import UserError
+from toolkit.modules.attention import GroupedQueryAttention
 from toolkit.modules.position_embeddings import LongRopeRotaryEmbeddings
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.attention import SDPA_BACKENDS
@@ -249,9 +250,9 @@ def context_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
         return
     layers = getattr(model, "layers", None)
     attention = getattr(layers[0], "self_attn", None) if layers else None
-    if attention is None:
+    if not isinstance(attention, GroupedQueryAttention):  # (the transformers backend's layers are transformers')
         yield "context_parallel", f"{with_cp} needs one of the toolkit's decoder models (its attention layers split "\
-            "the sequence)"
+            "the sequence), not the transformers backend"
         return
     if any(isinstance(module, LongRopeRotaryEmbeddings) for module in model.modules()):
         yield "context_parallel", f"{with_cp} cannot split a LongRoPE model's sequences yet (each rank would choose "\
