@@ -161,7 +161,8 @@ def test_remote_code_is_refused_unless_allowed(folders, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("config_name", ["full_finetune/transformers_backend", "lora_finetune/transformers_backend_lora"])
+@pytest.mark.parametrize("config_name", ["full_finetune/transformers_backend",
+                                         "lora_finetune/transformers_backend_lora"])
 def test_configs_validate_on_a_backend_checkpoint(config_name, folders):
     result = run_tune_here("validate", config_name, f"checkpointer.checkpoint_dir={folders['olmo2']}")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -175,3 +176,11 @@ def test_tensor_and_context_parallelism_are_refused(override, message, folders):
     result = run_tune_here("validate", "full_finetune/transformers_backend", "--nproc_per_node", "2",
                            f"checkpointer.checkpoint_dir={folders['olmo2']}", override)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_compile_trains_like_the_plain_step(folders, tmp_path):
+    # torch.compile of each transformers layer (inductor, CPU) and of the fused loss's kernel: the same math.
+    plain = run("full_finetune", tmp_path / "plain", folders["olmo2"], "max_steps=2")
+    compiled = run("full_finetune", tmp_path / "compiled", folders["olmo2"], "max_steps=2", "compile=true")
+    torch.testing.assert_close(losses(compiled), losses(plain), rtol=1e-5, atol=0)

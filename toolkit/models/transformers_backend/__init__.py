@@ -240,7 +240,10 @@ def from_folder(
         )
     if max_seq_len is None:
         max_seq_len = getattr(hf_config, "max_position_embeddings", None) or 2048
-    model = TransformersDecoder(causal_lm, max_seq_len=max_seq_len)
+    try:
+        model = TransformersDecoder(causal_lm, max_seq_len=max_seq_len)
+    except UserError as e:
+        raise UserError(f"{config_file}: {e}") from None
     _replace_linears(model, linear)
     return model
 
