@@ -184,3 +184,12 @@ def test_compile_trains_like_the_plain_step(folders, tmp_path):
     plain = run("full_finetune", tmp_path / "plain", folders["olmo2"], "max_steps=2")
     compiled = run("full_finetune", tmp_path / "compiled", folders["olmo2"], "max_steps=2", "compile=true")
     torch.testing.assert_close(losses(compiled), losses(plain), rtol=1e-5, atol=0)
+
+
+def test_auto_sizing_is_refused(folders):
+    # The memory plan models the toolkit's layers: auto micro batches and layouts need numbers instead.
+    result = run_tune_here("plan", "full_finetune", "--config", "transformers_backend",
+                           f"checkpointer.checkpoint_dir={folders['olmo2']}", "micro_batch_size=auto",
+                           "device_memory_gb=1")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "auto sizes activations by the toolkit's own layers" in result.stderr
