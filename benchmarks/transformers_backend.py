@@ -1,6 +1,6 @@
 """What a native family buys over the transformers backend: the same Llama checkpoint trained by both.
 
-    python benchmarks/transformers_backend.py                        # CPU, a small Llama (~14M parameters)
+    python benchmarks/transformers_backend.py                        # CPU, a small Llama (7M parameters)
     python benchmarks/transformers_backend.py --steps 3 --warmup 1   # checks the script (seconds)
     python benchmarks/transformers_backend.py --device cuda --shape 1b --dtype bf16
 
@@ -10,10 +10,11 @@ by the transformers backend (``toolkit.models.transformers_backend.from_folder``
 loaded from the same files. Each trains the same batches (unpacked rows, then packed rows of several documents:
 the dense per-document mask) with AdamW: forward with the fused projection and loss, backward, step.
 
-Columns: the median step time over ``--steps`` after ``--warmup`` steps and its tokens per second; the bytes the
-step keeps for backward (every tensor autograd saves, counted once per storage: activation memory, which sets the
-largest micro batch that fits); on CUDA the peak allocated memory of a step; the first step's loss (the two must
-agree: the same model); and the backend's time and memory relative to the native family's.
+Columns: the median step time over ``--steps`` after ``--warmup`` steps (the two models' steps taken in turns, so
+that other work on the machine slows both alike) and its tokens per second; the bytes the step keeps for backward
+(every tensor autograd saves, counted once per storage: activation memory, which sets the largest micro batch that
+fits); on CUDA the peak allocated memory of a step; the first step's loss (the two must agree: the same model); and
+the backend's time and memory relative to the native family's.
 """
 
 from __future__ import annotations
@@ -70,33 +71,53 @@ def saved_bytes(step) -> int:
     return sum(storages.values())
 
 
-def measure(model: torch.nn.Module, batch: dict, *, steps: int, warmup: int, device: torch.device) -> dict:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    first_loss = []
+class Trainer:
+    """One model's training step on one batch, AdamW, with its times and first loss."""
 
-    def step() -> None:
-        loss = model(batch["tokens"], labels=batch["labels"], mask=batch.get("mask"), input_pos=batch.get("input_pos"))
+    def __init__(self, model: torch.nn.Module, batch: dict, device: torch.device) -> None:
+        self.model, self.batch, self.device = model, batch, device
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        self.losses: list[float] = []
+        self.times: list[float] = []
+
+    def step(self) -> None:
+        batch = self.batch
+        loss = self.model(batch["tokens"], labels=batch["labels"], mask=batch.get("mask"),
+                          input_pos=batch.get("input_pos"))
         num_tokens = int((batch["labels"] != -100).sum())
         (loss / num_tokens).backward()
-        first_loss.append(loss.item() / num_tokens)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self.losses.append(loss.item() / num_tokens)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
-    saved = saved_bytes(step)
-    for _ in range(warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
+    def timed_step(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        step()
+        self.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter() - start)
+
+
+def measure(trainers: dict[str, Trainer], *, steps: int, warmup: int, device: torch.device) -> dict[str, dict]:
+    """Each trainer's saved bytes, then warm-up steps, then ``steps`` timed steps taken in turns (one step of each
+    model after the other), so that a busy machine slows both alike."""
+    saved = {kind: saved_bytes(trainer.step) for kind, trainer in trainers.items()}
+    for _ in range(warmup):
+        for trainer in trainers.values():
+            trainer.step()
+    peaks = {}
+    for kind, trainer in trainers.items():  # the peak of each alone (CUDA)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"seconds": statistics.median(times), "saved": saved, "peak": peak, "loss": first_loss[0]}
+            torch.cuda.reset_peak_memory_stats(device)
+        trainer.timed_step()
+        peaks[kind] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    for _ in range(steps - 1):
+        for trainer in trainers.values():
+            trainer.timed_step()
+    return {kind: {"seconds": statistics.median(t.times), "saved": saved[kind], "peak": peaks[kind],
+                   "loss": t.losses[0]} for kind, t in trainers.items()}
 
 
 def batches(batch_size: int, seq_len: int, vocab: int, device: torch.device) -> dict[str, dict]:
@@ -131,8 +152,9 @@ def main() -> None:
               "| saved / native |")
         print("|---|---|---|---|---|---|---|---|---|")
         for rows, batch in batches(args.batch_size, args.seq_len, SHAPES[args.shape][5], device).items():
-            results = {kind: measure(load(kind, folder, device, dtype), batch, steps=args.steps, warmup=args.warmup,
-                                     device=device) for kind in ("native", "backend")}
+            trainers = {kind: Trainer(load(kind, folder, device, dtype), batch, device)
+                        for kind in ("native", "backend")}
+            results = measure(trainers, steps=args.steps, warmup=args.warmup, device=device)
             for kind, r in results.items():
                 peak = "-" if r["peak"] is None else f"{r['peak'] / 2**20:.0f}"
                 tokens_per_s = args.batch_size * args.seq_len / r["seconds"]

@@ -116,6 +116,8 @@ def test_tied_embeddings_stay_one_parameter(folders):
     ours = from_pretrained(folders["cohere"])
     assert ours.output is None and "lm_head.weight" not in ours.state_dict()
     assert ours.fused_loss_weight() is ours.embed_tokens.weight
+    with pytest.raises(UserError, match="the transformers backend does not generate"):
+        ours.setup_caches(batch_size=1)
 
 
 def _folder_with(tmp_path: Path, config: dict) -> Path:

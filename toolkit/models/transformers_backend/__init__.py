@@ -155,7 +155,11 @@ class TransformersDecoder(TransformerDecoder):
         return torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
 
     def setup_caches(self, **kwargs: Any) -> None:
-        raise NotImplementedError("the transformers backend does not generate with KV caches")
+        """Refused: generation (``generate``, ``eval_tasks``) needs our attention layers' KV caches."""
+        raise UserError(
+            "the transformers backend does not generate (no KV caches): set eval_tasks to null, and generate with "
+            "transformers from the exported final/ folder"
+        )
 
     @torch.no_grad()
     def reset_buffers(self) -> None:

@@ -193,3 +193,11 @@ def test_auto_sizing_is_refused(folders):
                            "device_memory_gb=1")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "auto sizes activations by the toolkit's own layers" in result.stderr
+
+
+def test_held_out_accuracy_is_refused(folders):
+    # The demo config scores eval_tasks by generating, which needs our layers' KV caches.
+    result = run_tune_here("validate", "full_finetune/demo", "model._component_=toolkit.models.build_from_hf",
+                           f"model.path={folders['olmo2']}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "eval_tasks: generates with KV caches, which the transformers backend's layers do not have" in result.stderr
