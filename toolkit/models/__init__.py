@@ -7,7 +7,8 @@ whose tensors Hugging Face stores in parts, as the experts of Mixtral and Qwen3-
 ``from_hf_config(config, *, max_seq_len)``. :func:`read_hf_config` finds families by scanning
 this package, so a new family needs no registration. A ``model_type`` no family handles is built by ``transformers``
 itself (:mod:`toolkit.models.transformers_backend`), whose weight names are the checkpoint's. Nothing here imports
-the training or checkpoint code: loading a model's weights is :func:`toolkit.pretrained.from_pretrained`, which sits above both.
+the training or checkpoint code: loading a model's weights is :func:`toolkit.pretrained.from_pretrained`, which
+sits above both.
 """
 
 import importlib
