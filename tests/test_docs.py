@@ -46,7 +46,8 @@ SKIPPED = {
     r"^pip install ": "installs packages; the environment running the tests has them (CI installs them fresh)",
     r"^python -m pytest": "the test suite itself",
     r"^tune download ": "downloads from the Hugging Face hub",
-    r"^tune run .*--config (llama3_1_8b|llama3_2_1b|any_model|qwen3_moe_30b_a3b)": "a real model: a GPU and weights from the hub",
+    r"^tune run .*--config (llama3_1_8b|llama3_2_1b|any_model|qwen3_moe_30b_a3b|transformers_backend)":
+        "a real model: a GPU and weights from the hub",
     r"rdzv_endpoint host:|node0\.example": "several machines",
     r"lm_eval\.tasks=": "lm-evaluation-harness tasks download their data sets from the hub",
     r"^sbatch ": "a Slurm cluster",

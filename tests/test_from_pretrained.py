@@ -20,12 +20,19 @@ def test_every_family_declares_its_model_types():
 
 
 def test_unknown_model_type_names_the_file_and_the_supported_types(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_model"}))
     with pytest.raises(UserError) as e:
         from_pretrained(tmp_path)
     message = str(e.value)
-    assert str(tmp_path / "config.json") in message and "'gpt2'" in message
+    assert str(tmp_path / "config.json") in message and "'not_a_model'" in message
     assert "llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe" in message
+
+
+def test_a_type_the_transformers_backend_cannot_train_names_the_file(tmp_path):
+    # transformers builds GPT-2, but its blocks are not a ModuleList named `layers` (they are `h`).
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 16, "n_head": 2}))
+    with pytest.raises(UserError, match=r"config.json: GPT2LMHeadModel \(gpt2\): the transformers backend needs"):
+        from_pretrained(tmp_path)
 
 
 def test_missing_config_and_missing_field(tmp_path):

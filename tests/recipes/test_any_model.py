@@ -52,3 +52,18 @@ def test_lora_and_qlora_of_any_checkpoint(config, qwen_folder, tmp_path):
          f"checkpointer.checkpoint_dir={qwen_folder}", "save_merged=false", *FAST)
     adapter = json.loads((tmp_path / "final" / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(qwen_folder) and "q_proj" in adapter["target_modules"]
+
+
+def test_any_model_trains_an_architecture_without_a_family_through_the_backend(tmp_path):
+    from tests.tiny_hf_models import save_tiny
+
+    folder = save_tiny("olmo2", tmp_path / "olmo2")
+    base = [f"output_dir={tmp_path / 'out'}", f"checkpointer.checkpoint_dir={folder}", *FAST, "max_seq_len=128"]
+    # The model comes from transformers; the tokenizer is not guessed for a model_type we do not know.
+    refused = run_tune("run", "full_finetune_single_device", "--config", "any_model", *base, timeout_s=300)
+    assert refused.returncode == 2 and "no tokenizer for model_type 'olmo2'" in refused.stderr
+    result = tune("run", "full_finetune_single_device", "--config", "any_model", *base,
+                  "tokenizer._component_=toolkit.tokenizers.qwen2_5_tokenizer",
+                  f"tokenizer.path={folder}/tokenizer.json")
+    assert "model_type 'olmo2': no native family; built by the transformers backend" in result.stderr
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "final")  # loads back

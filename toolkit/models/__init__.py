@@ -6,11 +6,14 @@ whose tensors Hugging Face stores in parts, as the experts of Mixtral and Qwen3-
 as Gemma 3's language model, also ``skipped_hf_key``, naming the tensors it leaves) and, when it builds Hugging Face
 checkpoints, ``HF_MODEL_TYPES`` (the ``model_type`` values of ``config.json`` it handles) with
 ``from_hf_config(config, *, max_seq_len)``. :func:`read_hf_config` finds families by scanning this package, so a
-new family needs no registration. Nothing here imports the training or checkpoint code: loading a model's weights
-is :func:`toolkit.pretrained.from_pretrained`, which sits above both.
+new family needs no registration. A ``model_type`` no family handles is built by ``transformers`` itself
+(:mod:`toolkit.models.transformers_backend`), whose weight names are the checkpoint's. Nothing here imports the
+training or checkpoint code: loading a model's weights is :func:`toolkit.pretrained.from_pretrained`, which sits
+above both.
 """
 
 import importlib
+import logging
 import pkgutil
 from pathlib import Path
 from types import ModuleType
@@ -20,6 +23,10 @@ from torch import nn
 from toolkit.errors import UserError, read_json
 from toolkit.models._decoder import LinearFactory, plain_linear
 from toolkit.models._lora import lora_builder, qlora
+from toolkit.models.transformers_backend import from_folder, remote_code_class, transformers_model_class
+
+BACKEND = "transformers_backend"
+log = logging.getLogger(__name__)
 
 
 def hf_model_types() -> dict[str, str]:
@@ -37,10 +44,13 @@ def hf_model_types() -> dict[str, str]:
 
 
 def read_hf_config(path: str | Path) -> tuple[dict, str]:
-    """``config.json`` of a Hugging Face model folder, and the family that builds it (``llama3``, ``qwen2_5``...).
+    """``config.json`` of a Hugging Face model folder, and the family that builds it (``llama3``, ``qwen2_5``...):
+    the native family of its ``model_type`` where there is one, else ``transformers_backend`` (the model that
+    ``transformers`` builds, its own class or the folder's code).
 
     Raises:
-        UserError: no or unreadable ``config.json``, or a ``model_type`` no family handles; names the file.
+        UserError: no or unreadable ``config.json``, or a ``model_type`` that neither a family nor ``transformers``
+            (offline, or by the folder's ``auto_map``) builds; names the file.
     """
     config_file = Path(path).expanduser() / "config.json"
     if not config_file.is_file():
@@ -48,31 +58,49 @@ def read_hf_config(path: str | Path) -> tuple[dict, str]:
     config = read_json(config_file)
     model_type = config.get("model_type")
     owners = hf_model_types()
-    if model_type not in owners:
+    if model_type in owners:
+        return config, owners[model_type]
+    if transformers_model_class(config) is None and remote_code_class(config) is None:
         raise UserError(
-            f"{config_file}: model_type {model_type!r} is not supported; supported types: {', '.join(sorted(owners))}"
+            f"{config_file}: model_type {model_type!r} is not supported: no native family (those: "
+            f"{', '.join(sorted(owners))}) and no causal LM that the installed transformers builds offline"
         )
-    return config, owners[model_type]
+    return config, BACKEND
 
 
-def build_from_hf(*, path: str | Path, max_seq_len: int | None = None, linear: LinearFactory = plain_linear) -> nn.Module:
+def build_from_hf(
+    *,
+    path: str | Path,
+    max_seq_len: int | None = None,
+    linear: LinearFactory = plain_linear,
+    trust_remote_code: bool = False,
+) -> nn.Module:
     """The architecture a Hugging Face folder's ``config.json`` describes (family and dimensions), weights unset.
 
     Usable in configs, so one config fine-tunes any supported checkpoint (``model: {_component_:
     toolkit.models.build_from_hf, path: ${checkpointer.checkpoint_dir}}``); the recipe builds it on the meta
-    device and its checkpointer loads the weights. :func:`lora_build_from_hf` is its LoRA version.
+    device and its checkpointer loads the weights. :func:`lora_build_from_hf` is its LoRA version. The native family
+    of the ``model_type`` builds it where there is one; otherwise ``transformers`` does
+    (:mod:`toolkit.models.transformers_backend`). A line on the log says which.
 
     Args:
         path: the model folder.
         max_seq_len: rotary cache length; defaults to the file's ``max_position_embeddings``.
         linear: makes each projection (the LoRA version passes adapter layers).
+        trust_remote_code: let the transformers backend build a model whose code is in the folder (``auto_map``
+            in ``config.json``), which runs that code; refused otherwise.
 
     Raises:
-        UserError: see :func:`read_hf_config`, or a field the family needs is missing.
+        UserError: see :func:`read_hf_config`, or a field the family needs is missing, or a remote-code model
+            without ``trust_remote_code``.
     """
     config, family_name = read_hf_config(path)
-    family = importlib.import_module(f"{__name__}.{family_name}")
     config_file = Path(path).expanduser() / "config.json"
+    if family_name == BACKEND:
+        log.warning("model_type %r: no native family; built by the transformers backend", config.get("model_type"))
+        return from_folder(path=path, max_seq_len=max_seq_len, linear=linear, trust_remote_code=trust_remote_code)
+    log.warning("model_type %r: built by the native family %s", config.get("model_type"), family_name)
+    family = importlib.import_module(f"{__name__}.{family_name}")
     try:
         return family.from_hf_config(config, max_seq_len=max_seq_len, linear=linear)
     except KeyError as e:

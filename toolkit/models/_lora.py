@@ -42,6 +42,7 @@ def lora_linear(
     lora_dropout: Annotated[float, Float(ge=0, lt=1)] = 0.0,
     use_dora: bool = False,
     quantize_base: bool = False,
+    lora_target_modules: Sequence[str] = (),
 ) -> LinearFactory:
     """The projection factory of a LoRA, DoRA or QLoRA model: adapter layers on the chosen projections.
 
@@ -62,6 +63,8 @@ def lora_linear(
             (Dettmers et al., 2023 quantize all linear layers of the base), the experts of mixture-of-experts blocks
             too (:class:`~toolkit.modules.peft.NF4Stack`, one quantization per expert); the embedding, norms, biases,
             routers and an unadapted output projection keep the model dtype.
+        lora_target_modules: further linear layers to adapt, by attribute name, whatever the architecture calls
+            them (the transformers backend's ``query_key_value``, ``dense``, ``fc1``...); each must name one.
 
     Raises:
         UserError: an unknown attention module, or nothing to adapt.
@@ -69,12 +72,13 @@ def lora_linear(
     unknown = sorted(set(lora_attn_modules) - set(ATTN_MODULES))
     if unknown:
         raise UserError(f"lora_attn_modules: unknown {unknown}; choose from {list(ATTN_MODULES)}")
-    adapted = set(lora_attn_modules) | (set(MLP_MODULES) if apply_lora_to_mlp else set())
+    adapted = set(lora_attn_modules) | set(lora_target_modules) | (set(MLP_MODULES) if apply_lora_to_mlp else set())
     if apply_lora_to_output:
         adapted.add("output")
     if not adapted and not apply_lora_to_experts:
         raise UserError(
-            "no adapters: set lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output or apply_lora_to_experts"
+            "no adapters: set lora_attn_modules, lora_target_modules, apply_lora_to_mlp, apply_lora_to_output or "
+            "apply_lora_to_experts"
         )
     if apply_lora_to_experts and use_dora:
         raise UserError("use_dora: DoRA is not available on experts; set apply_lora_to_experts false or use LoRA")
@@ -134,6 +138,7 @@ def lora_builder(builder: Callable[..., Model]) -> Callable[..., Model]:
     def build(**kwargs: Any) -> Model:
         lora = {key: kwargs.pop(key) for key in list(kwargs) if key in _LORA_PARAMS}
         model = builder(**kwargs, linear=lora_linear(**lora))
+        _check_targets(model, lora.get("lora_target_modules") or ())
         if lora.get("apply_lora_to_experts") and not any(isinstance(m, LoRAGroupedExperts) for m in model.modules()):
             raise UserError(f"apply_lora_to_experts: {builder.__name__} has no mixture-of-experts layers; set it false")
         if lora.get("train_router") and not any(isinstance(m, TrainedRouter) for m in model.modules()):
@@ -164,6 +169,19 @@ def lora_builder(builder: Callable[..., Model]) -> Callable[..., Model]:
         f"(:func:`{builder.__name__}`), by keyword."
     )
     return build
+
+
+def _check_targets(model: nn.Module, targets: Sequence[str]) -> None:
+    """Refuse ``lora_target_modules`` names that no adapter layer of ``model`` took (a typo adapts nothing)."""
+    adapted = {name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+    missing = sorted(set(targets) - adapted)
+    if missing:
+        linear = {name.rpartition(".")[2] for name, module in model.named_modules()
+                  if isinstance(module, (nn.Linear, LoRALinear, NF4Linear)) and name}
+        raise UserError(
+            f"lora_target_modules: {missing} match no linear layer of the model; its linear layers are named "
+            f"{sorted(linear)}"
+        )
 
 
 def qlora(builder: Callable[..., Model]) -> Callable[..., Model]:

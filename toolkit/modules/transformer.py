@@ -152,11 +152,7 @@ class TransformerDecoder(nn.Module):
         token-weighted mean of the rows' losses: for one row exactly ``transformers``' ``aux_loss`` term, and the same
         total whatever the split of a global batch into ranks and micro-batches.
         """
-        h = self.embed_tokens(tokens)  # [b, s, d]
-        for layer in self.layers:
-            layer_mask = mask.for_layer(layer.self_attn) if isinstance(mask, DocumentMasks) else mask
-            h = layer(h, mask=layer_mask, input_pos=input_pos)
-        h = self.norm(h)
+        h = self.final_hidden(tokens, mask=mask, input_pos=input_pos)
         if return_hidden:
             return h
         if num_output_chunks is not None and num_output_chunks < 1:
@@ -175,6 +171,17 @@ class TransformerDecoder(nn.Module):
         if num_output_chunks is None:
             return self.compute_logits(h)
         return self._chunked_logits(h, num_output_chunks)
+
+    def final_hidden(
+        self, tokens: torch.Tensor, *, mask: torch.Tensor | None = None, input_pos: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The final hidden states ``[b, s, d]`` (embedding, layers, final norm) that the output projection and the
+        losses take; a decoder whose layers are another library's overrides this and keeps the losses."""
+        h = self.embed_tokens(tokens)  # [b, s, d]
+        for layer in self.layers:
+            layer_mask = mask.for_layer(layer.self_attn) if isinstance(mask, DocumentMasks) else mask
+            h = layer(h, mask=layer_mask, input_pos=input_pos)
+        return self.norm(h)
 
     def _router_loss_sum(
         self, labels: torch.Tensor, lengths: torch.Tensor | None, *, per_token: bool = True

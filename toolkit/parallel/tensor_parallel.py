@@ -55,6 +55,7 @@ from torch.distributed.tensor import (
 )
 
 from toolkit.errors import UserError
+from toolkit.modules.attention import GroupedQueryAttention
 from toolkit.modules.moe import MoEFeedForward
 from toolkit.modules.peft.nf4 import is_nf4
 
@@ -113,6 +114,11 @@ def check_tensor_parallel(model: nn.Module, *, tp: int) -> None:
     if tp == 1:
         return
     what = f"tensor_parallel: {tp} ranks cannot split"
+    if not all(isinstance(getattr(layer, "self_attn", None), GroupedQueryAttention) for layer in model.layers):
+        raise UserError(
+            f"{what} this model: its layers are transformers' (the transformers backend), whose projections the "
+            "tensor-parallel plan does not know; use tensor_parallel=1 with data_parallel (ddp, zero3...)"
+        )
     if any(isinstance(layer.mlp, MoEFeedForward) for layer in model.layers):
         raise UserError(
             f"{what} mixture-of-experts layers (their experts are not split by tensor parallelism); use "

@@ -155,5 +155,6 @@ def _build(folder: Path, max_seq_len: int | None) -> ModelTokenizer:
         return build(str(sp_model), max_seq_len=max_seq_len)
     raise UserError(
         f"{folder / 'config.json'}: no tokenizer for model_type {model_type!r}; "
-        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}; otherwise set `tokenizer` to one of its chat format (as the "
+        "transformers_backend configs do)"
     )

@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from toolkit.errors import UserError
+from toolkit.modules.attention import GroupedQueryAttention
 from toolkit.modules.gemma2 import GemmaRMSNorm
 from toolkit.modules.moe import MoEFeedForward
 from toolkit.training.activations import checkpoint_interval, checkpointed_layers
@@ -80,6 +81,11 @@ def _layer_activation_bytes_per_token(
     (``apply_tp``'s column-wise q/k/v and gate/up), so every term of those shrinks; the norms, their inputs and the
     projections' inputs are whole on every rank (the residual stream is replicated), so those terms do not."""
     attn, mlp, d, c, t = layer.self_attn, layer.mlp, embed_dim, compute, tensor_parallel
+    if not isinstance(attn, GroupedQueryAttention):
+        raise UserError(
+            "micro_batch_size, data_parallel and tensor_parallel: auto sizes activations by the toolkit's own layers, "
+            "and this model's are transformers' (the transformers backend); give them numbers"
+        )
     n_h, n_kv, h_d = attn.num_heads // t, attn.num_kv_heads // t, attn.head_dim
     q_dim, kv_dim = n_h * h_d, n_kv * h_d
     norms = [m for name, m in layer.named_children() if name not in ("self_attn", "mlp")]

@@ -163,8 +163,9 @@ def flops_per_token(model: nn.Module, *, seq_len: int) -> float:
     attention = 0
     for layer in getattr(model, "layers", []):
         attn = getattr(layer, "self_attn", None)
-        if attn is not None:
-            attention += 12 * attn.num_heads * attn.head_dim * seq_len
+        if attn is not None:  # (a transformers backend layer keeps its head count in its config)
+            num_heads = getattr(attn, "num_heads", None) or attn.config.num_attention_heads
+            attention += 12 * num_heads * attn.head_dim * seq_len
     return 6.0 * trainable + 4.0 * frozen + attention
 
 

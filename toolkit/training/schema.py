@@ -29,6 +29,7 @@ from toolkit.config._schema import (
     rule,
 )
 from toolkit.errors import UserError
+from toolkit.modules.attention import GroupedQueryAttention
 from toolkit.modules.position_embeddings import LongRopeRotaryEmbeddings
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.attention import SDPA_BACKENDS
@@ -247,11 +248,9 @@ def context_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
     model = None if layout else _meta_model(ctx.get("model"))  # (a layout that does not fit is the line to read)
     if model is None:
         return
-    layers = getattr(model, "layers", None)
-    attention = getattr(layers[0], "self_attn", None) if layers else None
-    if attention is None:
+    if not _toolkit_attention(model):  # (the transformers backend's layers are transformers')
         yield "context_parallel", f"{with_cp} needs one of the toolkit's decoder models (its attention layers split "\
-            "the sequence)"
+            "the sequence), not the transformers backend"
         return
     if any(isinstance(module, LongRopeRotaryEmbeddings) for module in model.modules()):
         yield "context_parallel", f"{with_cp} cannot split a LongRoPE model's sequences yet (each rank would choose "\
@@ -260,8 +259,8 @@ def context_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
         yield "context_parallel", f"{with_cp} cannot split a mixture-of-experts model's sequences yet (its "\
             "load-balancing loss is per whole row); use context_parallel=1"
     yield from context_parallel_problems(
-        context_parallel=cp, method=ctx.get("context_parallel_method", "ring"), num_heads=attention.num_heads,
-        tensor_parallel=tp if isinstance(tp, int) else 1,
+        context_parallel=cp, method=ctx.get("context_parallel_method", "ring"),
+        num_heads=model.layers[0].self_attn.num_heads, tensor_parallel=tp if isinstance(tp, int) else 1,
     )
 
 
@@ -378,6 +377,22 @@ def muon_groups_fit(ctx: Context) -> Iterator[tuple[str, str]]:
         return
 
 
+def _toolkit_attention(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s layers attend with the toolkit's own attention (not the transformers backend's)."""
+    layers = getattr(model, "layers", None)
+    return bool(layers) and isinstance(getattr(layers[0], "self_attn", None), GroupedQueryAttention)
+
+
+@rule("eval_tasks", "model")
+def eval_tasks_generate(ctx: Context) -> Iterator[tuple[str, str]]:
+    """Held-out accuracy generates answers, with the KV caches of the toolkit's attention layers."""
+    if not ctx.get("eval_tasks"):
+        return
+    model = _meta_model(ctx.get("model"))
+    if model is not None and not _toolkit_attention(model):
+        yield "eval_tasks", "generates with KV caches, which the transformers backend's layers do not have; set it null"
+
+
 @rule("profiler")
 def profiler_options(ctx: Context) -> Iterator[tuple[str, str]]:
     """Every ``profiler`` option is one the profiler takes."""
@@ -403,7 +418,8 @@ TRAINING_SCHEMA = Schema(
     rules=(
         batch_divides, shard_groups_divide, tensor_parallel_fits, tensor_parallel_combines, expert_parallel_fits,
         context_parallel_fits, sequence_parallel_needs_tensor_parallel,
-        parallelism_splits_the_model, optimizer_accepts, muon_groups_fit, profiler_options, metric_logger_options,
+        parallelism_splits_the_model, optimizer_accepts, muon_groups_fit, eval_tasks_generate, profiler_options,
+        metric_logger_options,
     ),
 )
 
