@@ -7,7 +7,7 @@ import runpy
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ def free_port() -> int:
 
 def run_workers(
     script: str | Path, *args: str, nproc: int = 2, timeout_s: float = 180, env: dict[str, str] | None = None,
-    per_rank_logs: bool = False,
+    per_rank_logs: bool = False, clean_for_retry: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python script *args`` on ``nproc`` processes under ``torch.distributed.run`` on a free port.
 
@@ -34,18 +34,37 @@ def run_workers(
     are the launcher's followed by each rank's in turn; a failed launch's stderr then ends with the last lines of
     every rank, so the crash of one rank is not hidden behind the traceback the others print when it goes (the end
     of ``stderr`` is what a test shows on failure).
+
+    With ``clean_for_retry``, a launch that lost a rank to a signal below Python (:func:`crashed_ranks`: an abort or
+    a segfault in gloo's or torch's C++, "malloc_consolidate(): unaligned fastbin chunk detected" and the like, seen
+    about once in three runs of the whole suite on a busy machine, never in isolation) is launched once more from
+    scratch, after ``clean_for_retry()`` removed what it wrote, and a warning says so, with the crashed launch's
+    output in a file it names. A failure of the workers' own code (a Python exception: exit code 1) or a second crash
+    still fails the test.
     """
     import tempfile
+    import warnings
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port())]
-    with tempfile.TemporaryDirectory(prefix="ranks-") as log_dir:
-        flags = ["--log-dir", log_dir, "--redirects", "3"] if per_rank_logs else []
-        result = subprocess.run(
-            [*command, *flags, str(script), *args], capture_output=True, text=True, timeout=timeout_s, env=_env(env)
-        )
-        if per_rank_logs:
-            _join_rank_logs(result, Path(log_dir), nproc)
+    def launch() -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                   "--master_port", str(free_port())]
+        with tempfile.TemporaryDirectory(prefix="ranks-") as log_dir:
+            flags = ["--log-dir", log_dir, "--redirects", "3"] if per_rank_logs else []
+            result = subprocess.run([*command, *flags, str(script), *args], capture_output=True, text=True,
+                                    timeout=timeout_s, env=_env(env))
+            if per_rank_logs:
+                _join_rank_logs(result, Path(log_dir), nproc)
+        return result
+
+    result = launch()
+    crashed = crashed_ranks(result.stderr)
+    if crashed and clean_for_retry is not None:
+        with tempfile.NamedTemporaryFile("w", prefix="crashed-launch-", suffix=".log", delete=False) as log:
+            log.write(result.stderr)
+        clean_for_retry()
+        warnings.warn(f"a launch of {Path(script).name} lost rank(s) {crashed} to a signal; launched again; the "
+                      f"crashed launch's output is in {log.name}", stacklevel=2)
+        result = launch()
     return result
 
 
@@ -214,29 +233,31 @@ def run_recipes(
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=runs[0].output_dir.parent, delete=False) as f:
         json.dump(spec, f)
 
-    def launch() -> subprocess.CompletedProcess:
-        return run_workers(REPO / "tests" / "_recipe_runs_worker.py", f.name, nproc=nproc, timeout_s=timeout_s,
-                           env=env, per_rank_logs=True)
-
-    result = launch()
-    crashed = crashed_ranks(result.stderr)
-    if crashed:
-        # A rank killed by a signal below Python (an abort or a segfault in gloo's or torch's C++, seen about once
-        # in three runs of the whole suite on a busy machine, never in isolation): launched once more from scratch,
-        # and said, with the crashed launch's whole output kept for the report. A failure of our own code (a
-        # Python exception: exit code 1) or a second crash still fails the test.
+    def clean() -> None:
         import shutil
-        import warnings
 
-        log = Path(f.name).with_suffix(".crashed.log")
-        log.write_text(result.stderr)
         for run in runs:
             shutil.rmtree(run.output_dir, ignore_errors=True)
             run.stdout_file.unlink(missing_ok=True)
-        warnings.warn(f"a launch of {len(runs)} recipe runs lost rank(s) {crashed} to a signal; launched again; the "
-                      f"crashed launch's output is in {log}", stacklevel=2)
-        result = launch()
-    return result
+
+    # A crash below Python: launched once more from scratch (see run_workers).
+    return run_workers(REPO / "tests" / "_recipe_runs_worker.py", f.name, nproc=nproc, timeout_s=timeout_s, env=env,
+                       per_rank_logs=True, clean_for_retry=clean)
+
+
+def removing(path: Path) -> Callable[[], None]:
+    """A ``clean_for_retry`` for :func:`run_workers`: what the workers wrote at ``path`` (a file, or a folder's
+    contents) removed, the folder kept."""
+    import shutil
+
+    def remove() -> None:
+        if path.is_dir():
+            for child in path.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        else:
+            path.unlink(missing_ok=True)
+
+    return remove
 
 
 def crashed_ranks(launcher_stderr: str) -> dict[int, int]:

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from tests.launch import run_workers
+from tests.launch import removing, run_workers
 from toolkit.parallel.context_parallel import CP_METHODS, context_parallel_problems, local_positions
 from tests.modules import _cp_worker as worker
 
@@ -22,7 +22,7 @@ from tests.modules import _cp_worker as worker
 @pytest.fixture(scope="module")
 def errors(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("cp") / "errors.json"
-    result = run_workers(worker.__file__, str(out), nproc=4, timeout_s=300)
+    result = run_workers(worker.__file__, str(out), nproc=4, timeout_s=300, clean_for_retry=removing(out))
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import run_recipe_here, run_workers
+from tests.launch import removing, run_recipe_here, run_workers
 
 
 @pytest.fixture(scope="session")
 def four_processes(tmp_path_factory) -> Path:
     """The folder the 4-process launch of :mod:`tests.training._tp_worker` wrote (its docstring lists what)."""
     out = tmp_path_factory.mktemp("four_processes")
-    result = run_workers(Path(__file__).with_name("_tp_worker.py"), str(out), nproc=4, timeout_s=600)
+    result = run_workers(Path(__file__).with_name("_tp_worker.py"), str(out), nproc=4, timeout_s=600,
+                         clean_for_retry=removing(out))
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 
@@ -36,6 +37,7 @@ def one_process(tmp_path_factory) -> Path:
 def ep_layouts(tmp_path_factory) -> dict:
     """What rank zero of the 4-process launch of :mod:`tests.training._ep_worker` saved (its docstring lists what)."""
     out = tmp_path_factory.mktemp("ep") / "results.pt"
-    result = run_workers(Path(__file__).with_name("_ep_worker.py"), str(out), nproc=4, timeout_s=600)
+    result = run_workers(Path(__file__).with_name("_ep_worker.py"), str(out), nproc=4, timeout_s=600,
+                         clean_for_retry=removing(out))
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(out, weights_only=True)

@@ -81,7 +81,8 @@ def build_from_hf(
     toolkit.models.build_from_hf, path: ${checkpointer.checkpoint_dir}}``); the recipe builds it on the meta
     device and its checkpointer loads the weights. :func:`lora_build_from_hf` is its LoRA version. The native family
     of the ``model_type`` builds it where there is one; otherwise ``transformers`` does
-    (:mod:`toolkit.models.transformers_backend`). A line on the log says which.
+    (:mod:`toolkit.models.transformers_backend`). A line on the log says which (a warning for the backend, at INFO
+    level for a native family).
 
     Args:
         path: the model folder.
@@ -99,7 +100,8 @@ def build_from_hf(
     if family_name == BACKEND:
         log.warning("model_type %r: no native family; built by the transformers backend", config.get("model_type"))
         return from_folder(path=path, max_seq_len=max_seq_len, linear=linear, trust_remote_code=trust_remote_code)
-    log.warning("model_type %r: built by the native family %s", config.get("model_type"), family_name)
+    # The usual case is said at INFO, so that exports, merges and validation stay quiet; the backend, at WARNING.
+    log.info("model_type %r: built by the native family %s", config.get("model_type"), family_name)
     family = importlib.import_module(f"{__name__}.{family_name}")
     try:
         return family.from_hf_config(config, max_seq_len=max_seq_len, linear=linear)
