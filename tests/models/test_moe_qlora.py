@@ -260,3 +260,20 @@ def test_the_memory_plan_counts_the_whole_nf4_model_each_rank_loads():
     assert zero3.params < zero3.loading  # split 8 ways while training
     assert "loading (whole)" in zero3.table()
     assert plan(lora, "zero3").loading == 0 and "loading" not in plan(lora, "zero3").table()
+
+
+def test_a_step_checkpoint_loads_into_nf4_experts_as_the_hugging_face_files_do(family_checkpoint, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    family, base, folder = family_checkpoint
+    step = tmp_path / "checkpoints" / "step_1"  # a full fine-tune's step checkpoint of the same weights
+    dcp.save({f"model.{k}": v for k, v in base.state_dict().items()}, checkpoint_id=str(step))
+    (step / "COMPLETE").write_text("{}")
+    from_step = qlora_model(family)
+    materialize(from_step, device=torch.device("cpu"), dtype=torch.float32)
+    HFCheckpointer(str(step), model_family=family).load(from_step, ignore_missing=is_adapter_key)
+    from_files = loaded_qlora(family, folder)
+    ours = from_step.state_dict()
+    for key, value in from_files.state_dict().items():
+        if not is_adapter_key(key):  # (torchao's NF4 weights compared by their values)
+            assert torch.equal(dequantize(ours[key]), dequantize(value)), key
