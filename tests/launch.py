@@ -253,7 +253,10 @@ def removing(path: Path) -> Callable[[], None]:
     def remove() -> None:
         if path.is_dir():
             for child in path.iterdir():
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
+                if child.is_dir():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
         else:
             path.unlink(missing_ok=True)
 

@@ -92,6 +92,10 @@ def _has_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""The stacked parameters of :class:`GroupedExperts`, in order."""
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` gated feed-forwards (SwiGLU by default) with stacked weights, run as grouped matmuls.
 
@@ -304,7 +308,7 @@ def parameter_count(model: nn.Module) -> int:
 def _values(model: nn.Module, shares: dict[int, float]) -> float:
     total, counted = 0.0, set()
     for experts in (m for m in model.modules() if isinstance(m, GroupedExperts)):
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in PROJECTIONS:
             stored = getattr(experts, name)
             if isinstance(stored, nn.Module):
                 parts = [id(p) for p in stored.parameters()]

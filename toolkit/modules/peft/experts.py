@@ -5,9 +5,7 @@ import torch
 from torch import nn
 
 from toolkit.modules._dtensor import init_full_
-from toolkit.modules.moe import GroupedExperts, TopKRouter, grouped_mm, local
-
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+from toolkit.modules.moe import PROJECTIONS, GroupedExperts, TopKRouter, grouped_mm, local
 
 
 class StackedMatrix(nn.Module):

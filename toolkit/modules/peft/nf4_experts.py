@@ -18,8 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from toolkit.modules._dtensor import local_region
-from toolkit.modules.moe import GroupedExperts, grouped_mm, local
-from toolkit.modules.peft.experts import PROJECTIONS
+from toolkit.modules.moe import PROJECTIONS, GroupedExperts, grouped_mm, local
 from toolkit.modules.peft.nf4 import NF4_BLOCK_SIZE, NF4Linear, scaler_block_size, to_nf4
 
 NF4_LEVELS = (
@@ -101,14 +100,17 @@ class NF4Stack(nn.Module):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Every expert's matrix ``[num_experts, out_dim, in_dim]`` (this rank's experts when sharded along them), in
         ``dtype`` (default: the nominal one); each equals what torchao's ``NF4Tensor`` of that expert dequantizes to."""
-        return _dequantize(*(local(p) for p in (self.codes, self.scalers, self.factors, self.means)),
-                           shape=self.shape[1:], scaler_block_size=self.scaler_block_size).to(dtype or self.dtype)
+        return _dequantize(*self._local_parts(), shape=self.shape[1:],
+                           scaler_block_size=self.scaler_block_size).to(dtype or self.dtype)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` ``[n, in_dim]``, its rows grouped by expert (``counts[e]`` each), times each expert's matrix
         transposed: ``[n, out_dim]``; a gradient flows to ``x`` only."""
-        parts = tuple(local(p) for p in (self.codes, self.scalers, self.factors, self.means))
-        return _NF4GroupedMM.apply(x, counts, self.shape[1:], self.scaler_block_size, *parts)
+        return _NF4GroupedMM.apply(x, counts, self.shape[1:], self.scaler_block_size, *self._local_parts())
+
+    def _local_parts(self) -> tuple[torch.Tensor, ...]:
+        # This rank's codes, scalers, factors and means (its experts, when split along them).
+        return tuple(local(p) for p in (self.codes, self.scalers, self.factors, self.means))
 
     def extra_repr(self) -> str:
         experts, out_dim, in_dim = self.shape

@@ -6,8 +6,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from toolkit.modules.moe import GroupedExperts
-from toolkit.modules.peft.experts import PROJECTIONS, LoRAGroupedExperts, TrainedRouter
+from toolkit.modules.moe import PROJECTIONS, GroupedExperts
+from toolkit.modules.peft.experts import LoRAGroupedExperts, TrainedRouter
 from toolkit.modules.peft.lora import DoRALinear, LoRALinear
 from toolkit.modules.peft.nf4 import NF4Linear, dequantize
 from toolkit.modules.peft.nf4_experts import nf4_stacks
