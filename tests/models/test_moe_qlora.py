@@ -260,6 +260,11 @@ def test_the_memory_plan_counts_the_whole_nf4_model_each_rank_loads():
     assert zero3.params < zero3.loading  # split 8 ways while training
     assert "loading (whole)" in zero3.table()
     assert plan(lora, "zero3").loading == 0 and "loading" not in plan(lora, "zero3").table()
+    # Under cpu_offload the whole NF4 model loads in host memory (parallelize), FSDP2 moving one layer at a time to
+    # the device: nothing whole on the device, at least the whole model in the host.
+    offloaded = estimate_memory(qlora, strategy="zero3", cpu_offload=True, world_size=8, micro_batch_size=1,
+                                max_seq_len=32, dtype="bf16")
+    assert offloaded.loading == 0 and offloaded.host >= whole and "loading" not in offloaded.table()
 
 
 def test_a_step_checkpoint_loads_into_nf4_experts_as_the_hugging_face_files_do(family_checkpoint, tmp_path):

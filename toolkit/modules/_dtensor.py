@@ -33,11 +33,14 @@ def init_full_(param: torch.Tensor, init: Callable[[torch.Tensor], Any]) -> None
 
     A sharded parameter gets exactly the values an unsharded one would: the whole tensor is drawn on the same
     device with the same random calls (so every rank consumes the generator alike), and each rank keeps its part.
+    That device is the mesh's: a part kept in host memory (FSDP2's CPU offload) gets the values drawn on the GPU.
     """
     if not isinstance(param, DTensor):
         init(param)
         return
     local = param.to_local()
-    full = torch.empty(param.shape, dtype=local.dtype, device=local.device)
+    mesh_type = param.device_mesh.device_type
+    draw_on = local.device if local.device.type == mesh_type else torch.device(mesh_type)
+    full = torch.empty(param.shape, dtype=local.dtype, device=draw_on)
     init(full)
     local.copy_(local_part(full, param))

@@ -77,7 +77,8 @@ def apply_fsdp(
     kwargs = {
         "mesh": mesh,
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
-        "offload_policy": CPUOffloadPolicy() if cpu_offload else None,
+        # Pinned host memory copies to and from a GPU asynchronously; a CPU mesh (tests) has nothing to pin for.
+        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else None,
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     for layer in model.layers:

@@ -10,14 +10,26 @@ from toolkit.modules.peft.nf4 import is_nf4
 from toolkit.modules.peft.nf4_experts import NF4Stack
 
 
-def materialize(model: nn.Module, *, device: torch.device, dtype: torch.dtype | None = None) -> nn.Module:
+def materialize(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    buffer_device: torch.device | None = None,
+) -> nn.Module:
     """Allocate a meta-device model's storage on ``device`` (values undefined) and rebuild derived buffers.
 
-    Follow it with :func:`init_weights` or a checkpoint load.
+    ``buffer_device`` (default ``device``) holds the buffers instead: with FSDP2's CPU offload the parameters live
+    in host memory and the buffers where the layers run. Follow it with :func:`init_weights` or a checkpoint load.
     """
     model.to_empty(device=device)
     if dtype is not None:
         model.to(dtype)
+    if buffer_device is not None and torch.device(buffer_device) != torch.device(device):
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(buffer_device)
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()

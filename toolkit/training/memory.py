@@ -129,7 +129,8 @@ class MemoryEstimate:
         shard_size: ranks each parameter is sharded over (1 for ddp/zero1, optimizer state aside).
         params, grads, optimizer_state, activations, logits, gathered: per-device bytes.
         host: per-rank bytes of host memory for offloaded state and activations (0 without ``cpu_offload`` or
-            ``activation_offloading``).
+            ``activation_offloading``); with an NF4 model under ``cpu_offload``, at least the whole quantized model,
+            which every rank holds there while it loads.
         tensor_parallel: ranks each layer is split over (the layout is ``world_size x tensor_parallel``
             processes).
         expert_parallel: data-parallel ranks each mixture-of-experts layer's experts are shared out over.
@@ -142,7 +143,8 @@ class MemoryEstimate:
             kept gathered, and a layer and the next one's all-gather buffer).
         loading: per-device bytes while the checkpoint loads, for a model with NF4 weights (QLoRA): every rank
             holds the whole model, quantized, before it is split (``toolkit.training.parallelize``: each weight is
-            quantized whole, as on one process); 0 for other models, which are split before they are filled.
+            quantized whole, as on one process); 0 for other models, which are split before they are filled, and
+            under ``cpu_offload``, where the whole NF4 model is in ``host`` while it loads.
     """
 
     strategy: str
@@ -541,8 +543,11 @@ def estimate_memory(
     grad_bytes = p * grad_elems
     opt_bytes = int(_STATE_ELEMENT_BYTES.get(optimizer, p) * states * opt_elems) + step_bytes
     host += reference_host
+    # NF4 weights are quantized whole as they load, on every rank, and split afterwards (parallelize): on the device,
+    # or in host memory under cpu_offload (FSDP2 then moves one layer at a time to the device to split it).
+    whole_nf4 = sum(_stored_bytes(t, p) for t in model.parameters()) + buffer_bytes if has_nf4(model) else 0
     if cpu_offload:
-        host += param_bytes + grad_bytes + opt_bytes
+        host = max(host + param_bytes + grad_bytes + opt_bytes, whole_nf4)
         param_bytes = grad_bytes = opt_bytes = 0
 
     return MemoryEstimate(
@@ -567,8 +572,7 @@ def estimate_memory(
             model, micro_batch_size=rows, seq_len=max_seq_len, dtype=dtype, expert_parallel=expert_parallel
         ),
         reference=reference,
-        # NF4 weights are quantized whole as they load, on every rank, and split afterwards (parallelize).
-        loading=sum(_stored_bytes(t, p) for t in model.parameters()) + buffer_bytes if has_nf4(model) else 0,
+        loading=0 if cpu_offload else whole_nf4,
     )
 
 

@@ -43,7 +43,12 @@ def parallelize(
     the model while it is still on the meta device, so each rank only ever allocates its part, and ``fill`` writes
     each rank's part (checkpoint loaders read only those rows; initializers draw the whole tensor and keep the part,
     giving every layout the same values). DDP and ZeRO-1 without TP keep whole copies, so they wrap the model once
-    it is filled; so do CPU offload and NF4 (QLoRA) bases, whose weights FSDP2 takes whole.
+    it is filled; so do NF4 (QLoRA) bases, whose weights FSDP2 takes whole.
+
+    Under ``dims.cpu_offload`` the parameters are allocated (and filled) in host memory, where FSDP2 keeps their
+    shards, and the buffers (rotary tables) on ``device``, where the layers run: a model that only fits the GPU in
+    shards never passes through it whole. (An NF4 base is filled whole in host memory, then FSDP2 moves one layer
+    at a time to the device to split it.)
 
     Expert parallelism (``dims.ep`` > 1) splits the experts over the ranks of an EP group, on the meta device too
     (:func:`~toolkit.parallel.apply_ep`); with an NF4 base, once it is filled, as FSDP2 does.
@@ -70,10 +75,13 @@ def parallelize(
         apply_tp(model, tp_mesh=mesh["tp"], sequence_parallel=sequence_parallel)
     if dims.ep > 1 and not nf4:
         apply_ep(model, ep_mesh=mesh["ep"])
-    shard_first = dims.tp > 1 or (dims.ep > 1 and not nf4) or (dims.is_sharded and not dims.cpu_offload and not nf4)
+    shard_first = dims.tp > 1 or (dims.ep > 1 and not nf4) or (dims.is_sharded and not nf4)
     if shard_first:
         model = apply_data_parallel(model.to(dtype), dims=dims, device=device, mp_policy=mp_policy, mesh=mesh)
-    materialize(model, device=device, dtype=None if shard_first else dtype)
+    materialize(
+        model, device=torch.device("cpu") if dims.cpu_offload else device, dtype=None if shard_first else dtype,
+        buffer_device=device,
+    )
     fill(model)
     if dims.ep > 1 and nf4:
         apply_ep(model, ep_mesh=mesh["ep"])

@@ -1,0 +1,68 @@
+"""Worker for test_cpu_offload.py, run under torchrun on 2 processes: the demo Llama under ZeRO-3 with and without
+FSDP2's CPU offload (on a CPU mesh, whose offload keeps the shards where they are), each trained 3 steps from the
+same initialization. Rank zero writes, per layout, what ``fill`` was handed (sharded parameters or whole ones), the
+losses and the final weights' sum, as JSON to ``sys.argv[1]``."""
+
+import dataclasses
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from toolkit.models.llama3 import llama3_demo
+from toolkit.parallel import parallel_dims
+from toolkit.training import forward_backward, init_distributed, init_weights, optimizer_step, parallelize, set_seed
+
+STEPS, BATCH, SEQ = 3, 4, 32
+
+
+def train(env, *, cpu_offload: bool) -> dict:
+    dims = parallel_dims(strategy="zero3", world_size=env.world_size, local_world_size=env.world_size,
+                         device_type="cpu")
+    # parallel_dims refuses cpu_offload on a CPU (training already runs there); the FSDP2 path is the GPU's.
+    dims = dataclasses.replace(dims, cpu_offload=cpu_offload)
+    filled = []
+
+    def fill(model: torch.nn.Module) -> None:
+        filled.extend((isinstance(p, DTensor), p.to_local().numel() if isinstance(p, DTensor)
+                       else p.numel(), p.numel()) for p in model.parameters())
+        init_weights(model)
+
+    set_seed(0)
+    with torch.device("meta"):
+        model = llama3_demo(max_seq_len=SEQ)
+    model = parallelize(model, dims=dims, device=env.device, dtype=torch.float32, fill=fill)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=generator)
+        rows = slice(env.rank * BATCH // 2, (env.rank + 1) * BATCH // 2)
+        micro = [{"tokens": tokens[rows, :-1], "labels": tokens[rows, 1:]}]
+        result = forward_backward(model, micro, device=env.device, data_parallel_size=env.world_size)
+        optimizer_step(model, optimizer, max_grad_norm=1.0)
+        losses.append(result.loss)
+    weights = sum(float(p.detach().full_tensor().double().sum()) for p in model.parameters())
+    return {
+        "sharded_when_filled": all(sharded for sharded, _, _ in filled),
+        "filled_elements": sum(local for _, local, _ in filled),
+        "model_elements": sum(whole for _, _, whole in filled),
+        "losses": losses,
+        "weights": weights,
+    }
+
+
+def main(out: str) -> None:
+    env = init_distributed(device="cpu")
+    records = {str(offload): train(env, cpu_offload=offload) for offload in (False, True)}
+    if env.rank == 0:
+        with open(out, "w") as f:
+            json.dump(records, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    if dist.is_initialized():
+        dist.destroy_process_group()
