@@ -98,6 +98,8 @@ def test_device_memory_from_the_config(plan) -> None:
         (("--device-memory-gb", "24", "--bogus"), "unrecognized arguments: --bogus; see `tune plan --help`"),
         (("--device-memory-gb", "24", "--nproc_per_node", "4", "tensor_parallel=8"),
          "tensor_parallel: 8 is more than the 4 processes of the launch"),
+        (("--device-memory-gb", "24", "--nproc_per_node", "1", "data_parallel=zero3", "cpu_offload=true"),
+         "cpu_offload: offloads the shards of a model sharded over 2 or more processes, and one process has none"),
         (("--device-memory-gb", "24", "tensor_parallel=abc"),
          "tensor_parallel: expects an integer >= 1 or one of auto, got 'abc'"),
         (("--device-memory-gb", "24", "--nproc_per_node", "2", "tensor_parallel=auto", *SEVENTY_B),

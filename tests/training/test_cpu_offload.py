@@ -46,3 +46,22 @@ def test_materialize_puts_parameters_and_buffers_where_asked():
         model = llama3_demo(max_seq_len=16)
     materialize(model, device=torch.device("cpu"))
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cpu"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offloaded_shards_live_in_host_memory_and_train_as_on_the_gpu(tmp_path):
+    # One GPU, FSDP2 over a mesh of its one rank with and without offload: with offload the shards and their
+    # gradients are in host memory, and clipping (an all-reduce of the norm over NCCL, which takes GPU tensors only)
+    # and gathering the weights must move what they send. The Adam step then runs on the CPU instead of the GPU:
+    # other kernels, so equal to float32 rounding over 3 steps, not bitwise.
+    out = tmp_path / "offload.json"
+    result = run_workers(WORKER, str(out), "cuda", nproc=1, clean_for_retry=removing(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads(out.read_text())
+    plain, offloaded = records["False"], records["True"]
+    assert plain["parameters_on"] == ["cuda"] and offloaded["parameters_on"] == ["cpu"]
+    assert offloaded["buffers_on"] == ["cuda"]
+    assert offloaded["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert offloaded["norms"] == pytest.approx(plain["norms"], rel=1e-4)
+    assert offloaded["weights"] == pytest.approx(plain["weights"], rel=1e-5)

@@ -31,6 +31,9 @@ def tune_run(tmp_path: Path, *args: str, nproc: int = 2) -> subprocess.Completed
         ({"strategy": "hsdp", "shard_size": 3}, "cannot be split into shard groups of 3"),
         ({"strategy": "ddp", "cpu_offload": True}, "needs a sharded strategy"),
         ({"strategy": "zero3", "cpu_offload": True, "device_type": "cpu"}, "already runs on the CPU"),
+        # one process is left unsharded: its cpu_offload would be ignored while the memory plan counted it
+        ({"strategy": "zero3", "cpu_offload": True, "world_size": 1, "local_world_size": 1},
+         "cpu_offload: offloads the shards of a model sharded over 2 or more processes, and one process has none"),
         ({"strategy": "ddp", "tensor_parallel": 3}, "tensor_parallel: 3 does not divide the 4 processes"),
         ({"strategy": "zero1", "tensor_parallel": 2}, "data_parallel: zero1 cannot combine with tensor_parallel=2"),
         ({"strategy": "zero3", "cpu_offload": True, "tensor_parallel": 2}, "cpu_offload: cannot combine with"),

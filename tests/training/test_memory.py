@@ -591,6 +591,7 @@ def test_the_step_kernels_reach_the_activations_and_logits(kernels: StepKernels)
     [
         (dict(strategy="auto"), "choose_strategy() resolves auto"),
         (dict(strategy="ddp", cpu_offload=True), "cpu_offload: needs a sharded strategy"),
+        (dict(strategy="zero3", cpu_offload=True, world_size=1), "one process has none; remove cpu_offload"),
         (dict(strategy="hsdp", world_size=6, shard_size=4), "hsdp_shard_size: a world size of 6 cannot be split"),
         (dict(strategy="hsdp", world_size=6, num_nodes=4), "cannot be spread evenly over 4 node(s)"),
         (dict(strategy="ddp", dtype="fp8"), "dtype: unknown value 'fp8'"),

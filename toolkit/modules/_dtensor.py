@@ -4,6 +4,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -44,3 +45,20 @@ def init_full_(param: torch.Tensor, init: Callable[[torch.Tensor], Any]) -> None
     full = torch.empty(param.shape, dtype=local.dtype, device=draw_on)
     init(full)
     local.copy_(local_part(full, param))
+
+
+def on_mesh_device(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``local`` on the device ``mesh``'s collectives take: FSDP2's CPU offload keeps shards (and their gradients)
+    in host memory, and NCCL takes GPU tensors only ("No backend type associated with device type cpu")."""
+    return local if local.device.type == mesh.device_type else local.to(mesh.device_type)
+
+
+def full_tensor(sharded: DTensor) -> torch.Tensor:
+    """``sharded`` gathered whole (a collective: every rank of its mesh calls it), also where its local part is in
+    host memory (CPU offload); the result is on the mesh's device."""
+    local = sharded.to_local()
+    moved = on_mesh_device(local, sharded.device_mesh)
+    if moved is not local:
+        sharded = DTensor.from_local(moved, sharded.device_mesh, sharded.placements, shape=sharded.shape,
+                                     stride=sharded.stride(), run_check=False)
+    return sharded.full_tensor()

@@ -6,6 +6,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
+from toolkit.modules._dtensor import on_mesh_device
+
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
     """Clip the global gradient norm (over all ranks' shards) to ``max_norm``; return the norm before clipping.
@@ -44,8 +46,8 @@ def global_norm(tensors: list[torch.Tensor]) -> float:
         # One multi-tensor kernel for all of a layout's norms on CUDA (a profile of a 3B step found 254 norm kernels
         # and as many squares and adds, launched one by one), then their squares summed.
         square = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32)).square().sum()
-        if layout is not None:
-            square = _sum_over_shards(square, *layout)
+        if layout is not None:  # (gradients offloaded to host memory: the sum goes over the mesh's device)
+            square = _sum_over_shards(on_mesh_device(square, layout[0]), *layout)
         total = total + square.cpu()
     return float(total.sqrt())
 

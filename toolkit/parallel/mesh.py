@@ -180,6 +180,14 @@ class ParallelDims:
         return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
 
 
+# FSDP2 offloads the shards of a model sharded over several processes; one process's model is left unwrapped
+# (apply_data_parallel), so cpu_offload there would be silently ignored while the memory plan counted it.
+ONE_PROCESS_OFFLOAD = (
+    "cpu_offload: offloads the shards of a model sharded over 2 or more processes, and one process has none; remove "
+    "cpu_offload, or on one GPU save memory with optimizer_in_backward=true, activation_offloading=true or LoRA"
+)
+
+
 def parallel_dims(
     *,
     strategy: str,
@@ -209,8 +217,8 @@ def parallel_dims(
         context_parallel: data-parallel ranks each sequence is split over (config ``context_parallel``).
 
     Raises:
-        UserError: an unknown strategy, ``cpu_offload`` without sharding or without a GPU, a shape that does not
-            divide, or a strategy tensor parallelism cannot combine with.
+        UserError: an unknown strategy, ``cpu_offload`` without sharding, a GPU or a second process, a shape that
+            does not divide, or a strategy tensor parallelism cannot combine with.
     """
     if strategy not in STRATEGIES:
         raise UserError(f"data_parallel: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or auto")
@@ -220,6 +228,8 @@ def parallel_dims(
         )
     if cpu_offload and device_type == "cpu":
         raise UserError("cpu_offload: training already runs on the CPU (no GPU found); remove cpu_offload")
+    if cpu_offload and world_size == 1:
+        raise UserError(ONE_PROCESS_OFFLOAD)
     for problem in tensor_parallel_problems(
         tensor_parallel=tensor_parallel, world_size=world_size, strategy=strategy, cpu_offload=cpu_offload
     ):

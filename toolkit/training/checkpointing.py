@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 import toolkit.models
 from toolkit.errors import UserError, read_json
 from toolkit.models._expert_keys import Part
-from toolkit.modules._dtensor import local_region
+from toolkit.modules._dtensor import full_tensor, local_region
 from toolkit.modules.moe import MoEFeedForward
 from toolkit.modules.peft.nf4_experts import NF4Stack, nf4_stacks
 from toolkit.training.distributed import shared_filesystem
@@ -405,7 +405,7 @@ class HFCheckpointer:
             rank_zero = not dist.is_initialized() or dist.get_rank() == 0
             full = {}
             for key, tensor in state_dict.items():
-                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                whole = full_tensor(tensor) if isinstance(tensor, DTensor) else tensor
                 if rank_zero:
                     full[key] = whole.cpu()
         sources = self._hf_sources({key: _TensorSpec.of(tensor) for key, tensor in full.items()})

@@ -44,7 +44,7 @@ from torch import nn
 from toolkit.errors import UserError
 from toolkit.modules.peft.nf4_experts import has_nf4
 from toolkit.parallel.expert_parallel import check_expert_parallel, expert_parallel_local_parameters
-from toolkit.parallel.mesh import expert_parallel_problems, tensor_parallel_problems
+from toolkit.parallel.mesh import ONE_PROCESS_OFFLOAD, expert_parallel_problems, tensor_parallel_problems
 from toolkit.parallel.tensor_parallel import check_tensor_parallel
 from toolkit.parallel.tp_shapes import tensor_parallel_local_parameters
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
@@ -282,6 +282,8 @@ def _check_shape(strategy: str, world_size: int, num_nodes: int, shard_size: int
         raise UserError(f"a world size of {world_size} cannot be spread evenly over {num_nodes} node(s)")
     if cpu_offload and strategy not in _SHARDED:
         raise UserError(f"cpu_offload: needs a sharded strategy ({', '.join(_SHARDED)}), not data_parallel={strategy}")
+    if cpu_offload and world_size == 1:
+        raise UserError(ONE_PROCESS_OFFLOAD)
     if strategy in ("ddp", "zero1"):
         return 1
     if strategy != "hsdp":

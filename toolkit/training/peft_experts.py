@@ -26,6 +26,7 @@ import re
 import torch
 from torch.distributed.tensor import DTensor
 
+from toolkit.modules._dtensor import full_tensor
 from toolkit.modules.peft import LoRAGroupedExperts
 
 # transformers' fused expert parameters, in the order its experts modules register them (the order PEFT nests in).
@@ -65,7 +66,7 @@ def peft_patterns(rank: int, alpha: float) -> tuple[dict, dict]:
 
 def whole(param: torch.Tensor) -> torch.Tensor:
     """``param`` whole and detached: gathered where it is a DTensor (a collective: every rank calls it)."""
-    return (param.full_tensor() if isinstance(param, DTensor) else param).detach()  # a collective for a DTensor
+    return (full_tensor(param) if isinstance(param, DTensor) else param).detach()  # a collective for a DTensor
 
 
 def peft_tensors(module: LoRAGroupedExperts) -> dict[str, torch.Tensor]:
