@@ -26,14 +26,12 @@ from toolkit.training.loss import chunked_cross_entropy_sum
 from toolkit.training.memory import (
     StepKernels,
     activation_bytes,
-    candidate_strategies,
-    choose_strategy,
-    device_memory_bytes,
     estimate_memory,
     logits_bytes,
     offloaded_activation_bytes,
 )
 from toolkit.training.optim import OptimizerInBackward
+from toolkit.training.planning import candidate_strategies, choose_strategy, device_memory_bytes
 
 GIB = 1024**3
 VOCAB = 384
@@ -643,7 +641,7 @@ def test_nf4_base_weights_count_at_their_quantized_size() -> None:
 
 
 def _plan(**overrides):
-    from toolkit.training.memory import plan_parallelism
+    from toolkit.training.planning import plan_parallelism
 
     with torch.device("meta"):
         model = llama3_1_8b(max_seq_len=4096)
@@ -668,7 +666,7 @@ def test_a_micro_batch_above_a_process_share_is_cut_to_it():
     # The demo's micro batch of 16, sized for 32 sequences on 2 processes, on 4 and 8: each process takes its whole
     # share in one micro batch, and the global batch (so the training) stays the same. Processes that do not divide
     # the batch leave nothing to cut.
-    from toolkit.training.memory import plan_parallelism
+    from toolkit.training.planning import plan_parallelism
 
     with torch.device("meta"):
         model = llama3_demo()
@@ -746,7 +744,7 @@ def test_auto_on_a_cpu_never_picks_cpu_offload():
     args = dict(model=model, strategy="auto", cpu_offload=False, batch_size=32, micro_batch_size=16,
                 device_memory_gb=0.0545, world_size=2, local_world_size=2, max_seq_len=64, dtype="fp32",
                 activation_checkpointing=False)
-    from toolkit.training.memory import plan_parallelism
+    from toolkit.training.planning import plan_parallelism
 
     with pytest.raises(UserError, match="^no data-parallel strategy fits 2 device"):
         plan_parallelism(**args, device=torch.device("cpu"))

@@ -24,7 +24,8 @@ from toolkit.models.llama3 import llama3_demo
 from toolkit.models.qwen3_moe import qwen3_moe_30b_a3b
 from toolkit.modules.moe import MoEFeedForward, _has_grouped_mm
 from toolkit.training.activation_memory import _moe_bytes_per_token, activation_bytes, all_to_all_bytes
-from toolkit.training.memory import choose_strategy, estimate_memory, expert_parallel_degrees, plan_parallelism
+from toolkit.training.memory import estimate_memory
+from toolkit.training.planning import choose_strategy, expert_parallel_degrees, plan_parallelism
 
 GIB = 1024**3
 # The layouts measured (activation checkpointing's own saved-tensor hooks hide the layers' from the meter).

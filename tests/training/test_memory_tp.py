@@ -14,12 +14,8 @@ from tests.training._tp_worker import build
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3, llama3_1_8b, llama3_1_70b
 from toolkit.training.activation_memory import activation_bytes, logits_bytes
-from toolkit.training.memory import (
-    candidate_layouts,
-    estimate_memory,
-    plan_parallelism,
-    tensor_parallel_degrees,
-)
+from toolkit.training.memory import estimate_memory
+from toolkit.training.planning import candidate_layouts, plan_parallelism, tensor_parallel_degrees
 from toolkit.parallel.tp_shapes import tensor_parallel_local_parameters
 
 GIB = 1024**3

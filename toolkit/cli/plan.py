@@ -26,17 +26,13 @@ from toolkit.parallel.mesh import EXPERT_PARALLEL_STRATEGIES
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.activations import checkpoint_interval
 from toolkit.training.preference import preference_kernels
-from toolkit.training.memory import (
-    StepKernels,
+from toolkit.training.memory import StepKernels, estimate_memory, format_bytes, format_table, optimizer_memory_model
+from toolkit.training.planning import (
     candidate_strategies,
     choose_layout,
     choose_strategy,
     device_memory_bytes,
-    estimate_memory,
     expert_parallel_degrees,
-    format_bytes,
-    format_table,
-    optimizer_memory_model,
     plan_parallelism,
     tensor_parallel_degrees,
 )

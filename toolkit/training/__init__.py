@@ -27,15 +27,7 @@ from toolkit.training.init import init_weights, materialize, set_seed
 from toolkit.training.compile import compile_model, static_lengths
 from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum, global_token_count, gradient_scale
 from toolkit.training.lr_schedulers import cosine_with_warmup
-from toolkit.training.memory import (
-    ParallelPlan,
-    StepKernels,
-    choose_layout,
-    choose_strategy,
-    estimate_memory,
-    optimizer_memory_model,
-    plan_parallelism,
-)
+from toolkit.training.memory import StepKernels, estimate_memory, optimizer_memory_model
 from toolkit.training.meta_checkpoint import MetaCheckpointer
 from toolkit.training.metrics import MetricsLogger, peak_memory_gib, rank_stats, step_metrics
 from toolkit.training.muon import Muon
@@ -55,6 +47,7 @@ from toolkit.parallel import (
 )
 from toolkit.training.output_dir import claim_output_dir, prepare_output_dir, start_run
 from toolkit.training.parallelize import parallelize
+from toolkit.training.planning import ParallelPlan, choose_layout, choose_strategy, plan_parallelism
 from toolkit.training.precision import PrecisionPolicy, precision_policy
 from toolkit.training.profiling import StepProfiler, flops_per_token, measure_peak_flops, profiler_settings
 from toolkit.training.step_checkpoint import (

@@ -109,7 +109,7 @@ TRAINING_KEYS = {
     "eval_max_new_tokens": Int(ge=1),
     "batch_size": Int(ge=1),
     "micro_batch_size": one_of(Int(ge=1), Choice("auto")),
-    # Training plans memory, so it may choose the degree (toolkit.training.memory.choose_layout); evaluation and
+    # Training plans memory, so it may choose the degree (toolkit.training.planning.choose_layout); evaluation and
     # generation take PARALLEL_KEYS' number.
     "tensor_parallel": one_of(Int(ge=1), Choice("auto"), required=False),
     "expert_parallel": Int(ge=1, required=False),
