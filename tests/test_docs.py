@@ -239,10 +239,17 @@ def _config(recipe: str, config: str, cwd: Path) -> DictConfig:
 
 def _shortening(words: list[str], cfg: DictConfig, recipe: str) -> dict[str, object]:
     """The shortening overrides a command that trains or evaluates gets: those of keys the config has (under a
-    section that is not null) and the command leaves alone."""
+    section that is not null; a key set to null counts, as the KTO demo's ``max_steps: null`` does) and the command
+    leaves alone."""
     short = SHORT_EVAL if recipe == "eval" else SHORT_RESUME if any(w.startswith("resume_from=") for w in words) \
         else SHORT_TRAINING
-    return {k: v for k, v in short.items() if not _sets(words, k) and OmegaConf.select(cfg, k) is not None}
+    return {k: v for k, v in short.items() if not _sets(words, k) and _has(cfg, k)}
+
+
+def _has(cfg: DictConfig, key: str) -> bool:
+    parent, _, leaf = key.rpartition(".")
+    section = OmegaConf.select(cfg, parent) if parent else cfg
+    return isinstance(section, DictConfig) and leaf in section
 
 
 def _output_dir(words: list[str], cfg: DictConfig) -> str:
