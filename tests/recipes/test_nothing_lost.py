@@ -149,7 +149,7 @@ def test_a_full_disk_at_the_export_keeps_the_earlier_final(old, capfd, monkeypat
         path.write_bytes(bytes(100))
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(checkpointing, "_write_safetensors", full)
+    monkeypatch.setattr(checkpointing, "write_safetensors", full)
     code, err = run(capfd, "full_finetune", old, "resume_from=auto", "max_steps=5", "save_every_n_steps=null")
     assert_refused(code, err, f"{old / 'final'}: cannot write the Hugging Face checkpoint ({ENOSPC}); the earlier one")
     assert tree(old / "final") == final

@@ -152,7 +152,7 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatch,
     max_shard_bytes = 2**30 if shards == 1 else 12_000
     final = checkpointer.save(model, tmp_path / "final", max_shard_bytes=max_shard_bytes)
     before = tree(tmp_path)
-    write = checkpointing._write_safetensors
+    write = checkpointing.write_safetensors
     written = []
 
     def full_on_the_last_file(path, *args):
@@ -162,7 +162,7 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, monkeypatch,
         path.write_bytes(bytes(100))  # a few bytes land, then the disk is full
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(checkpointing, "_write_safetensors", full_on_the_last_file)
+    monkeypatch.setattr(checkpointing, "write_safetensors", full_on_the_last_file)
     with torch.no_grad():
         model.output.weight.add_(1.0)
     with pytest.raises(UserError) as error:
@@ -176,7 +176,7 @@ def test_an_export_into_a_new_folder_that_fails_leaves_nothing(tmp_path, monkeyp
     def full(path, *args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(checkpointing, "_write_safetensors", full)
+    monkeypatch.setattr(checkpointing, "write_safetensors", full)
     with pytest.raises(UserError, match=rf"final: cannot write the Hugging Face checkpoint \({ENOSPC}\); nothing"):
         HFCheckpointer(model_family="llama3").save(tiny(), tmp_path / "final")
     assert list(tmp_path.iterdir()) == []

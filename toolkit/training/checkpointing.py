@@ -7,19 +7,16 @@ place when complete, so a crash mid-save never leaves a half-written ``final/``.
 
 Where a family stacks tensors that Hugging Face stores one by one (the experts of a mixture-of-experts layer, see
 ``toolkit.models._expert_keys``), each HF tensor read fills its slice of ours, and exports write the slices again.
+The files' layout and the streaming writer: :mod:`toolkit.training.safetensors_files`.
 """
 
 import importlib
-import itertools
 import json
 import logging
-import math
 import pkgutil
 import shutil
-import struct
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -43,6 +40,20 @@ from toolkit.modules.peft.nf4_experts import NF4Stack, nf4_stacks
 from toolkit.training.distributed import shared_filesystem
 from toolkit.training.watchdog import progress
 from toolkit.parallel import unwrap
+from toolkit.training.safetensors_files import (
+    SAFETENSORS_INDEX,
+    Joined,
+    Source,
+    TensorReader,
+    TensorSpec,
+    dcp_tensor_reader,
+    files_dtype,
+    memory_reader,
+    part_specs,
+    plan_files,
+    write_index,
+    write_safetensors,
+)
 from toolkit.training.step_checkpoint import (
     COMPLETE_MARKER,
     TOKENIZER_FILES,
@@ -64,7 +75,6 @@ _NOT_FROM_SOURCE = (
 )
 log = logging.getLogger(__name__)
 
-_SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SHARDS_DIR = ".shards"  # an export's intermediate per-rank shards, removed when it completes
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
@@ -82,7 +92,7 @@ def load_model_family(name: str) -> ModuleType:
 
 
 def _weight_files(checkpoint_dir: Path) -> list[Path]:
-    index = checkpoint_dir / _SAFETENSORS_INDEX
+    index = checkpoint_dir / SAFETENSORS_INDEX
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -101,10 +111,10 @@ def _weight_files(checkpoint_dir: Path) -> list[Path]:
                 f"; {pickled[0]} is a pickle, which is not loaded since it could run code: convert it to safetensors "
                 "(transformers' save_pretrained writes them)"
             )
-        raise UserError(f"{checkpoint_dir}: no *.safetensors files (and no {_SAFETENSORS_INDEX}){hint}")
+        raise UserError(f"{checkpoint_dir}: no *.safetensors files (and no {SAFETENSORS_INDEX}){hint}")
     for file in files:
         if not file.is_file():
-            raise UserError(f"{file}: listed in {_SAFETENSORS_INDEX} but missing")
+            raise UserError(f"{file}: listed in {SAFETENSORS_INDEX} but missing")
     return files
 
 
@@ -200,7 +210,7 @@ class HFCheckpointer:
         if missing:
             key = missing[0]
             hf_key = next(
-                (hf for hf, source in self._hf_sources({key: _TensorSpec.of(targets[key])}).items()
+                (hf for hf, source in self._hf_sources({key: TensorSpec.of(targets[key])}).items()
                  if source.index not in slices.get(key, ())),
             )
             raise UserError(
@@ -254,7 +264,7 @@ class HFCheckpointer:
         parts = self._hf_key_to_parts(hf_key) if self._hf_key_to_parts is not None else None
         return parts if parts is not None else [Part(self.family.hf_key_to_tune(hf_key))]
 
-    def _hf_sources(self, specs: dict[str, "_TensorSpec"], *, prefix: str = "") -> dict[str, "_Source | _Joined"]:
+    def _hf_sources(self, specs: dict[str, "TensorSpec"], *, prefix: str = "") -> dict[str, "Source | Joined"]:
         """The HF tensors that our tensors (``specs``, by our key) are written as, in order, each with where its
         values are (our key after ``prefix``): a tensor whole, one slice along dim 0 of a stacked one, or several
         whole ones joined along their rows (a fused projection)."""
@@ -266,23 +276,23 @@ class HFCheckpointer:
             if slices is None:
                 hf_key = self.family.tune_key_to_hf(key)
                 joined = sources.get(hf_key)
-                part = _Source(prefix + key, spec)
-                sources[hf_key] = part if joined is None else _Joined((*joined.parts, part))
+                part = Source(prefix + key, spec)
+                sources[hf_key] = part if joined is None else Joined((*joined.parts, part))
             else:
-                sources.update({hf_key: _Source(prefix + key, spec, index) for index, hf_key in enumerate(slices)})
+                sources.update({hf_key: Source(prefix + key, spec, index) for index, hf_key in enumerate(slices)})
         for hf_key, source in sources.items():
-            if isinstance(source, _Joined):
+            if isinstance(source, Joined):
                 sources[hf_key] = self._order_joined(hf_key, source, prefix)
         return sources
 
-    def _order_joined(self, hf_key: str, joined: "_Joined", prefix: str) -> "_Joined":
+    def _order_joined(self, hf_key: str, joined: "Joined", prefix: str) -> "Joined":
         """Several of our tensors written as one HF tensor (a fused projection: Phi-3's ``qkv_proj``): their rows
         in the order of the family's ``hf_key_to_parts``; all of them, or none (the family would not load it)."""
         order = [prefix + part.key for part in (self._hf_key_to_parts(hf_key) if self._hf_key_to_parts else None) or ()]
         by_name = {part.name: part for part in joined.parts}
         if sorted(order) != sorted(by_name):
             raise ValueError(f"{hf_key}: the tensors {sorted(by_name)} do not make up its parts {order}")
-        return _Joined(tuple(by_name[name] for name in order))
+        return Joined(tuple(by_name[name] for name in order))
 
     def _check_slice_counts(self, files: list[Path], targets: dict[str, torch.Tensor]) -> None:
         """Before any tensor is read, from the files' headers: the slices (experts) of each stacked tensor the
@@ -368,9 +378,9 @@ class HFCheckpointer:
         """
         if state_dict is None:
             state_dict = model.state_dict()
-        sources = self._hf_sources({key: _TensorSpec.of(tensor) for key, tensor in state_dict.items()})
-        read = _memory_reader(state_dict, sources)
-        return self._write_folder(output_dir, model, _part_specs(sources), lambda tmp_dir: read, max_shard_bytes)
+        sources = self._hf_sources({key: TensorSpec.of(tensor) for key, tensor in state_dict.items()})
+        read = memory_reader(state_dict, sources)
+        return self._write_folder(output_dir, model, part_specs(sources), lambda tmp_dir: read, max_shard_bytes)
 
     def export(
         self,
@@ -408,17 +418,17 @@ class HFCheckpointer:
                 whole = full_tensor(tensor) if isinstance(tensor, DTensor) else tensor
                 if rank_zero:
                     full[key] = whole.cpu()
-        sources = self._hf_sources({key: _TensorSpec.of(tensor) for key, tensor in full.items()})
+        sources = self._hf_sources({key: TensorSpec.of(tensor) for key, tensor in full.items()})
         sharded = any(isinstance(tensor, DTensor) for tensor in full.values())
 
         def source(tmp_dir: Path) -> TensorReader:
             if not sharded:
-                return _memory_reader(full, sources)  # every rank holds every tensor
+                return memory_reader(full, sources)  # every rank holds every tensor
             dcp.save(full, checkpoint_id=str(tmp_dir / _SHARDS_DIR))
             return dcp_tensor_reader(tmp_dir / _SHARDS_DIR, sources)
 
         return self._write_folder(
-            output_dir, model, _part_specs(sources), source, max_shard_bytes, collective=True, all_ranks=shared
+            output_dir, model, part_specs(sources), source, max_shard_bytes, collective=True, all_ranks=shared
         )
 
     def save_from_dcp(
@@ -448,16 +458,16 @@ class HFCheckpointer:
                     f"{checkpoint_dir}: {prefix + key!r} has shape {tuple(entry.size)} but the model expects "
                     f"{tuple(tensor.shape)}; is it a checkpoint of this model?"
                 )
-            specs[key] = _TensorSpec(tuple(entry.size), entry.properties.dtype)
+            specs[key] = TensorSpec(tuple(entry.size), entry.properties.dtype)
         sources = self._hf_sources(specs, prefix=prefix)
         read = dcp_tensor_reader(Path(checkpoint_dir), sources)
-        return self._write_folder(output_dir, model, _part_specs(sources), lambda tmp_dir: read, max_shard_bytes)
+        return self._write_folder(output_dir, model, part_specs(sources), lambda tmp_dir: read, max_shard_bytes)
 
     def _write_folder(
         self,
         output_dir: str | Path,
         model: nn.Module,
-        specs: dict[str, "_TensorSpec"],
+        specs: dict[str, "TensorSpec"],
         source: Callable[[Path], "TensorReader"],
         max_shard_bytes: int,
         *,
@@ -474,7 +484,7 @@ class HFCheckpointer:
         """
         output_dir = Path(output_dir)
         tmp_dir = output_dir.with_name(f".{output_dir.name}.partial")
-        files = _plan_files(specs, max_shard_bytes)
+        files = plan_files(specs, max_shard_bytes)
         together = collective and dist.is_initialized()
         rank = dist.get_rank() if together else 0
         world_size = dist.get_world_size() if together and all_ranks else 1
@@ -511,13 +521,13 @@ class HFCheckpointer:
             read = source(tmp_dir)
             for i, (name, keys) in enumerate(files.items()):
                 if i % world_size == rank:
-                    _write_safetensors(tmp_dir / name, keys, specs, read(keys))
+                    write_safetensors(tmp_dir / name, keys, specs, read(keys))
             if rank == 0:
-                _write_index(tmp_dir, files, specs)
+                write_index(tmp_dir, files, specs)
 
         def finish() -> None:
             if rank == 0:
-                self._complete_folder(tmp_dir, output_dir, model, _files_dtype(specs))
+                self._complete_folder(tmp_dir, output_dir, model, files_dtype(specs))
 
         for write in (start, write_files, finish):
             step(write)
@@ -566,76 +576,6 @@ def export_config(source: dict | None, ours: dict[str, Any]) -> dict[str, Any]:
     if isinstance(source.get("max_position_embeddings"), int):
         config["max_position_embeddings"] = max(source["max_position_embeddings"], ours["max_position_embeddings"])
     return config
-
-
-def _files_dtype(specs: dict[str, "_TensorSpec"]) -> torch.dtype | None:
-    """The dtype most floating-point tensors are written in (the config's ``torch_dtype``), or None."""
-    counts = Counter(spec.dtype for spec in specs.values() if spec.dtype.is_floating_point)
-    return counts.most_common(1)[0][0] if counts else None
-
-
-@dataclass(frozen=True)
-class _TensorSpec:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "_TensorSpec":
-        return cls(tuple(tensor.shape), tensor.dtype)  # a DTensor's shape is the full one
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class _Source:
-    """Where the values of an HF tensor being written are: our tensor ``name`` (of ``spec``) whole, or its slice
-    ``index`` along dim 0 (one expert of a stacked tensor)."""
-
-    name: str
-    spec: _TensorSpec
-    index: int | None = None
-
-    @property
-    def part_spec(self) -> _TensorSpec:
-        return self.spec if self.index is None else _TensorSpec(self.spec.shape[1:], self.spec.dtype)
-
-    @property
-    def parts(self) -> tuple["_Source", ...]:
-        return (self,)
-
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.index is None else tensor[self.index]
-
-    def read(self, tensors: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        """The values, given our tensors by name."""
-        return self.take(tensors(self.name))
-
-
-@dataclass(frozen=True)
-class _Joined:
-    """An HF tensor whose rows (second-to-last dimension) are several of our whole tensors in order: a fused
-    projection (Phi-3's ``qkv_proj``, our ``q_proj``, ``k_proj`` and ``v_proj``)."""
-
-    parts: tuple[_Source, ...]
-
-    @property
-    def index(self) -> None:
-        return None
-
-    @property
-    def part_spec(self) -> _TensorSpec:
-        first = self.parts[0].spec
-        rows = sum(part.spec.shape[-2] for part in self.parts)
-        return _TensorSpec((*first.shape[:-2], rows, first.shape[-1]), first.dtype)
-
-    def read(self, tensors: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        return torch.cat([part.read(tensors) for part in self.parts], dim=-2)
-
-
-def _part_specs(sources: dict[str, "_Source | _Joined"]) -> dict[str, _TensorSpec]:
-    return {key: source.part_spec for key, source in sources.items()}
 
 
 def _part_shape(
@@ -690,102 +630,6 @@ def _copy_part(target: "torch.Tensor | NF4Stack", part: Part, source: Any, offse
         rows = region[-2]
         region = (*region[:-2], slice(rows.start + offset, rows.stop + offset), region[-1])
     local.copy_(source[region])
-
-
-def _plan_files(specs: dict[str, _TensorSpec], max_shard_bytes: int) -> dict[str, list[str]]:
-    """File name -> its keys, in order: consecutive tensors filling files of at most ``max_shard_bytes``."""
-    groups: list[list[str]] = [[]]
-    size = 0
-    for key, spec in specs.items():
-        if groups[-1] and size + spec.nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(key)
-        size += spec.nbytes
-    if len(groups) == 1:
-        return {"model.safetensors": groups[0]}
-    return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": keys for i, keys in enumerate(groups, start=1)}
-
-
-def _write_index(folder: Path, files: dict[str, list[str]], specs: dict[str, _TensorSpec]) -> None:
-    if len(files) == 1:
-        return
-    index = {
-        "metadata": {"total_size": sum(spec.nbytes for spec in specs.values())},
-        "weight_map": {key: name for name, keys in files.items() for key in keys},
-    }
-    (folder / _SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
-
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-
-
-def _write_safetensors(
-    path: Path, keys: list[str], specs: dict[str, _TensorSpec], tensors: Iterator[tuple[str, torch.Tensor]]
-) -> None:
-    """Write a safetensors file streaming ``tensors`` (in ``keys`` order) one at a time.
-
-    The format is an 8-byte little-endian header length, a JSON header of each tensor's dtype, shape and byte
-    range, then the raw little-endian bytes; writing it directly means no tensor but the current one is held.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key in keys:
-        spec = specs[key]
-        header[key] = {
-            "dtype": _SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes],
-        }
-        offset += spec.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for (key, tensor), expected in zip(tensors, keys, strict=True):
-            assert key == expected and _TensorSpec.of(tensor) == specs[key], f"{key}: not the planned tensor"
-            f.write(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-# Yields ``(key, full tensor)`` for the keys asked, in their order.
-TensorReader = Callable[[list[str]], Iterator[tuple[str, torch.Tensor]]]
-
-
-def _memory_reader(state: dict[str, torch.Tensor], sources: dict[str, "_Source | _Joined"]) -> TensorReader:
-    return lambda keys: ((key, sources[key].read(state.__getitem__)) for key in keys)
-
-
-def dcp_tensor_reader(
-    checkpoint_dir: Path, sources: dict[str, "_Source | _Joined"], *, batch_bytes: int = 2**28
-) -> TensorReader:
-    """Reads full tensors out of a ``torch.distributed.checkpoint`` folder, whatever the sharding it was written
-    with: each key's values from its sources there (``sources``: a saved tensor whole, one slice of it, or several
-    joined). Saved tensors are loaded about ``batch_bytes`` at a time, a stacked one once for the run of its slices
-    the keys ask in a row. Runs in this process alone."""
-
-    def saved(key: str) -> dict[str, _TensorSpec]:
-        return {part.name: part.spec for part in sources[key].parts}
-
-    def read(keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        runs = [list(run) for _, run in itertools.groupby(keys, key=lambda k: tuple(saved(k)))]
-        batch: list[list[str]] = []
-        for i, run in enumerate(runs):
-            batch.append(run)
-            size = sum(spec.nbytes for r in batch for spec in saved(r[0]).values())
-            if i + 1 < len(runs) and size + sum(s.nbytes for s in saved(runs[i + 1][0]).values()) <= batch_bytes:
-                continue
-            wanted = {
-                name: torch.empty(spec.shape, dtype=spec.dtype) for r in batch for name, spec in saved(r[0]).items()
-            }
-            load_dcp(wanted, checkpoint_dir, no_dist=True)
-            for run_keys in batch:
-                yield from ((k, sources[k].read(wanted.__getitem__)) for k in run_keys)
-            batch = []
-
-    return read
 
 
 def check_step_checkpoint(path: Path) -> Metadata:

@@ -32,7 +32,8 @@ from toolkit.modules._dtensor import copy_full_
 from toolkit.modules.peft import DoRALinear, LoRAGroupedExperts, adapter_modules, init_adapters, is_adapter_key
 from toolkit.modules.peft import get_merged_state_dict, has_nf4, trained_routers
 from toolkit.parallel import unwrap
-from toolkit.training.checkpointing import _SAFETENSORS_INDEX, _weight_files, gather_full_state_dict, load_model_family
+from toolkit.training.checkpointing import _weight_files, gather_full_state_dict, load_model_family
+from toolkit.training.safetensors_files import SAFETENSORS_INDEX
 from toolkit.training.distributed import barrier
 from toolkit.training.step_checkpoint import TOKENIZER_FILES
 from toolkit.training.init import init_weights
@@ -582,7 +583,7 @@ def merge_adapter_into_checkpoint(
                         tensor = replaced[ours].to(tensor.dtype)
                     out[key] = tensor
             save_file(out, str(tmp_dir / file.name), metadata=metadata)
-        for name in (_SAFETENSORS_INDEX, "config.json", *TOKENIZER_FILES):
+        for name in (SAFETENSORS_INDEX, "config.json", *TOKENIZER_FILES):
             if (base_dir / name).is_file():
                 shutil.copy2(base_dir / name, tmp_dir / name)
 
