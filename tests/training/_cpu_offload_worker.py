@@ -49,23 +49,11 @@ def train(env, *, cpu_offload: bool) -> dict:
     with torch.device("meta"):
         model = llama3_demo(max_seq_len=SEQ)
     model = parallelize(model, dims=dims, device=env.device, dtype=torch.float32, fill=fill)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    generator = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(STEPS):
-        tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=generator)
-        rows = slice(env.rank * BATCH // 2, (env.rank + 1) * BATCH // 2)
-        micro = [{"tokens": tokens[rows, :-1], "labels": tokens[rows, 1:]}]
-        result = forward_backward(model, micro, device=env.device, data_parallel_size=env.world_size)
-        optimizer_step(model, optimizer, max_grad_norm=1.0)
-        losses.append(result.loss)
-    weights = sum(float(p.detach().full_tensor().double().sum()) for p in model.parameters())
     return {
         "sharded_when_filled": all(sharded for sharded, _, _ in filled),
         "filled_elements": sum(local for _, local, _ in filled),
         "model_elements": sum(whole for _, _, whole in filled),
-        "losses": losses,
-        "weights": weights,
+        **train_steps(model, env, max_grad_norm=1.0),
     }
 
 
@@ -80,18 +68,26 @@ def train_on_one_gpu(env, *, cpu_offload: bool) -> dict:
     materialize(model, device=torch.device("cpu") if cpu_offload else env.device, buffer_device=env.device)
     init_weights(model)  # drawn on the GPU either way (init_full_): the same values with and without offload
     where = {p.to_local().device.type for p in model.parameters()}
+    return {"parameters_on": sorted(where), "buffers_on": sorted({b.device.type for b in model.buffers()}),
+            **train_steps(model, env, max_grad_norm=0.5)}  # clipped: the norm is all-reduced
+
+
+def train_steps(model: torch.nn.Module, env, *, max_grad_norm: float) -> dict:
+    """STEPS AdamW steps of this rank's share of the same global batches; the losses, the gradient norms and the sum
+    of the final weights (gathered whole)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(1)
+    share = BATCH // env.world_size
+    rows = slice(env.rank * share, (env.rank + 1) * share)
     losses, norms = [], []
     for _ in range(STEPS):
         tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=generator)
-        micro = [{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}]
-        result = forward_backward(model, micro, device=env.device, data_parallel_size=1)
-        norms.append(optimizer_step(model, optimizer, max_grad_norm=0.5))  # clipped: the norm is all-reduced
+        micro = [{"tokens": tokens[rows, :-1], "labels": tokens[rows, 1:]}]
+        result = forward_backward(model, micro, device=env.device, data_parallel_size=env.world_size)
+        norms.append(optimizer_step(model, optimizer, max_grad_norm=max_grad_norm))
         losses.append(result.loss)
     weights = sum(float(full_tensor(p.detach()).double().sum()) for p in model.parameters())
-    return {"parameters_on": sorted(where), "buffers_on": sorted({b.device.type for b in model.buffers()}),
-            "losses": losses, "norms": norms, "weights": weights}
+    return {"losses": losses, "norms": norms, "weights": weights}
 
 
 def main(out: str, device: str = "cpu") -> None:

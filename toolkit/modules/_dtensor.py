@@ -40,9 +40,7 @@ def init_full_(param: torch.Tensor, init: Callable[[torch.Tensor], Any]) -> None
         init(param)
         return
     local = param.to_local()
-    mesh_type = param.device_mesh.device_type
-    draw_on = local.device if local.device.type == mesh_type else torch.device(mesh_type)
-    full = torch.empty(param.shape, dtype=local.dtype, device=draw_on)
+    full = torch.empty(param.shape, dtype=local.dtype, device=_mesh_device(local, param.device_mesh))
     init(full)
     local.copy_(local_part(full, param))
 
@@ -50,7 +48,12 @@ def init_full_(param: torch.Tensor, init: Callable[[torch.Tensor], Any]) -> None
 def on_mesh_device(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """``local`` on the device ``mesh``'s collectives take: FSDP2's CPU offload keeps shards (and their gradients)
     in host memory, and NCCL takes GPU tensors only ("No backend type associated with device type cpu")."""
-    return local if local.device.type == mesh.device_type else local.to(mesh.device_type)
+    return local.to(_mesh_device(local, mesh))  # (itself where it is there already)
+
+
+def _mesh_device(local: torch.Tensor, mesh: DeviceMesh) -> torch.device:
+    # ``local``'s own device where it is of the mesh's type (keeping its index), else the mesh's current one.
+    return local.device if local.device.type == mesh.device_type else torch.device(mesh.device_type)
 
 
 def full_tensor(sharded: DTensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ def materialize(
     model.to_empty(device=device)
     if dtype is not None:
         model.to(dtype)
-    if buffer_device is not None and torch.device(buffer_device) != torch.device(device):
+    if buffer_device is not None:  # (a buffer already there stays the same tensor)
         for module in model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
