@@ -1,4 +1,4 @@
-"""Optimizer step time of toolkit.training.Muon against AdamW, on 1 and 2 processes under ddp and zero3 (CPU, gloo).
+"""Optimizer step time of toolkit.optim.Muon against AdamW, on 1 and 2 processes under ddp and zero3 (CPU, gloo).
 
     python benchmarks/muon.py                                   # demo model, ~1 min
     python benchmarks/muon.py --steps 20 --model toolkit.models.llama3.llama3_demo
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # (the benchmarks folder is no package)
 from scaling import collective_counter, end_worker, free_port, print_markdown_table  # noqa: E402
 
-OPTIMIZERS = {"adamw": "torch.optim.AdamW", "muon": "toolkit.training.Muon"}
+OPTIMIZERS = {"adamw": "torch.optim.AdamW", "muon": "toolkit.optim.Muon"}
 
 
 def _barrier() -> None:

@@ -58,12 +58,12 @@ from toolkit.training import (
     start_run,
     step_metrics,
 )
-from toolkit.training.distill import DistillSettings, check_teacher, distill_forward_backward, distill_validation
+from toolkit.objectives.distillation import DistillSettings, check_teacher, distill_forward_backward, distill_validation
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
-from toolkit.training.peft import fill_adapter_model, save_adapter_and_merged
-from toolkit.training.preference import frozen_reference
+from toolkit.checkpoint.peft import fill_adapter_model, save_adapter_and_merged
+from toolkit.objectives.preference import frozen_reference
 from toolkit.training.watchdog import progress, rank_watchdog
-from toolkit.training.schema import TRAINING_SCHEMA
+from toolkit.training.recipe_keys import TRAINING_SCHEMA
 
 
 @rule("kd_loss", "jsd_beta")

@@ -55,12 +55,12 @@ from toolkit.training import (
     sdpa_preference,
     set_seed,
 )
-from toolkit.training.output_dir import check_writable_folder
-from toolkit.training.peft import adapter_linear, fill_adapter_model
-from toolkit.training.schema import MODEL_KEYS, PARALLEL_KEYS, tensor_parallel_fits, parallelism_splits_the_model
+from toolkit.checkpoint.output_dir import check_writable_folder
+from toolkit.checkpoint.peft import adapter_linear, fill_adapter_model
+from toolkit.training.recipe_keys import MODEL_KEYS, PARALLEL_KEYS, tensor_parallel_fits, parallelism_splits_the_model
 from toolkit.training.validation import ValidationSampler, validation_loss
 
-# Every config key this recipe reads, checked before anything is loaded (toolkit/training/schema.py has the shared
+# Every config key this recipe reads, checked before anything is loaded (toolkit/training/recipe_keys.py has the shared
 # ones).
 SCHEMA = Schema({
     **MODEL_KEYS,

@@ -31,7 +31,7 @@ from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import report_exact_match
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.watchdog import progress, rank_watchdog
-from toolkit.training.schema import TRAINING_SCHEMA
+from toolkit.training.recipe_keys import TRAINING_SCHEMA
 from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
 from toolkit.training import (
     FLOAT8_TOKEN_MULTIPLE,
@@ -75,7 +75,7 @@ from toolkit.training import (
 )
 
 # Every config key this recipe reads, with its type, range and choices (the shared vocabulary, in
-# toolkit/training/schema.py), and the rules between them: checked whole before anything is built or written.
+# toolkit/training/recipe_keys.py), and the rules between them: checked whole before anything is built or written.
 SCHEMA = TRAINING_SCHEMA
 
 

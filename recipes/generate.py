@@ -26,8 +26,8 @@ from toolkit.generation import generate
 from toolkit.modules.peft import adapter_modules
 from toolkit.parallel import parallel_dims
 from toolkit.training import destroy_distributed, init_distributed, materialize, parallelize, precision_policy, set_seed
-from toolkit.training.peft import adapter_linear, fill_adapter_model
-from toolkit.training.schema import MODEL_KEYS, parallelism_splits_the_model
+from toolkit.checkpoint.peft import adapter_linear, fill_adapter_model
+from toolkit.training.recipe_keys import MODEL_KEYS, parallelism_splits_the_model
 
 
 @rule("tensor_parallel")
@@ -41,7 +41,7 @@ def tensor_parallel_spans_the_processes(ctx: Context) -> Iterator[tuple[str, str
         )
 
 
-# Every config key this recipe reads, checked before anything is loaded (toolkit/training/schema.py has the shared
+# Every config key this recipe reads, checked before anything is loaded (toolkit/training/recipe_keys.py has the shared
 # ones). top_k 0 and top_p 0 switch the filter off, as in transformers.
 SCHEMA = Schema({
     **MODEL_KEYS,

@@ -25,11 +25,11 @@ from toolkit.config import Bool, instantiate, recipe_main
 from toolkit.data import GlobalBatchSampler, padded_collate
 from toolkit.generation import report_exact_match
 from toolkit.training.watchdog import progress, rank_watchdog
-from toolkit.training.schema import TRAINING_SCHEMA
+from toolkit.training.recipe_keys import TRAINING_SCHEMA
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
-from toolkit.training.peft import fill_adapter_model, save_adapter_and_merged
+from toolkit.checkpoint.peft import fill_adapter_model, save_adapter_and_merged
 from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
 from toolkit.training import (
     FLOAT8_TOKEN_MULTIPLE,
@@ -74,7 +74,7 @@ from toolkit.training import (
 
 
 # Every config key this recipe reads, with its type, range and choices (the shared vocabulary, in
-# toolkit/training/schema.py, and the adapters' own), checked whole before anything is built or written. The
+# toolkit/training/recipe_keys.py, and the adapters' own), checked whole before anything is built or written. The
 # adapters' rank, alpha and dropout are checked by the LoRA builders' signatures.
 SCHEMA = TRAINING_SCHEMA.extend({"save_merged": Bool()})
 
@@ -316,7 +316,7 @@ def train(cfg: DictConfig) -> None:
     if eval_tasks:
         report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
                            world_size=env.world_size, when="after", log=log.print)
-    # The PEFT adapter (and, with save_merged, the merged model): see toolkit.training.peft.save_adapter_and_merged.
+    # The PEFT adapter (and, with save_merged, the merged model): see toolkit.checkpoint.peft.save_adapter_and_merged.
     save_adapter_and_merged(
         model, checkpointer, output_dir=output_dir / "final", save_merged=cfg.save_merged,
         build=partial(instantiate, cfg.model), is_rank_zero=env.is_rank_zero, log=log.print,

@@ -17,13 +17,13 @@ read again by any run on the same data and starting model, and no reference runs
 
 ``kto`` reads answers labelled desirable or not (toolkit.data.kto_dataset; ``batch_size`` counts answers): each step
 first scores every prompt of the global batch with another sample's answer, without grad, for its KL reference
-point, then trains on the answers (toolkit.training.kto). Its held-out data are pairs, scored as DPO's.
+point, then trains on the answers (toolkit.objectives.kto). Its held-out data are pairs, scored as DPO's.
 
 Each micro-batch of ``b`` pairs is one forward of ``2b`` rows (chosen, then rejected) that returns each row's summed
 log-probability from the fused projection-and-loss path (no logits kept); the loss of a step is the mean over
 every pair of the global batch (``batch_size`` pairs), whatever the split into processes and micro-steps, so the
 same global batch trains the same model on any layout. Metrics per step: ``rewards_chosen``, ``rewards_rejected``,
-``reward_margin``, ``reward_accuracy``, ``logps_chosen``, ``logps_rejected`` (see toolkit.training.preference).
+``reward_margin``, ``reward_accuracy``, ``logps_chosen``, ``logps_rejected`` (see toolkit.objectives.preference).
 """
 
 import json
@@ -71,10 +71,10 @@ from toolkit.training import (
     static_lengths,
     step_metrics,
 )
-from toolkit.training.kto import check_kto_balance, kto_forward_backward
+from toolkit.objectives.kto import check_kto_balance, kto_forward_backward
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
-from toolkit.training.peft import fill_adapter_model, save_adapter_and_merged
-from toolkit.training.preference import (
+from toolkit.checkpoint.peft import fill_adapter_model, save_adapter_and_merged
+from toolkit.objectives.preference import (
     LOSSES,
     reference_logps_file,
     PreferenceSettings,
@@ -90,7 +90,7 @@ from toolkit.training.preference import (
     save_reference_logps,
 )
 from toolkit.training.watchdog import progress, rank_watchdog
-from toolkit.training.schema import TRAINING_SCHEMA
+from toolkit.training.recipe_keys import TRAINING_SCHEMA
 
 
 @rule("preference_loss", "precompute_reference", "label_smoothing", "desirable_weight", "undesirable_weight")
@@ -106,7 +106,7 @@ def preference_options_fit_the_loss(ctx):
             yield key, f"only kto weighs its answers, and preference_loss is {loss}; remove it"
 
 
-# Every config key this recipe reads: the shared training vocabulary (toolkit/training/schema.py) and the
+# Every config key this recipe reads: the shared training vocabulary (toolkit/training/recipe_keys.py) and the
 # preference objective's own, checked whole before anything is built or written.
 SCHEMA = TRAINING_SCHEMA.without(
     "fused_loss", "optimizer_in_backward", "activation_offloading", "float8", "profiler", "context_parallel",

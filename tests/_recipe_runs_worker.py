@@ -45,7 +45,7 @@ if __name__ == "__main__":
     faulthandler.enable(all_threads=True)
     runs = json.loads(Path(sys.argv[1]).read_text())
     os.environ.pop(FAULT_ENV, None)  # nothing injected, whatever the test's own environment holds
-    toolkit.training.destroy_distributed = lambda: None  # what the recipes import: the group is kept (see above)
+    toolkit.parallel.destroy_distributed = lambda: None  # what the recipes import: the group is kept (see above)
     try:
         for spec in runs:
             start = time.perf_counter()

@@ -12,7 +12,7 @@ from toolkit.generation import generate, sample_next_token
 from toolkit.models.llama3 import llama3_demo, lora_llama3_demo
 from toolkit.modules.peft import get_adapter_params, get_merged_state_dict, init_adapters, is_adapter_key
 from toolkit.training import HFCheckpointer
-from toolkit.training.peft import save_peft_adapter
+from toolkit.checkpoint.peft import save_peft_adapter
 
 
 def test_stop_when_ends_generation_after_the_token_it_accepts():

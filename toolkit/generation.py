@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from toolkit.errors import UserError
 from toolkit.modules import LongRopeRotaryEmbeddings, TransformerDecoder
 from toolkit.parallel import unwrap
-from toolkit.training.distributed import all_reduce_sum
+from toolkit.parallel.distributed import all_reduce_sum
 from toolkit.training.watchdog import progress
 
 

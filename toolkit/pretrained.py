@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from toolkit.models import build_from_hf, read_hf_config
-from toolkit.training.checkpointing import HFCheckpointer
+from toolkit.checkpoint.hf import HFCheckpointer
 from toolkit.training.init import materialize
 
 

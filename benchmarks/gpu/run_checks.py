@@ -21,7 +21,7 @@ Before: ``bash benchmarks/gpu/fetch_wheels.sh`` where PyPI is reachable (README.
 4. The recipe runs on one GPU, each a short ``tune run`` of our wheel's recipe from its shipped config with
    overrides (``RecipeSetup``): ``preference_finetune_single_device`` (LoRA DPO on Llama 3.2 1B, the reference its
    base with the adapters off), ``distill_single_device`` (that 1B as the teacher of a student of half its width
-   and depth, from random initialization), ``full_finetune_single_device`` (that 1B with ``toolkit.training.Muon``)
+   and depth, from random initialization), ``full_finetune_single_device`` (that 1B with ``toolkit.optim.Muon``)
    and ``lora_finetune_single_device`` (a Qwen3-MoE from ``qwen3_moe_30b_a3b_lora`` at 8 layers of 64 experts,
    adapters on the experts, routers trained, random base), 8 steps of 2 x 2048 tokens, bf16, random weights from
    one checkpoint written as compare.py writes its own. Each run's ``metrics.jsonl`` gives its row: steps/s,
@@ -262,7 +262,7 @@ def recipe_commands(setup: RecipeSetup, work: Path, *, device: str) -> dict[str,
             "full_finetune", "llama3_2_1b", "muon", "text.jsonl",
             *compare.model_overrides(base, setup.seq_len),
             f"checkpointer.checkpoint_dir={work / 'checkpoint'}",
-            "optimizer._component_=toolkit.training.Muon", "optimizer.lr=0.02", "~optimizer.betas",
+            "optimizer._component_=toolkit.optim.Muon", "optimizer.lr=0.02", "~optimizer.betas",
             "optimizer.adamw_lr=2e-5", "optimizer.adamw_betas=[0.9,0.95]",
             "dataset._component_=toolkit.data.text_completion_dataset"),
         f"lora_finetune: Qwen3-MoE {moe}, experts and routers": tune_run(
@@ -404,7 +404,7 @@ def recipe_table(rows: list[dict]) -> list[str]:
             f"{_num(r.get('positions_per_s'), '.0f')} | {_num(r.get('peak_gib'), '.2f')} | "
             f"{_num(r.get('first_loss'), '.4f')} | {_num(r.get('last_loss'), '.4f')} | {r['status']} |")
     return lines + ["", "`tune run` on the shipped configs (llama3_2_1b_lora_dpo, llama3_2_1b_from_llama3_1_8b, "
-                    "llama3_2_1b with optimizer toolkit.training.Muon, qwen3_moe_30b_a3b_lora at a smaller size "
+                    "llama3_2_1b with optimizer toolkit.optim.Muon, qwen3_moe_30b_a3b_lora at a smaller size "
                     "with adapters on the experts and the routers trained), random weights, eager; batch: pairs for "
                     "DPO (reference: the base, adapters off), rows otherwise (the distillation's student from random "
                     "initialization). From each run's metrics.jsonl: medians "

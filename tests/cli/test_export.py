@@ -83,7 +83,7 @@ def write_step_checkpoint(tmp_path):
         "seed": 0,
         "model": {"_component_": "toolkit.models.llama3.llama3", "vocab_size": 64, "num_layers": 1, "num_heads": 2,
                   "num_kv_heads": 1, "embed_dim": 16, "intermediate_dim": 32, "max_seq_len": 32},
-        "checkpointer": {"_component_": "toolkit.training.HFCheckpointer", "checkpoint_dir": None,
+        "checkpointer": {"_component_": "toolkit.checkpoint.HFCheckpointer", "checkpoint_dir": None,
                          "model_family": "llama3"},
     })
     torch.manual_seed(0)
@@ -171,7 +171,7 @@ def write_any_model_step_checkpoint(tmp_path):
         "max_seq_len": 16,
         "model": {"_component_": "toolkit.models.build_from_hf", "path": "${checkpointer.checkpoint_dir}",
                   "max_seq_len": "${max_seq_len}"},
-        "checkpointer": {"_component_": "toolkit.training.HFCheckpointer", "checkpoint_dir": str(tmp_path / "base"),
+        "checkpointer": {"_component_": "toolkit.checkpoint.HFCheckpointer", "checkpoint_dir": str(tmp_path / "base"),
                          "model_family": "auto"},
     })
     model = instantiate(cfg.model)
@@ -229,7 +229,7 @@ def test_an_any_model_checkpoint_whose_base_moved_says_so(tmp_path, capsys):
 
 
 def test_the_python_api_checks_what_the_command_checks(tmp_path):
-    from toolkit.training.step_export import export_step_checkpoint
+    from toolkit.checkpoint.export import export_step_checkpoint
 
     step, _ = write_step_checkpoint(tmp_path)
     with pytest.raises(UserError, match="--output: .* holds the checkpoint"):
@@ -286,7 +286,7 @@ def write_run_on_a_base(tmp_path, *, model_family="llama3"):
     cfg = OmegaConf.create({
         "seed": 0,
         "model": model_cfg,
-        "checkpointer": {"_component_": "toolkit.training.HFCheckpointer", "checkpoint_dir": str(tmp_path / "base"),
+        "checkpointer": {"_component_": "toolkit.checkpoint.HFCheckpointer", "checkpoint_dir": str(tmp_path / "base"),
                          "model_family": model_family},
     })
     model = instantiate(cfg.model)

@@ -486,7 +486,7 @@ def test_plan_counts_muon_and_shows_no_tensor_parallel_layout(plan) -> None:
     # one).
     args = ("full_finetune", "--config", "llama3_2_1b", "--device-memory-gb", "80", "--nproc_per_node", "2")
     adamw = plan(*args).stdout
-    muon = plan(*args, "optimizer._component_=toolkit.training.Muon", "~optimizer.betas").stdout
+    muon = plan(*args, "optimizer._component_=toolkit.optim.Muon", "~optimizer.betas").stdout
     assert ", muon, " in muon.splitlines()[1]
     assert float(_row(muon, "optimizer state")[0]) < float(_row(adamw, "optimizer state")[0])
     assert "tensor_parallel 2:" in adamw and "tensor_parallel 2:" not in muon

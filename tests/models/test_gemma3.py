@@ -169,7 +169,7 @@ def test_the_language_model_of_a_multimodal_checkpoint_loads_and_exports_text_on
     with torch.no_grad():
         expected = hf_model(input_ids=tokens).logits
 
-    with caplog.at_level(logging.WARNING, logger="toolkit.training.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="toolkit.checkpoint.hf"):
         ours = from_pretrained(tmp_path / "hf").eval()
     vision_tensors = sum(1 for k in saved if skipped_hf_key(k))
     assert f"skipped {vision_tensors} tensors the gemma3 model does not use" in caplog.text

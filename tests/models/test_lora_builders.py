@@ -22,7 +22,7 @@ from toolkit.modules.peft import (
     is_nf4,
 )
 from toolkit.training import HFCheckpointer
-from toolkit.training.peft import adapter_linear, fill_adapter_model, save_peft_adapter
+from toolkit.checkpoint.peft import adapter_linear, fill_adapter_model, save_peft_adapter
 
 # Tiny architectures that keep each family's quirks: Llama 2's multi-head attention, Mistral's sliding window and
 # explicit head_dim, Qwen2.5's q/k/v biases (untied output, so the output adapter is exercised), Qwen3's q/k norms

@@ -304,12 +304,12 @@ def test_the_fused_in_memory_layout_of_transformers_5_loads_too(family, tmp_path
 @pytest.mark.parametrize("family", FAMILIES)
 def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(family, experts, router, tmp_path):
     # With adapters on the experts too: PEFT's target_parameters on transformers' fused gate_up_proj and down_proj
-    # (toolkit.training.peft_experts), and tune merge writes them into the per-expert checkpoint. With the routers
+    # (toolkit.checkpoint.peft_experts), and tune merge writes them into the per-expert checkpoint. With the routers
     # trained whole too: PEFT's modules_to_save (transformers' mlp.gate; Mixtral's files say block_sparse_moe.gate).
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from toolkit.models import lora_build_from_hf
-    from toolkit.training.peft import merge_adapter_into_checkpoint, save_peft_adapter
+    from toolkit.checkpoint.peft import merge_adapter_into_checkpoint, save_peft_adapter
 
     hf_model(family).save_pretrained(tmp_path / "base")
     model = lora_build_from_hf(path=tmp_path / "base", lora_attn_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -329,7 +329,7 @@ def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(fa
         ["mlp.gate"] if router else None
     )
     if router:  # written and merged, not loaded back into a model here: refused in one line, with what to do
-        from toolkit.training.peft import adapter_linear
+        from toolkit.checkpoint.peft import adapter_linear
 
         with pytest.raises(UserError, match=r"modules_to_save=\['mlp.gate'\] \(modules trained whole\).*tune merge"):
             adapter_linear(adapter, model_family=family)
@@ -360,7 +360,7 @@ def test_peft_loads_the_adapters_onto_transformers_and_tune_merge_merges_them(fa
 
 def test_expert_adapters_with_dropout_have_no_peft_form_and_say_so(tmp_path):
     # PEFT's adapters on parameters refuse dropout: written without it, the adapter would not be what trained.
-    from toolkit.training.peft import save_peft_adapter
+    from toolkit.checkpoint.peft import save_peft_adapter
 
     with torch.device("meta"):
         model = lora_mixtral(
@@ -377,7 +377,7 @@ def test_expert_adapters_with_dropout_have_no_peft_form_and_say_so(tmp_path):
 def test_tune_merge_of_an_expert_adapter_onto_a_model_without_experts_names_the_missing_weight(tmp_path):
     from tests.training.test_peft_export import save_base
     from toolkit.models import lora_build_from_hf
-    from toolkit.training.peft import merge_adapter_into_checkpoint, save_peft_adapter
+    from toolkit.checkpoint.peft import merge_adapter_into_checkpoint, save_peft_adapter
 
     hf_model("mixtral").save_pretrained(tmp_path / "moe")
     model = lora_build_from_hf(path=tmp_path / "moe", lora_attn_modules=["q_proj"], apply_lora_to_experts=True)

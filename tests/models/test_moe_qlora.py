@@ -238,7 +238,7 @@ def test_experts_whose_matrices_nf4_cannot_block_are_refused_in_one_line():
 
 
 def test_the_memory_plan_counts_the_whole_nf4_model_each_rank_loads():
-    from toolkit.training.memory import estimate_memory
+    from toolkit.planning.memory import estimate_memory
 
     def plan(model: nn.Module, strategy: str):
         return estimate_memory(model, strategy=strategy, world_size=8, micro_batch_size=1, max_seq_len=32,

@@ -295,7 +295,7 @@ def test_peft_loads_the_adapter_written_on_the_fused_modules(tmp_path, lora):
     peft = pytest.importorskip("peft")
     from tests.models.test_lora_builders import lora_model, perturb_adapters, save_base, tokens
     from toolkit.modules.peft import get_merged_state_dict
-    from toolkit.training.peft import merge_adapter_into_checkpoint, save_peft_adapter
+    from toolkit.checkpoint.peft import merge_adapter_into_checkpoint, save_peft_adapter
 
     _, base_dir = save_base("phi3", tmp_path / "base")
     model = lora_model("phi3", base_dir, **lora)

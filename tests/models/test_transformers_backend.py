@@ -17,7 +17,7 @@ from toolkit.modules.peft import init_adapters
 from toolkit.pretrained import from_pretrained
 from toolkit.training import HFCheckpointer
 from toolkit.training.init import materialize
-from toolkit.training.peft import save_peft_adapter
+from toolkit.checkpoint.peft import save_peft_adapter
 
 transformers = pytest.importorskip("transformers")
 

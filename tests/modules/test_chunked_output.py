@@ -80,7 +80,7 @@ def _check_wrapped(strategy: str) -> None:
     import torch.distributed as dist
 
     from toolkit.parallel import apply_data_parallel, parallel_dims
-    from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum
+    from toolkit.modules.loss import chunked_cross_entropy_sum, cross_entropy_sum
 
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = batch(batch_size=2 * world)

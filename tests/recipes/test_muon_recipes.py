@@ -1,4 +1,4 @@
-"""toolkit.training.Muon through the recipes (issue 22): every data-parallel layout trains what one process trains,
+"""toolkit.optim.Muon through the recipes (issue 22): every data-parallel layout trains what one process trains,
 LoRA with Muon on its adapters too; a killed run resumes bitwise; a checkpoint resumes on another world size.
 
 The runs are the CPU demo in fp32 on a small slice of its data, with the Newton-Schulz iteration in float32
@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from tests.launch import RecipeRun, run_recipes, run_tune, run_tune_here
 
 MUON = [
-    "optimizer._component_=toolkit.training.Muon", "~optimizer.betas", "optimizer.lr=0.02",
+    "optimizer._component_=toolkit.optim.Muon", "~optimizer.betas", "optimizer.lr=0.02",
     "optimizer.ns_dtype=float32", "optimizer.adamw_lr=3e-3", "optimizer.adamw_betas=[0.9,0.95]",
 ]
 FAST = [

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.test_output_dir import immutable, tree
+from tests.checkpoint.test_output_dir import immutable, tree
 from tests.training.test_write_failures import ENOSPC, fill_disk_in
 from toolkit.cli.main import main as tune
-from toolkit.training import checkpointing
+from toolkit.checkpoint import hf as checkpointing
 
 FAST = [
     "dataset.num_samples=64", "progress_bar=false", "~eval_tasks", "batch_size=4", "micro_batch_size=2",

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.launch import RecipeRun, run_recipes, run_tune, run_tune_here
-from toolkit.training import kto
-from toolkit.training.preference import METRICS
+from toolkit.objectives import kto
+from toolkit.objectives.preference import METRICS
 
 FAST = [
     "max_steps=5", "dataset.num_samples=128", "validation_dataset.num_samples=24", "~eval_tasks", "batch_size=8",

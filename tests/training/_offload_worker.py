@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from _export_worker import DIMS, tiny_model
 from toolkit.parallel import apply_data_parallel, parallel_dims
 from toolkit.training import ActivationOffloader, apply_activation_checkpointing
-from toolkit.training.loss import cross_entropy_sum
+from toolkit.modules.loss import cross_entropy_sum
 
 CPU = torch.device("cpu")
 

@@ -24,8 +24,8 @@ from toolkit.training.activations import (
     checkpoint_interval,
 )
 from toolkit.training.compile import _missing_compiler, compile_model
-from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum
-from toolkit.training.memory import activation_bytes, offloaded_activation_bytes
+from toolkit.modules.loss import chunked_cross_entropy_sum, cross_entropy_sum
+from toolkit.planning.memory import activation_bytes, offloaded_activation_bytes
 
 CPU = torch.device("cpu")
 BATCH, SEQ, VOCAB = 2, 64, 384

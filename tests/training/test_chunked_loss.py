@@ -6,7 +6,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from toolkit.data import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.models.llama3 import llama3
-from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum
+from toolkit.modules.loss import chunked_cross_entropy_sum, cross_entropy_sum
 
 IGNORE = CROSS_ENTROPY_IGNORE_INDEX
 DIMS = dict(num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64, max_seq_len=64)

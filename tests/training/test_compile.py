@@ -12,7 +12,7 @@ from toolkit.models.llama3 import llama3
 from toolkit.training import apply_activation_checkpointing
 from toolkit.training.compile import STATIC_LENGTHS, _missing_compiler, compile_model, static_lengths
 from toolkit.modules.loss import logit_loss_and_grad
-from toolkit.training.loss import chunked_cross_entropy_sum, cross_entropy_sum
+from toolkit.modules.loss import chunked_cross_entropy_sum, cross_entropy_sum
 
 CPU = torch.device("cpu")
 DIMS = dict(vocab_size=96, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64, max_seq_len=64)

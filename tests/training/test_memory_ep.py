@@ -23,9 +23,9 @@ from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3_demo
 from toolkit.models.qwen3_moe import qwen3_moe_30b_a3b
 from toolkit.modules.moe import MoEFeedForward, _has_grouped_mm
-from toolkit.training.activation_memory import _moe_bytes_per_token, activation_bytes, all_to_all_bytes
-from toolkit.training.memory import estimate_memory
-from toolkit.training.planning import choose_strategy, expert_parallel_degrees, plan_parallelism
+from toolkit.planning.activation_memory import _moe_bytes_per_token, activation_bytes, all_to_all_bytes
+from toolkit.planning.memory import estimate_memory
+from toolkit.planning.layout import choose_strategy, expert_parallel_degrees, plan_parallelism
 
 GIB = 1024**3
 # The layouts measured (activation checkpointing's own saved-tensor hooks hide the layers' from the meter).

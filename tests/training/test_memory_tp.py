@@ -13,9 +13,9 @@ from tests.training import _tp_memory as memory
 from tests.training._tp_worker import build
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3, llama3_1_8b, llama3_1_70b
-from toolkit.training.activation_memory import activation_bytes, logits_bytes
-from toolkit.training.memory import estimate_memory
-from toolkit.training.planning import candidate_layouts, plan_parallelism, tensor_parallel_degrees
+from toolkit.planning.activation_memory import activation_bytes, logits_bytes
+from toolkit.planning.memory import estimate_memory
+from toolkit.planning.layout import candidate_layouts, plan_parallelism, tensor_parallel_degrees
 from toolkit.parallel.tp_shapes import tensor_parallel_local_parameters
 
 GIB = 1024**3
@@ -72,7 +72,7 @@ def test_layer_activations_match_a_real_tp_model(measured, name: str, mode: str)
 
 
 def _layers_only(model, *, tensor_parallel: int, tokens: int) -> int:
-    from toolkit.training.activation_memory import _layer_activation_bytes_per_token
+    from toolkit.planning.activation_memory import _layer_activation_bytes_per_token
 
     d = model.embed_tokens.embedding_dim
     return tokens * sum(

@@ -8,7 +8,7 @@ from tests.launch import run_recipe_here, run_tune
 from toolkit.errors import UserError
 from toolkit.modules import GroupedQueryAttention, RotaryPositionalEmbeddings
 from toolkit.training import sdpa_preference
-from toolkit.training.attention import SDPA_BACKENDS
+from toolkit.training.attention_backend import SDPA_BACKENDS
 
 
 @pytest.mark.parametrize("name", list(SDPA_BACKENDS))

@@ -432,7 +432,7 @@ def test_the_exports_of_a_tensor_parallel_lora_run_load_in_transformers_and_peft
     from toolkit.models import build_from_hf
     from toolkit.pretrained import from_pretrained
     from toolkit.training import HFCheckpointer, materialize
-    from toolkit.training.peft import adapter_linear, fill_adapter_model
+    from toolkit.checkpoint.peft import adapter_linear, fill_adapter_model
 
     base, final = four_processes / "recipe" / "final", _lora_run(name, four_processes, two_processes) / "final"
     with torch.device("meta"):

@@ -18,39 +18,19 @@ def parse_size(text: str) -> int:
     return int(number * 1024 ** " KMGT".index(unit or " "))
 
 
-def step_checkpoint(path: Path) -> Path:
-    """The step checkpoint that ``tune export``'s CHECKPOINT names: the folder itself, or the newest complete
-    checkpoint of a run when it names the run's ``output_dir``.
-
-    Raises:
-        UserError: the folder does not exist (the message lists its run's complete checkpoints), or a run folder
-            holds no complete checkpoint.
-    """
-    from toolkit.training.step_checkpoint import CHECKPOINTS_DIR, latest_checkpoint, list_checkpoints
-
-    if not path.exists():
-        # keep_last_n deletes older checkpoints: say which ones there are, rather than only that this one is gone.
-        run = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else path.parent
-        found = ", ".join(p.name for p in list_checkpoints(run))
-        there = f"; the complete step checkpoints of {run} are {found}" if found else ""
-        raise UserError(f"{path}: no such folder{there}")
-    if (path / CHECKPOINTS_DIR).is_dir():  # a run's output_dir
-        newest = latest_checkpoint(path)
-        if newest is None:
-            raise UserError(f"{path}: the run has no complete step checkpoint in {path / CHECKPOINTS_DIR}")
-        print(f"exporting {newest}, the newest complete step checkpoint of {path}")
-        return newest
-    return path
-
-
 def export(args: argparse.Namespace) -> int:
-    """Run ``tune export`` (see :func:`toolkit.training.step_export.export_step_checkpoint`, which checks the
+    """Run ``tune export`` (see :func:`toolkit.checkpoint.export.export_step_checkpoint`, which checks the
     checkpoint and ``--output`` before it writes anything)."""
     # Imported here so that `tune --help` and the other commands do not pay for importing torch.
-    from toolkit.training.step_export import export_step_checkpoint
+    from toolkit.checkpoint.export import export_step_checkpoint
+    from toolkit.checkpoint.step_files import named_step_checkpoint
 
+    named = Path(args.checkpoint)
+    checkpoint = named_step_checkpoint(named)
+    if checkpoint != named:
+        print(f"exporting {checkpoint}, the newest complete step checkpoint of {named}")
     written = export_step_checkpoint(
-        step_checkpoint(Path(args.checkpoint)), Path(args.output), merged=args.merged, overwrite=args.overwrite,
+        checkpoint, Path(args.output), merged=args.merged, overwrite=args.overwrite,
         max_shard_bytes=parse_size(args.max_shard_size), base=args.base,
     )
     for path in written:

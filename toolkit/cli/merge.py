@@ -4,9 +4,9 @@ import argparse
 
 
 def merge(args: argparse.Namespace) -> int:
-    """Run ``tune merge`` (see :func:`toolkit.training.peft.merge_adapter_into_checkpoint`)."""
+    """Run ``tune merge`` (see :func:`toolkit.checkpoint.peft.merge_adapter_into_checkpoint`)."""
     # Imported here so that `tune --help` and the other commands do not pay for importing torch.
-    from toolkit.training.peft import merge_adapter_into_checkpoint
+    from toolkit.checkpoint.peft import merge_adapter_into_checkpoint
 
     out = merge_adapter_into_checkpoint(args.base, args.adapter, args.output, overwrite=args.overwrite)
     print(f"merged {args.adapter} into {args.base}: wrote {out}")

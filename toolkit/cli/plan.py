@@ -2,7 +2,7 @@
 and what ``auto`` would pick.
 
 Nothing is trained or allocated: the model is built on the meta device and counted
-(:mod:`toolkit.training.memory`).
+(:mod:`toolkit.planning.memory`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.parallel.mesh import EXPERT_PARALLEL_STRATEGIES
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.activations import checkpoint_interval
-from toolkit.training.preference import preference_kernels
-from toolkit.training.memory import StepKernels, estimate_memory, format_bytes, format_table, optimizer_memory_model
-from toolkit.training.planning import (
+from toolkit.objectives.preference import preference_kernels
+from toolkit.planning.memory import StepKernels, estimate_memory, format_bytes, format_table, optimizer_memory_model
+from toolkit.planning.layout import (
     candidate_strategies,
     choose_layout,
     choose_strategy,

@@ -103,7 +103,7 @@ def preference_collate(
     Returns:
         ``{"tokens": LongTensor[2b, s], "labels": LongTensor[2b, s], "lengths": LongTensor[2b]}``; rows ``:b`` are
         chosen, ``b:`` rejected. Samples that carry their reference's log-probabilities (``ref_logps``, one per
-        sequence: :class:`~toolkit.training.preference.WithReferenceLogps`) also give ``"ref_logps":
+        sequence: :class:`~toolkit.objectives.preference.WithReferenceLogps`) also give ``"ref_logps":
         FloatTensor[2b]`` in the same order; KTO's samples give ``"desirable": BoolTensor[b]``.
     """
     halves = [

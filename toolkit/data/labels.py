@@ -2,8 +2,7 @@
 
 from typing import Sequence
 
-# What torch.nn.functional.cross_entropy skips by default; every label that is not a target holds it.
-CROSS_ENTROPY_IGNORE_INDEX = -100
+from toolkit.modules.masks import CROSS_ENTROPY_IGNORE_INDEX
 
 
 def shifted_labels(

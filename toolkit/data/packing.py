@@ -12,6 +12,8 @@ from bisect import bisect_left, insort
 import torch
 
 from toolkit.errors import UserError
+# The masks a packed row needs are the attention's, a level below the data pipeline; re-exported for the data's users.
+from toolkit.modules.masks import document_attention_mask, document_ids, packed_attention_mask  # noqa: F401
 
 STRATEGIES: tuple[str, ...] = ("best_fit", "in_order")
 
@@ -78,28 +80,3 @@ def _best_fit_decreasing(lengths: list[int], max_seq_len: int) -> list[list[int]
                 insort(free, space)
             by_free[space].append(pack)
     return packs
-
-
-def document_ids(input_pos: torch.Tensor) -> torch.Tensor:
-    """Which document of its row each position belongs to (0, 1, ...), from positions restarting at 0."""
-    return torch.cumsum(input_pos == 0, dim=-1) - 1
-
-
-def packed_attention_mask(input_pos: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal mask: position i attends to j iff j <= i and both are in the same document.
-
-    Args:
-        input_pos: ``[b, s]`` (or ``[s]``) positions, restarting at 0 at every document.
-
-    Returns:
-        Bool ``[b, s, s]`` (or ``[s, s]``), True where attention is allowed; every row allows at least its
-        diagonal, so no softmax is over an empty set.
-    """
-    return document_attention_mask(document_ids(input_pos))
-
-
-def document_attention_mask(documents: torch.Tensor) -> torch.Tensor:
-    """:func:`packed_attention_mask` from each position's document (:func:`document_ids`), ``[b, s]`` or ``[s]``."""
-    s = documents.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=documents.device).tril()
-    return (documents.unsqueeze(-1) == documents.unsqueeze(-2)) & causal

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from toolkit.data.packing import document_attention_mask
+from toolkit.modules.masks import document_attention_mask
 from toolkit.modules.kv_cache import KVCache
 
 

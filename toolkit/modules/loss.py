@@ -14,7 +14,7 @@ log-probability instead: :func:`chunked_sequence_logprobs` and :func:`linear_seq
   (prompt, padding) get no logits at all.
 
 All return the *sum* over non-ignored positions; the training loop divides by the global token count
-(``toolkit.training.loss``).
+(``toolkit.training.accumulation``).
 """
 
 from collections.abc import Callable, Sequence
@@ -28,7 +28,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
+from toolkit.modules.masks import CROSS_ENTROPY_IGNORE_INDEX
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = CROSS_ENTROPY_IGNORE_INDEX) -> torch.Tensor:

@@ -6,7 +6,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
-from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
+from toolkit.modules.masks import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.modules.distillation import DistillTargets, linear_distillation_sum
 from toolkit.modules.kv_cache import KVCache
 from toolkit.modules.loss import (

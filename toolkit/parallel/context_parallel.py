@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from toolkit.data.packing import document_ids
+from toolkit.modules.masks import document_ids
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention, SplitSequenceAttention
 
 CP_METHODS = ("ring", "alltoall")
@@ -125,7 +125,7 @@ class ContextParallel:
         ``tokens``, ``labels`` and ``input_pos`` (positions restarting at every packed document; the row positions
         where the batch has none) keep only :func:`local_positions`. ``full_mask(batch)`` builds the whole row's
         attention mask, which ``alltoall`` attends with (the trainer's
-        :func:`~toolkit.training.attention.batch_attention_mask`).
+        :func:`~toolkit.training.attention_backend.batch_attention_mask`).
         """
         tokens = batch["tokens"]
         seq_len = tokens.shape[-1]

@@ -131,7 +131,7 @@ def shard_optimizer_state(optimizer: Optimizer, *, dims: ParallelDims) -> Optimi
     """For ZeRO-1, rebuild ``optimizer`` as a ZeroRedundancyOptimizer: each rank keeps the state of, and updates,
     its share of the parameters, then broadcasts them. Other strategies return it unchanged (FSDP2 already shards
     optimizer state, since it sees only each rank's shard), except that under DDP an optimizer that can divide work
-    over replicas (:meth:`~toolkit.training.Muon.share_orthogonalization`) is told to.
+    over replicas (:meth:`~toolkit.optim.Muon.share_orthogonalization`) is told to.
 
     An optimizer whose groups are its own (``algorithm`` in each, as Muon's) keeps them: ZeRO-1 hands each rank's
     share of every group back to its class."""

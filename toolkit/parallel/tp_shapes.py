@@ -1,5 +1,5 @@
 """The shape of each parameter's tensor-parallel shard on one rank, without a process group: what the memory plan
-(:mod:`toolkit.training.memory`, ``tune plan``) counts for ``tensor_parallel: N``.
+(:mod:`toolkit.planning.memory`, ``tune plan``) counts for ``tensor_parallel: N``.
 
 :func:`~toolkit.parallel.tensor_parallel.apply_tp` needs a device mesh, so it cannot run where the plan is made
 (``tune plan`` has no processes; a recipe plans before it builds its mesh). This walks the model the way

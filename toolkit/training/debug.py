@@ -6,7 +6,7 @@ import signal
 import sys
 
 from toolkit.errors import UserError
-from toolkit.training.distributed import barrier
+from toolkit.parallel.distributed import barrier
 
 
 def breakpoint_on_rank(rank: int = 0, *, tty: str = "/dev/tty") -> None:

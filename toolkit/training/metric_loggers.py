@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from toolkit.config import did_you_mean
 from toolkit.errors import UserError
-from toolkit.training.distributed import on_rank_zero
+from toolkit.parallel.distributed import on_rank_zero
 
 
 @runtime_checkable

@@ -13,10 +13,10 @@ from torch.optim import Optimizer
 from toolkit.data import GlobalBatchSampler
 
 from toolkit.parallel.context_parallel import ContextParallel
-from toolkit.training.attention import split_for_attention
-from toolkit.training.distributed import all_reduce_sum
-from toolkit.training.loss import gradient_scale, start_global_token_count
-from toolkit.training.optim import OptimizerInBackward
+from toolkit.training.attention_backend import split_for_attention
+from toolkit.parallel.distributed import all_reduce_sum
+from toolkit.training.accumulation import gradient_scale, start_global_token_count
+from toolkit.optim.optimizers import OptimizerInBackward
 from toolkit.training.watchdog import progress
 from toolkit.parallel import clip_grad_norm, gradient_sync, unwrap
 
@@ -77,11 +77,11 @@ def forward_backward(
         loss_fn: None: the model computes the token cross-entropy sum itself, given the labels (the decoder's
             ``labels=``; see ``fused_loss``). Otherwise a function of the logits and labels that returns the *sum*
             of token losses of a micro-batch; with ``num_output_chunks``, one taking the list of logit chunks
-            (:func:`~toolkit.training.loss.chunked_cross_entropy_sum`).
+            (:func:`~toolkit.modules.loss.chunked_cross_entropy_sum`).
         num_output_chunks: the loss over this many chunks of positions, so that it never holds the logits whole in
             float32 (``None``: one); with a ``loss_fn``, the model returns its logits in this many sequence chunks.
         fused_loss: without a ``loss_fn``, the model projects and takes the loss together, chunk by chunk, keeping
-            no logits (:func:`~toolkit.training.loss.linear_cross_entropy_sum`), where its output layer allows.
+            no logits (:func:`~toolkit.modules.loss.linear_cross_entropy_sum`), where its output layer allows.
         flex_attention: attend with FlexAttention block masks (:func:`~toolkit.training.resolve_flex_attention`).
         context_parallel: this rank's context-parallel group (:meth:`ParallelDims.context_parallel
             <toolkit.parallel.ParallelDims.context_parallel>`): every micro-batch is cut to this rank's positions of
@@ -169,7 +169,7 @@ def optimizer_step(
 ) -> float | None:
     """Unscale (fp16), clip the global gradient norm, step, and clear the gradients; returns the norm.
 
-    With the step inside backward (:class:`~toolkit.training.optim.OptimizerInBackward`) every parameter is already
+    With the step inside backward (:class:`~toolkit.optim.optimizers.OptimizerInBackward`) every parameter is already
     updated and its gradient gone, so there is nothing to do and no global norm (None).
     """
     if isinstance(optimizer, OptimizerInBackward):

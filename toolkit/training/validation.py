@@ -2,7 +2,7 @@
 
 The loss is the sum of token cross-entropies over every non-ignored label of the set divided by their count, both
 summed over all ranks in float64: never a mean of per-batch or per-rank means, which would weight the tokens of
-short batches more and change with the world size (see ``toolkit.training.loss``). Each rank reads a disjoint
+short batches more and change with the world size (see ``toolkit.training.accumulation``). Each rank reads a disjoint
 slice of the set (:class:`ValidationSampler`) that together cover every sample exactly once, so the number is the
 same on 1 or N processes up to float rounding.
 """
@@ -21,8 +21,8 @@ from torch.utils.data import Sampler
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.errors import UserError
 from toolkit.parallel.context_parallel import ContextParallel
-from toolkit.training.attention import split_for_attention
-from toolkit.training.distributed import all_reduce_sum
+from toolkit.training.attention_backend import split_for_attention
+from toolkit.parallel.distributed import all_reduce_sum
 from toolkit.parallel import unwrap
 from toolkit.training.step import iterate_loader
 from toolkit.training.watchdog import progress

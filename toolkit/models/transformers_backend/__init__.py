@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from toolkit.data.packing import document_attention_mask
+from toolkit.modules.masks import document_attention_mask
 from toolkit.errors import UserError, read_json
 from toolkit.models._decoder import LinearFactory, plain_linear
 from toolkit.modules import DocumentMasks, TransformerDecoder

@@ -10,7 +10,7 @@ A LoRA recipe, in order::
     init_adapters(model)                                     # B = 0, DoRA magnitudes from the loaded base
     set_trainable_params(model, get_adapter_params(model))   # everything else frozen
     ...                                                      # train; step checkpoints: get_adapter_state_dict
-    save_peft_adapter(model, out_dir, model_family="llama3")  # toolkit.training.peft
+    save_peft_adapter(model, out_dir, model_family="llama3")  # toolkit.checkpoint.peft
 """
 
 from toolkit.modules.peft.experts import LoRAGroupedExperts, TrainedRouter
