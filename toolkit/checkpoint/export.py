@@ -12,8 +12,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from toolkit.config import instantiate
 from toolkit.config._instantiate import COMPONENT_KEY, TargetNotFound, locate
+from toolkit.config.moved import current_path
 from toolkit.errors import UserError
-from toolkit.training import current_path
 from toolkit.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, HFCheckpointer, check_step_checkpoint
 from toolkit.checkpoint.step_reader import _first_line, _read_trainer_state, load_dcp
 from toolkit.checkpoint.step_files import base_files_dir

@@ -36,8 +36,8 @@ from toolkit.checkpoint.step_files import (
     tensor_state,
 )
 from toolkit.config._instantiate import COMPONENT_KEY
+from toolkit.config.moved import current_path
 from toolkit.errors import UserError
-from toolkit.training import current_path
 
 log = logging.getLogger(__name__)
 

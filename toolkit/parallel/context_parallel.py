@@ -35,7 +35,7 @@ the data-parallel mesh and strategies are unchanged and ``dp_size`` still counts
 arithmetic count ``dp_size / cp`` ranks (:attr:`~toolkit.parallel.ParallelDims.batch_ranks`). The ring and the
 all-to-all run over the ``cp`` dimension of the mesh ``(batch, cp, tp)`` over the same ranks
 (:meth:`~toolkit.parallel.ParallelDims.context_parallel`): ``cp`` consecutive data-parallel ranks, tensor
-parallelism inside each. That is DESIGN.md's rank order ``dp_replicate x dp_shard x cp x tp``, held as two meshes
+parallelism inside each. That is docs/design.md's rank order ``dp_replicate x dp_shard x cp x tp``, held as two meshes
 rather than one with ``cp`` as its own dimension: FSDP2 would otherwise shard over ``dp_shard`` and ``cp`` flattened
 (as torchtitan does), and every strategy, its gradient reduction and the token counts would need the flattened
 dimension; as data-parallel ranks, the CP ranks need none of that. Nor is the model transformed (no ``apply_cp``):

@@ -1,4 +1,4 @@
-"""The declared schema of the shared training vocabulary (DESIGN.md's table), which the training recipes extend.
+"""The declared schema of the shared training vocabulary (docs/design.md's table), which the training recipes extend.
 
 Every key a training recipe reads is declared here or in the recipe, with its type, range and choices, and the
 rules between keys (the global batch divides over the processes) are functions of the values. The checks run in
