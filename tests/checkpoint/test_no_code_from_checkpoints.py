@@ -24,6 +24,7 @@ from toolkit.training import HFCheckpointer, StepCheckpointer, TrainingState, ma
 from toolkit.checkpoint.meta import MetaCheckpointer
 from toolkit.checkpoint.peft import load_peft_adapter, save_peft_adapter
 from toolkit.checkpoint.safe_load import read_dcp_metadata
+from toolkit.checkpoint.step_files import tensor_state
 
 SIZE = dict(vocab_size=64, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=16, intermediate_dim=32, max_seq_len=32)
 LORA = dict(lora_attn_modules=["q_proj", "v_proj"], lora_rank=2, lora_alpha=4.0)
@@ -90,7 +91,7 @@ def craft_metadata(step: Path, marker: Path) -> Path:
 def craft_value(step: Path, marker: Path) -> str:
     """The checkpoint written again with the payload as a non-tensor value (an optimizer's learning rate)."""
     state = training_state()
-    tensors = StepCheckpointer(step.parent.parent, every_n_steps=1)._tensor_state(state)
+    tensors = tensor_state(state, trainable_only=False)
     key = next(k for k in tensors["optimizer"] if k.endswith(".lr"))
     tensors["optimizer"][key] = RunsCode(marker)
     dcp.save(tensors, checkpoint_id=str(step))
@@ -110,7 +111,7 @@ def test_the_crafted_files_run_code_through_torchs_own_readers(step, tmp_path):
     ran.unlink()
     craft_value(step, ran)
     state = training_state()
-    dcp.load(StepCheckpointer(tmp_path, every_n_steps=1)._tensor_state(state), checkpoint_id=str(step))
+    dcp.load(tensor_state(state, trainable_only=False), checkpoint_id=str(step))
     assert ran.exists()
     ran.unlink()
     torch.save({"x": RunsCode(ran)}, tmp_path / "file.pt")
