@@ -21,7 +21,8 @@ from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3
 from toolkit.training import HFCheckpointer, StepCheckpointer, TrainingState
 from toolkit.checkpoint import hf as checkpointing
-from toolkit.checkpoint import step_writer as step_checkpoint
+from toolkit.checkpoint import step_writer
+from toolkit.checkpoint.step_files import COMPLETE_MARKER, latest_checkpoint
 
 CFG = OmegaConf.create({"model": {"in_features": 4, "out_features": 3}})
 ENOSPC = f"ENOSPC: {os.strerror(errno.ENOSPC)}"
@@ -86,7 +87,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monke
     assert str(error.value) == message
     assert tree(first) == before, "keep_last_n=1 pruned nothing: the new one never completed"
     assert not second.exists(), "the unfinished checkpoint is removed"
-    assert step_checkpoint.latest_checkpoint(tmp_path) == first
+    assert latest_checkpoint(tmp_path) == first
     loaded = training_state(seed=1)
     assert StepCheckpointer(tmp_path, every_n_steps=1).load(first, loaded, config=CFG) == 1
     assert torch.equal(loaded.model.weight, state.model.weight)
@@ -97,14 +98,14 @@ def test_a_marker_that_cannot_be_written_leaves_the_checkpoint_incomplete_and_pr
     state = training_state()
     first = checkpoints.save(1, state, config=CFG)
     before = tree(first)
-    write = step_checkpoint._write_atomically
+    write = step_writer._write_atomically
 
     def no_room_for_the_marker(path, text):
-        if path.name == step_checkpoint.COMPLETE_MARKER:
+        if path.name == COMPLETE_MARKER:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         write(path, text)
 
-    monkeypatch.setattr(step_checkpoint, "_write_atomically", no_room_for_the_marker)
+    monkeypatch.setattr(step_writer, "_write_atomically", no_room_for_the_marker)
     with pytest.raises(UserError, match=rf"step_2: cannot write the step checkpoint \({ENOSPC}\)"):
         checkpoints.save(2, state, config=CFG)
     assert tree(first) == before and not (tmp_path / "checkpoints" / "step_2").exists()
@@ -131,7 +132,7 @@ def test_torchs_writer_error_on_a_full_disk_is_named_as_one(tmp_path, monkeypatc
     def torch_writer_error(*args, **kwargs):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
-    monkeypatch.setattr(step_checkpoint.dcp, "save", torch_writer_error)
+    monkeypatch.setattr(step_writer.dcp, "save", torch_writer_error)
     checkpoints = StepCheckpointer(tmp_path, every_n_steps=1)
     with pytest.raises(RuntimeError, match="unexpected pos"):  # room on the disk: not a write refusal, a bug
         checkpoints.save(1, training_state(), config=CFG)
