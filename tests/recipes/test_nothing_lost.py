@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.test_output_dir import immutable, tree
-from tests.training.test_write_failures import ENOSPC, fill_disk_in
+from tests.checkpoint.test_write_failures import ENOSPC, fill_disk_in
 from toolkit.cli.main import main as tune
 from toolkit.checkpoint import hf as checkpointing
 
