@@ -375,7 +375,7 @@ def test_expert_adapters_with_dropout_have_no_peft_form_and_say_so(tmp_path):
 
 @pytest.mark.interop
 def test_tune_merge_of_an_expert_adapter_onto_a_model_without_experts_names_the_missing_weight(tmp_path):
-    from tests.training.test_peft_export import save_base
+    from tests.checkpoint.test_peft_export import save_base
     from toolkit.models import lora_build_from_hf
     from toolkit.checkpoint.peft import merge_adapter_into_checkpoint, save_peft_adapter
 
