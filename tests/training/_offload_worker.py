@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from _export_worker import DIMS, tiny_model
+from tests.checkpoint._export_worker import DIMS, tiny_model
 from toolkit.parallel import apply_data_parallel, parallel_dims
 from toolkit.training import ActivationOffloader, apply_activation_checkpointing
 from toolkit.modules.loss import cross_entropy_sum

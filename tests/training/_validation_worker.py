@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from _export_worker import DIMS, tiny_model
+from tests.checkpoint._export_worker import DIMS, tiny_model
 from toolkit.data import padded_collate, shifted_labels
 from toolkit.parallel import apply_data_parallel, parallel_dims
 from toolkit.training.validation import ValidationSampler, validation_loss

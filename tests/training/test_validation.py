@@ -14,7 +14,7 @@ from toolkit.errors import UserError
 from toolkit.training.validation import ValidationSampler, validation_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _export_worker import tiny_model  # noqa: E402
+from tests.checkpoint._export_worker import tiny_model  # noqa: E402
 from _validation_worker import loader, samples  # noqa: E402
 
 CPU = torch.device("cpu")
