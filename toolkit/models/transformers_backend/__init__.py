@@ -113,23 +113,6 @@ class TransformersDecoder(TransformerDecoder):
         """The Hugging Face base model (embedding, layers, final norm)."""
         return getattr(self, self._base_name)
 
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.base.get_input_embeddings()
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.base.layers
-
-    @property
-    def norm(self) -> nn.Module:
-        return self._norm[0]
-
-    @property
-    def output(self) -> nn.Module | None:
-        """The output projection, or None when it is the embedding (tied)."""
-        return None if self._head_name is None else getattr(self, self._head_name)
-
     def decoder_layers(self) -> dict[str, nn.Module]:
         """The base model's decoder layers, in order, by module path (``model.layers.<i>``: transformers' own
         ``ModuleList``, which its forward slices, so it stays one)."""
