@@ -75,7 +75,7 @@ def generate(
     Returns:
         The generated token ids (without the prompt and without the stop token).
     """
-    device = model.embed_tokens.weight.device
+    device = model.token_embedding().weight.device
     if not prompt:
         raise UserError("prompt: empty; generation continues a prompt of at least one token (e.g. the BOS token)")
     if len(prompt) >= model.max_seq_len:
@@ -85,7 +85,7 @@ def generate(
     was_training = model.training
     model.eval()
     model.setup_caches(batch_size=1, max_seq_len=total_len)
-    rope = model.layers[0].self_attn.pos_embeddings
+    rope = next(iter(model.decoder_layers().values())).self_attn.pos_embeddings
     switch = rope.scaling.original_max_position_embeddings if isinstance(rope, LongRopeRotaryEmbeddings) else None
     generated: list[int] = []
     try:
@@ -142,7 +142,7 @@ def exact_match_accuracy(
         out = generate(model, prompt, max_new_tokens=max_new_tokens, stop_tokens=tokenizer.stop_tokens)
         correct += int(tokenizer.decode(out).strip() == sample["answer"].strip())
     if not sharded:
-        device = model.embed_tokens.weight.device
+        device = model.token_embedding().weight.device
         correct = int(all_reduce_sum(torch.tensor([correct], dtype=torch.int64, device=device)).item())
     return correct, len(samples)
 

@@ -114,8 +114,8 @@ def test_llama_backend_equals_native_family(tmp_path):
 
 def test_tied_embeddings_stay_one_parameter(folders):
     ours = from_pretrained(folders["cohere"])
-    assert ours.output is None and "lm_head.weight" not in ours.state_dict()
-    assert ours.fused_loss_weight() is ours.embed_tokens.weight
+    assert ours.output_projection() is None and "lm_head.weight" not in ours.state_dict()
+    assert ours.fused_loss_weight() is ours.token_embedding().weight
     with pytest.raises(UserError, match="the transformers backend does not generate"):
         ours.setup_caches(batch_size=1)
 

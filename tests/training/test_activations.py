@@ -228,11 +228,14 @@ def test_no_grad_forward_saves_nothing():
 
 
 class Layers(nn.Module):
-    """A stack of arbitrary functions as ``layers`` (what the offloader wraps)."""
+    """A stack of arbitrary functions as decoder layers (what the offloader wraps, asking the model contract)."""
 
     def __init__(self, *fns) -> None:
         super().__init__()
         self.layers = nn.ModuleList(Lambda(fn) for fn in fns)
+
+    def decoder_layers(self) -> dict[str, nn.Module]:
+        return {f"layers.{name}": layer for name, layer in self.layers.named_children()}
 
     def forward(self, x):
         for layer in self.layers:

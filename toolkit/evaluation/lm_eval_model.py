@@ -117,7 +117,7 @@ class ToolkitLM(LM):
         self.num_processes = world_size
         self.group = group
         self.max_seq_len: int = model.max_seq_len
-        self._device = model.embed_tokens.weight.device
+        self._device = model.token_embedding().weight.device
         self.sharded = any(isinstance(p, DTensor) for p in model.parameters())
         self.seed = seed
         self._generate_calls = 0  # a later generate_until call gets other draws than an earlier one

@@ -144,7 +144,7 @@ def lora_builder(builder: Callable[..., Model]) -> Callable[..., Model]:
         if lora.get("train_router") and not any(isinstance(m, TrainedRouter) for m in model.modules()):
             raise UserError(f"train_router: {builder.__name__} has no mixture-of-experts layers; set it false")
         # A tied output projection is the embedding, never made by `linear`: an output adapter has nowhere to go.
-        if lora.get("apply_lora_to_output") and not isinstance(getattr(model, "output", None), LoRALinear):
+        if lora.get("apply_lora_to_output") and not isinstance(model.output_projection(), LoRALinear):
             raise UserError(
                 "apply_lora_to_output: this model ties its output projection to the embedding; set it false"
             )

@@ -1,6 +1,8 @@
-"""Model building blocks: attention, position embeddings, norms, feed-forward, the decoder, the KV cache."""
+"""Model building blocks: attention, position embeddings, norms, feed-forward, the decoder, the KV cache, and the
+model contract every model implements (:mod:`toolkit.modules.contract`)."""
 
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
+from toolkit.modules.contract import DecoderLayers, DecoderModel
 from toolkit.modules.feed_forward import FeedForward
 from toolkit.modules.kv_cache import KVCache
 from toolkit.modules.position_embeddings import (
@@ -15,6 +17,8 @@ from toolkit.modules.rms_norm import RMSNorm
 from toolkit.modules.transformer import TransformerDecoder, TransformerDecoderLayer
 
 __all__ = [
+    "DecoderLayers",
+    "DecoderModel",
     "DocumentMasks",
     "FeedForward",
     "GroupedQueryAttention",

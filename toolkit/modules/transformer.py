@@ -1,11 +1,14 @@
 """A decoder-only transformer assembled from the blocks passed to it."""
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from toolkit.modules.attention import DocumentMasks, GroupedQueryAttention
+from toolkit.modules.contract import DecoderLayers
 from toolkit.modules.masks import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.modules.distillation import DistillTargets, linear_distillation_sum
 from toolkit.modules.kv_cache import KVCache
@@ -51,12 +54,18 @@ class TransformerDecoder(nn.Module):
     """Token embedding, a stack of layers, a final norm and the output projection.
 
     The model knows nothing of parallelism: data-parallel wrappers, tensor parallelism, activation checkpointing
-    and compilation are applied from outside (``toolkit.parallel``, ``toolkit.training``), layer by layer through
-    ``self.layers``.
+    and compilation are applied from outside (``toolkit.parallel``, ``toolkit.training``), layer by layer, through
+    the model contract (:class:`~toolkit.modules.contract.DecoderModel`: :meth:`decoder_layers`,
+    :meth:`token_embedding`, :meth:`final_norm`, :meth:`output_projection`). The losses, logits and KV caches below
+    reach the embedding, output projection and layers through the same methods, so a subclass whose parts are held
+    elsewhere (the ``transformers`` backend) implements those and keeps the rest.
 
     Args:
         embed_tokens: the token embedding.
-        layers: the decoder layers, in order.
+        layers: the decoder layers, in order (numbered from 0); or, for a model holding only some of a larger
+            model's layers, a mapping from each one's index in that model (as a string, ascending) to the layer
+            (:class:`~toolkit.modules.contract.DecoderLayers`: the names, and so the state-dict keys, stay the
+            larger model's).
         norm: the final norm.
         output: the output projection; ``None`` ties it to ``embed_tokens.weight`` (Llama 3.2 1B/3B).
         max_seq_len: longest sequence the position embeddings support.
@@ -68,7 +77,7 @@ class TransformerDecoder(nn.Module):
         self,
         *,
         embed_tokens: nn.Embedding,
-        layers: list[nn.Module],
+        layers: Sequence[nn.Module] | Mapping[str, nn.Module],
         norm: nn.Module,
         output: nn.Linear | None,
         max_seq_len: int,
@@ -76,7 +85,7 @@ class TransformerDecoder(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
-        self.layers = nn.ModuleList(layers)
+        self.layers = DecoderLayers(layers)
         self.norm = norm
         self.output = output
         self.max_seq_len = max_seq_len
@@ -93,7 +102,23 @@ class TransformerDecoder(nn.Module):
 
     @property
     def tie_word_embeddings(self) -> bool:
-        return self.output is None
+        return self.output_projection() is None
+
+    def decoder_layers(self) -> dict[str, nn.Module]:
+        """The decoder layers, in order, by module path (``layers.<index in the whole model>``)."""
+        return {f"layers.{name}": layer for name, layer in self.layers.named_children()}
+
+    def token_embedding(self) -> nn.Embedding:
+        """The token embedding."""
+        return self.embed_tokens
+
+    def final_norm(self) -> nn.Module:
+        """The norm after the last layer."""
+        return self.norm
+
+    def output_projection(self) -> nn.Module | None:
+        """The output projection; None when tied to the token embedding."""
+        return self.output
 
     def forward(
         self,
@@ -231,7 +256,7 @@ class TransformerDecoder(nn.Module):
         if weight is None:
             chunks = self._chunked_logits(h, num_chunks)
             return chunked_sequence_logprobs(chunks, labels) if per_sequence else chunked_cross_entropy_sum(chunks, labels)
-        adapter, output = None, self.output
+        adapter, output = None, self.output_projection()
         if isinstance(output, LoRALinear) and not output.disabled:
             # Dropout once over the whole h, as LoRALinear.forward applies it: the same mask for the same seed.
             adapter = LoRAAdapter(
@@ -250,8 +275,8 @@ class TransformerDecoder(nn.Module):
         """The output weight distillation projects with (as student or teacher): a tied embedding or a plain
         bias-free ``nn.Linear`` holding plain tensors (under tensor parallelism, DTensors split over the
         vocabulary). None for an adapter on the output layer or an NF4 or float8 weight."""
-        weight = self.fused_loss_weight()
-        return weight if self.output is None or type(self.output) is nn.Linear else None
+        weight, output = self.fused_loss_weight(), self.output_projection()
+        return weight if output is None or type(output) is nn.Linear else None
 
     def _distill_sum(self, h: torch.Tensor, labels: torch.Tensor, targets: DistillTargets, *, num_chunks: int):
         weight = self.distill_weight()
@@ -269,9 +294,9 @@ class TransformerDecoder(nn.Module):
         embedding, a plain bias-free ``nn.Linear``, or a bias-free :class:`~toolkit.modules.peft.LoRALinear` (its
         frozen base weight; the adapter, unless disabled, is added to the logits), each holding plain tensors. None
         for anything else (DoRA, an NF4 base, a bias, a float8 weight): those take the chunked logits."""
-        output = self.output
+        output = self.output_projection()
         if output is None:
-            tensors = [self.embed_tokens.weight]
+            tensors = [self.token_embedding().weight]
         elif type(output) is nn.Linear and output.bias is None:
             tensors = [output.weight]
         elif type(output) is LoRALinear and output.bias is None:  # exactly: DoRA rescales the adapted weight's rows
@@ -292,15 +317,16 @@ class TransformerDecoder(nn.Module):
         projection, soft-capped by ``final_logit_softcap``, so a subclass with any other transform must also make
         :meth:`fused_loss_weight` return None.
         """
-        if self.output is None:
-            weight = self.embed_tokens.weight
+        output = self.output_projection()
+        if output is None:
+            weight = self.token_embedding().weight
             if isinstance(weight, DTensor):
                 # Tied to a vocabulary-parallel embedding (tensor parallelism): each rank projects onto its rows of
                 # the vocabulary, and the logits are gathered. (An untied output layer gathers them itself.)
                 h = DTensor.from_local(h, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim, run_check=False)
                 return F.linear(h, weight).full_tensor()
             return F.linear(h, weight)
-        return self.output(h)
+        return output(h)
 
     def setup_caches(self, *, batch_size: int, max_seq_len: int | None = None, dtype: torch.dtype | None = None) -> None:
         """Give every attention layer a KV cache for incremental decoding.
@@ -310,10 +336,10 @@ class TransformerDecoder(nn.Module):
         keys and values the layers will compute: autocast's when it is on here (mixed precision: float32 weights,
         bfloat16 keys), else the weights'.
         """
-        weight = self.embed_tokens.weight
+        weight = self.token_embedding().weight
         if dtype is None and torch.is_autocast_enabled(weight.device.type):
             dtype = torch.get_autocast_dtype(weight.device.type)
-        for layer in self.layers:
+        for layer in self.decoder_layers().values():
             attn = layer.self_attn
             attn.kv_cache = KVCache(
                 batch_size=batch_size,
@@ -326,5 +352,5 @@ class TransformerDecoder(nn.Module):
 
     def clear_caches(self) -> None:
         """Remove the KV caches (training must not run with them)."""
-        for layer in self.layers:
+        for layer in self.decoder_layers().values():
             layer.self_attn.kv_cache = None

@@ -50,7 +50,7 @@ class DistillSettings:
 def check_teacher(student: nn.Module, teacher: nn.Module) -> None:
     """One line naming what makes ``teacher`` unable to teach ``student`` (their vocabularies, an output layer the
     chunked projection cannot take), raised as a UserError before any weight is loaded."""
-    s_vocab, t_vocab = student.embed_tokens.num_embeddings, teacher.embed_tokens.num_embeddings
+    s_vocab, t_vocab = student.token_embedding().num_embeddings, teacher.token_embedding().num_embeddings
     if s_vocab != t_vocab:
         raise UserError(
             f"teacher_model: its vocabulary has {t_vocab} tokens and the student's {s_vocab}; distillation compares "

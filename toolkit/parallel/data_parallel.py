@@ -63,7 +63,8 @@ def apply_fsdp(
     final norm, output) the root unit; under expert parallelism each layer's experts are a unit of their own.
 
     Args:
-        model: the model (on the meta device, or materialized with its weights loaded); its parameters may be
+        model: the model (on the meta device, or materialized with its weights loaded), whose decoder layers its
+            contract gives (:meth:`~toolkit.modules.contract.DecoderModel.decoder_layers`); its parameters may be
             tensor-parallel DTensors, whose local shards FSDP2 then shards further (2-D).
         mesh: 1-D for ZeRO-2/3, 2-D ``(dp_replicate, dp_shard)`` for HSDP (:meth:`ParallelDims.fsdp_mesh`).
         reshard_after_forward: free gathered layer parameters after forward (ZeRO-3) or keep them until backward
@@ -81,7 +82,7 @@ def apply_fsdp(
         "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if cpu_offload else None,
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    for layer in model.layers:
+    for layer in model.decoder_layers().values():
         experts = getattr(layer.mlp, "experts", None)
         if expert_mesh is not None and experts is not None:
             fully_shard(experts, reshard_after_forward=reshard_after_forward, **{**kwargs, "mesh": expert_mesh})

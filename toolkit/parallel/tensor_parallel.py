@@ -1,5 +1,7 @@
 """Tensor parallelism (Shoeybi et al., 2019, https://arxiv.org/abs/1909.08053) applied to a plain decoder from
-outside, on PyTorch's DTensor: every decoder layer is split over the ``tp`` ranks of a TP group.
+outside, on PyTorch's DTensor: every decoder layer is split over the ``tp`` ranks of a TP group. The layers, the
+token embedding, the final norm and the output projection are the model's answers to its contract
+(:class:`~toolkit.modules.contract.DecoderModel`), not attributes read by name.
 
 The plan, the same for every family in :mod:`toolkit.models` (they share these module names):
 
@@ -114,17 +116,18 @@ def check_tensor_parallel(model: nn.Module, *, tp: int) -> None:
     if tp == 1:
         return
     what = f"tensor_parallel: {tp} ranks cannot split"
-    if not all(isinstance(getattr(layer, "self_attn", None), GroupedQueryAttention) for layer in model.layers):
+    layers = list(model.decoder_layers().values())
+    if not all(isinstance(getattr(layer, "self_attn", None), GroupedQueryAttention) for layer in layers):
         raise UserError(
             f"{what} this model: its layers are transformers' (the transformers backend), whose projections the "
             "tensor-parallel plan does not know; use tensor_parallel=1 with data_parallel (ddp, zero3...)"
         )
-    if any(isinstance(layer.mlp, MoEFeedForward) for layer in model.layers):
+    if any(isinstance(layer.mlp, MoEFeedForward) for layer in layers):
         raise UserError(
             f"{what} mixture-of-experts layers (their experts are not split by tensor parallelism); use "
             "tensor_parallel=1 with data_parallel (ddp, zero3...)"
         )
-    for layer in model.layers:
+    for layer in layers:
         attn = layer.self_attn
         if attn.num_heads % tp:
             heads = attn.num_heads
@@ -137,7 +140,7 @@ def check_tensor_parallel(model: nn.Module, *, tp: int) -> None:
         width = layer.mlp.gate_proj.weight.shape[0]
         if width % tp:
             raise UserError(f"{what} the model's MLP width of {width}; choose a divisor of {width}")
-    vocab = model.embed_tokens.weight.shape[0]
+    vocab = model.token_embedding().weight.shape[0]
     if vocab % tp:
         raise UserError(f"{what} the model's vocabulary of {vocab} tokens; choose a divisor of {vocab}")
     if any(is_nf4(p) for p in model.parameters()):
@@ -147,9 +150,9 @@ def check_tensor_parallel(model: nn.Module, *, tp: int) -> None:
         )
     if model.fused_loss_weight() is None:
         raise UserError(
-            f"tensor_parallel: the output layer ({type(model.output).__name__}) cannot take the vocabulary-parallel "
-            "loss, which needs a plain (or LoRA) bias-free projection or tied embeddings; do not adapt the output "
-            "with DoRA, or use tensor_parallel=1"
+            f"tensor_parallel: the output layer ({type(model.output_projection()).__name__}) cannot take the "
+            "vocabulary-parallel loss, which needs a plain (or LoRA) bias-free projection or tied embeddings; do not "
+            "adapt the output with DoRA, or use tensor_parallel=1"
         )
 
 
@@ -170,13 +173,13 @@ def apply_tp(model: nn.Module, *, tp_mesh: DeviceMesh, sequence_parallel: bool =
     residual, norm_grad = (split.residual, split.norm_grad) if sequence_parallel else (Replicate(), Replicate())
     if sequence_parallel:
         model.register_forward_pre_hook(partial(_decide_sequence_split, split), with_kwargs=True)
-        model.norm.register_forward_hook(partial(_gather_sequence, tp_mesh, split))
+        model.final_norm().register_forward_hook(partial(_gather_sequence, tp_mesh, split))
     for module, plan in split_modules(model):
         if plan is _VOCAB_EMBEDDING:
             _split_embedding(module, tp_mesh, output=residual)
         else:  # a row-wise projection's output is the residual stream's part
             _distribute(module, tp_mesh, replace(plan, output=residual) if plan is _ROW else plan)
-    for layer in model.layers:
+    for layer in model.decoder_layers().values():
         for parent in (layer.self_attn, layer.mlp):
             # One DTensor input for all of a block's column-wise projections: in backward their partial input
             # gradients are summed first and all-reduced once (not once per projection: 2 collectives a layer, not 5).
@@ -195,10 +198,11 @@ def split_modules(model: nn.Module) -> Iterator[tuple[nn.Module, _Split]]:
     """Every module :func:`apply_tp` splits, with its plan: the token embedding, the output projection (untied),
     and each layer's column- and row-wise projections. The memory plan (:mod:`toolkit.parallel.tp_shapes`) counts
     the shards of the same walk."""
-    yield model.embed_tokens, _VOCAB_EMBEDDING
-    if model.output is not None:
-        yield model.output, _VOCAB_OUTPUT
-    for layer in model.layers:
+    yield model.token_embedding(), _VOCAB_EMBEDDING
+    output = model.output_projection()
+    if output is not None:
+        yield output, _VOCAB_OUTPUT
+    for layer in model.decoder_layers().values():
         for parent in (layer.self_attn, layer.mlp):
             for name, child in parent.named_children():
                 if name in _COLUMN_PROJECTIONS:
@@ -210,7 +214,9 @@ def split_modules(model: nn.Module) -> Iterator[tuple[nn.Module, _Split]]:
 def _decide_sequence_split(split: _SequenceSplit, model: nn.Module, args: tuple, kwargs: dict) -> None:
     # Split when the length divides over the ranks and nothing is cached (a decoding step is one position).
     tokens = args[0] if args else kwargs["tokens"]
-    split.active = tokens.shape[1] % split.tp == 0 and all(layer.self_attn.kv_cache is None for layer in model.layers)
+    split.active = tokens.shape[1] % split.tp == 0 and all(
+        layer.self_attn.kv_cache is None for layer in model.decoder_layers().values()
+    )
 
 
 def _gather_sequence(

@@ -166,19 +166,19 @@ def _activations_per_token(
     :func:`activation_bytes`, with its defaults."""
     compute = _precision(dtype).compute
     autocast = autocast and _precision(dtype).stored != compute
-    d = model.embed_tokens.embedding_dim
+    d = model.token_embedding().embedding_dim
     full = [
         _layer_activation_bytes_per_token(
             layer, embed_dim=d, seq_len=seq_len, compute=compute, autocast=autocast, flex_attention=flex_attention,
             tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
         )
-        for layer in model.layers
+        for layer in model.decoder_layers().values()
     ]
     checkpointed = set(checkpointed_layers(len(full), checkpoint_interval(activation_checkpointing)))
     residual = (4 if autocast else compute) * d  # a checkpointed layer's input: the residual stream (fp32 in autocast)
     kept = [residual if i in checkpointed else b for i, b in enumerate(full)]
     recomputed = max((full[i] for i in checkpointed), default=0)
-    head = 8 + _norm_bytes_per_token(model.norm, embed_dim=d, compute=compute, autocast=autocast) + compute * d
+    head = 8 + _norm_bytes_per_token(model.final_norm(), embed_dim=d, compute=compute, autocast=autocast) + compute * d
     return kept, recomputed, head
 
 
@@ -286,7 +286,7 @@ def all_to_all_bytes(
     if expert_parallel == 1 or not blocks:
         return 0
     rows = micro_batch_size * seq_len * max(block.top_k for block in blocks)
-    return 3 * rows * model.embed_tokens.embedding_dim * _precision(dtype).compute
+    return 3 * rows * model.token_embedding().embedding_dim * _precision(dtype).compute
 
 
 def logits_bytes(
@@ -327,14 +327,16 @@ def logits_bytes(
     allocation tracker to within 1% (``tests/planning/test_memory.py``).
     """
     compute = _precision(dtype).compute
-    vocab = model.embed_tokens.num_embeddings
+    embedding = model.token_embedding()
+    vocab = embedding.num_embeddings
     softcap = compute if getattr(model, "final_logit_softcap", None) else 0
     tokens = micro_batch_size * seq_len
     one_chunk = 4 if compute == 4 else 8
     if fused and model.fused_loss_weight() is not None:
         rows = math.ceil(tokens / (loss_chunks or 1))
-        hidden = 4 if getattr(model.output, "dropout_p", 0.0) > 0 else 1  # a LoRA output's dropped-out input
-        width = model.embed_tokens.embedding_dim
+        output = model.output_projection()
+        hidden = 4 if getattr(output, "dropout_p", 0.0) > 0 else 1  # a LoRA output's dropped-out input
+        width = embedding.embedding_dim
         vocab = math.ceil(vocab / tensor_parallel)  # the vocabulary-parallel loss: this rank's columns only
         return rows * vocab * (compute + one_chunk + softcap) + hidden * tokens * width * compute
     tokens_x_vocab = tokens * vocab

@@ -308,7 +308,7 @@ def _frozen_copy_bytes(
     local = {**tensor_parallel_local_parameters(model, tp=tensor_parallel), **split_experts}
     experts = {id(t) for t in split_experts.values()}
     params = [local[id(t)] for t in model.parameters()]
-    layers = [[local[id(t)] for t in layer.parameters()] for layer in model.layers]
+    layers = [[local[id(t)] for t in layer.parameters()] for layer in model.decoder_layers().values()]
     layer_ids = {id(t) for layer in layers for t in layer}
 
     def copies(tensors: list[torch.Tensor]) -> int:
@@ -469,7 +469,7 @@ def estimate_memory(
 
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())  # replicated by every strategy
     states = OPTIMIZER_STATES[optimizer]
-    layers = [[local[id(t)] for t in layer.parameters()] for layer in model.layers]
+    layers = [[local[id(t)] for t in layer.parameters()] for layer in model.decoder_layers().values()]
     layer_ids = {id(t) for layer in layers for t in layer}
     root = [t for t in params if id(t) not in layer_ids]
     largest_layer = max(layers, key=lambda ts: sum(t.numel() for t in ts), default=[])
@@ -489,9 +489,9 @@ def estimate_memory(
             opt_elems = math.ceil(trainable / world_size)
         # Autocast's compute copies of matmul weights, saved for backward; not of the embedding lookup or the norms
         # (which run as stored), nor of NF4 weights (dequantized inside the matmul, in forward and again in backward).
-        embedding = local[id(model.embed_tokens.weight)]
+        embedding = local[id(model.token_embedding().weight)]
         matmul_weights = [t for t in params if t.dim() >= 2 and t is not embedding]
-        if model.output is None:
+        if model.output_projection() is None:
             matmul_weights.append(embedding)
         gathered = sum(c * t.numel() for t in matmul_weights if not _is_subclass(t)) if autocast else 0
     else:

@@ -61,10 +61,12 @@ def apply_activation_checkpointing(model: nn.Module, *, every_k_layers: int = 1)
 
     Uses non-reentrant checkpointing, which works with DDP, FSDP2 and frozen parameters (the reentrant variant
     is what raises DDP's "Expected to mark a variable ready only once"). The layer's ``forward`` is wrapped in
-    place, so parameter names and state-dict keys do not change. Apply before data parallelism.
+    place, so parameter names and state-dict keys do not change. Apply before data parallelism. The layers are the
+    model's :meth:`~toolkit.modules.contract.DecoderModel.decoder_layers`, counted in the order they run.
     """
-    for i in checkpointed_layers(len(model.layers), every_k_layers):
-        layer = model.layers[i]
+    layers = list(model.decoder_layers().values())
+    for i in checkpointed_layers(len(layers), every_k_layers):
+        layer = layers[i]
         layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
 
@@ -222,7 +224,7 @@ class ActivationOffloader:
         outside the compiled code; they then see the tensors the compiled layer saves). Embeddings, the final
         norm, the output projection and the loss run without hooks: their tensors are needed first in backward.
         """
-        for layer in model.layers:
+        for layer in model.decoder_layers().values():
             layer.forward = self._wrap(layer, layer.forward)
 
     def _wrap(self, layer: nn.Module, forward: Callable) -> Callable:

@@ -72,17 +72,18 @@ def compile_model(
     """Compile every decoder layer of ``model`` in place, the work between the matmuls of its fused loss, and
     optionally a loss function.
 
-    Each ``model.layers[i].forward`` is replaced by its compiled version, so parameter names, state-dict keys and
-    module hooks are unchanged. Apply it to the plain model, before data parallelism; before or after
-    :func:`~toolkit.training.apply_activation_checkpointing` (after: the checkpoint is compiled with the layer;
-    before: the compiled layer is recomputed in backward). Compilation itself happens on the first forward.
+    Each decoder layer's ``forward`` (:meth:`~toolkit.modules.contract.DecoderModel.decoder_layers`) is replaced by
+    its compiled version, so parameter names, state-dict keys and module hooks are unchanged. Apply it to the plain
+    model, before data parallelism; before or after :func:`~toolkit.training.apply_activation_checkpointing`
+    (after: the checkpoint is compiled with the layer; before: the compiled layer is recomputed in backward).
+    Compilation itself happens on the first forward.
 
     ``nn.Module.compile()`` is not used: it compiles ``Module._call_impl``, a frame Dynamo skips, and once
     activation checkpointing has replaced a layer's ``forward`` (with ``torch.utils.checkpoint``, skipped too)
     nothing is left to compile and the layer silently runs eagerly (seen with torch 2.13).
 
     Args:
-        model: a decoder with ``model.layers``; its ``output_loss_kernel``, if it has one
+        model: a decoder (:class:`~toolkit.modules.contract.DecoderModel`); its ``output_loss_kernel``, if it has one
             (:func:`~toolkit.modules.loss.logit_loss_and_grad`), is compiled too: the softmax, the loss and the
             logits' gradient of a chunk in a pass or two, without float32 chunk-sized tensors in memory.
         device: where training runs (checks that the code generator for it is installed).
@@ -108,7 +109,7 @@ def compile_model(
     if dynamic is False:
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, 2 * STATIC_LENGTHS)
-    for layer in model.layers:
+    for layer in model.decoder_layers().values():
         layer.forward = torch.compile(layer.forward, backend=backend, dynamic=dynamic)
     if hasattr(model, "output_loss_kernel"):
         model.output_loss_kernel = torch.compile(model.output_loss_kernel, backend=backend)

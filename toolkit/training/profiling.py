@@ -13,6 +13,7 @@ from torch import nn
 
 from toolkit.config import did_you_mean
 from toolkit.errors import UserError
+from toolkit.modules.contract import DecoderModel
 from toolkit.modules.moe import active_shares
 
 
@@ -134,8 +135,10 @@ def _matmul_weights(model: nn.Module) -> tuple[int, int]:
     """(trainable, frozen) weights that multiply each token: every 2-D weight but a (separate) input embedding, and
     of the stacked experts of a mixture-of-experts block (and their adapters) the ``top_k / num_experts`` share a
     token goes through."""
-    embedding = getattr(model, "embed_tokens", None)
-    tied = getattr(model, "output", "untied") is None
+    # Any module is counted; one that implements the model contract has an input embedding, a lookup.
+    contract = isinstance(model, DecoderModel)
+    embedding = model.token_embedding() if contract else None
+    tied = contract and model.output_projection() is None
     active_share = active_shares(model)
     trainable = frozen = 0
     for name, param in model.named_parameters():
@@ -161,7 +164,7 @@ def flops_per_token(model: nn.Module, *, seq_len: int) -> float:
     """
     trainable, frozen = _matmul_weights(model)
     attention = 0
-    for layer in getattr(model, "layers", []):
+    for layer in model.decoder_layers().values() if isinstance(model, DecoderModel) else []:
         attn = getattr(layer, "self_attn", None)
         if attn is not None:  # (a transformers backend layer keeps its head count in its config)
             num_heads = getattr(attn, "num_heads", None) or attn.config.num_attention_heads

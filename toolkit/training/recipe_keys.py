@@ -30,6 +30,7 @@ from toolkit.config._schema import (
 )
 from toolkit.errors import UserError
 from toolkit.modules.attention import GroupedQueryAttention
+from toolkit.modules.contract import DecoderModel
 from toolkit.modules.position_embeddings import LongRopeRotaryEmbeddings
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.attention_backend import SDPA_BACKENDS
@@ -260,7 +261,7 @@ def context_parallel_fits(ctx: Context) -> Iterator[tuple[str, str]]:
             "load-balancing loss is per whole row); use context_parallel=1"
     yield from context_parallel_problems(
         context_parallel=cp, method=ctx.get("context_parallel_method", "ring"),
-        num_heads=model.layers[0].self_attn.num_heads, tensor_parallel=tp if isinstance(tp, int) else 1,
+        num_heads=_first_layer(model).self_attn.num_heads, tensor_parallel=tp if isinstance(tp, int) else 1,
     )
 
 
@@ -377,10 +378,17 @@ def muon_groups_fit(ctx: Context) -> Iterator[tuple[str, str]]:
         return
 
 
+def _first_layer(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The first decoder layer of a model that implements the contract and holds one, else None (a config's
+    ``model`` may build any module)."""
+    if not isinstance(model, DecoderModel):
+        return None
+    return next(iter(model.decoder_layers().values()), None)
+
+
 def _toolkit_attention(model: torch.nn.Module) -> bool:
     """Whether ``model``'s layers attend with the toolkit's own attention (not the transformers backend's)."""
-    layers = getattr(model, "layers", None)
-    return bool(layers) and isinstance(getattr(layers[0], "self_attn", None), GroupedQueryAttention)
+    return isinstance(getattr(_first_layer(model), "self_attn", None), GroupedQueryAttention)
 
 
 @rule("eval_tasks", "model")

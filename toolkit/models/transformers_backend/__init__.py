@@ -2,11 +2,11 @@
 architectures that have no native family here, trained by the same engine as the native ones.
 
 :class:`TransformersDecoder` holds the Hugging Face model's own modules under their own names, so its state-dict
-keys are the checkpoint's (the weight-name conversion of this "family" is the identity), and exposes what the engine
-reaches for: ``layers`` (the decoder layers' ``ModuleList``: FSDP2 units, activation checkpointing, compile), the
-token embedding and the output projection, whose weight the fused projection-and-loss takes with the final hidden
-states, as for a native decoder. Packed rows reach the model as a 4D boolean mask and their positions as
-``position_ids``.
+keys are the checkpoint's (the weight-name conversion of this "family" is the identity), and implements the model
+contract (:class:`~toolkit.modules.contract.DecoderModel`) over them: the decoder layers (``model.layers.<i>``:
+FSDP2 units, activation checkpointing, compile), the token embedding, the final norm and the output projection,
+whose weight the fused projection-and-loss takes with the final hidden states, as for a native decoder. Packed
+rows reach the model as a 4D boolean mask and their positions as ``position_ids``.
 
 What it does not do: tensor parallelism (the layers are another library's code, whose projections our
 tensor-parallel plan does not know; refused with one line), KV-cache generation, and FlexAttention (dense SDPA
@@ -113,20 +113,20 @@ class TransformersDecoder(TransformerDecoder):
         """The Hugging Face base model (embedding, layers, final norm)."""
         return getattr(self, self._base_name)
 
-    @property
-    def embed_tokens(self) -> nn.Embedding:
+    def decoder_layers(self) -> dict[str, nn.Module]:
+        """The base model's decoder layers, in order, by module path (``model.layers.<i>``: transformers' own
+        ``ModuleList``, which its forward slices, so it stays one)."""
+        return {f"{self._base_name}.layers.{name}": layer for name, layer in self.base.layers.named_children()}
+
+    def token_embedding(self) -> nn.Embedding:
+        """The base model's input embedding."""
         return self.base.get_input_embeddings()
 
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.base.layers
-
-    @property
-    def norm(self) -> nn.Module:
+    def final_norm(self) -> nn.Module:
+        """The base model's final norm."""
         return self._norm[0]
 
-    @property
-    def output(self) -> nn.Module | None:
+    def output_projection(self) -> nn.Module | None:
         """The output projection, or None when it is the embedding (tied)."""
         return None if self._head_name is None else getattr(self, self._head_name)
 
@@ -177,8 +177,8 @@ def _replace_linears(model: TransformersDecoder, linear: LinearFactory) -> None:
     """Put ``linear(attribute name, in, out, bias=...)`` in place of every linear layer of the decoder layers, and
     ``linear("output", ...)`` in place of an untied output projection; plain layers it returns are left as they
     were (they are the same)."""
-    head = model.output
-    in_layers = {id(m) for m in model.layers.modules() if type(m) is nn.Linear}
+    head = model.output_projection()
+    in_layers = {id(m) for layer in model.decoder_layers().values() for m in layer.modules() if type(m) is nn.Linear}
     for path, module in list(model.named_modules()):
         if id(module) not in in_layers and (head is None or module is not head):
             continue
