@@ -29,7 +29,7 @@ from toolkit.errors import UserError
 from toolkit.generation import report_exact_match
 from toolkit.modules.distillation import DIVERGENCES
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
-from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
+from toolkit.parallel import shard_optimizer_state, unwrap
 from toolkit.training import (
     MetricsLogger,
     StepCheckpointer,
@@ -121,13 +121,9 @@ def train(cfg: DictConfig) -> None:
         world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
         dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing, kernels=kernels,
         shard_size=cfg.hsdp_shard_size, optimizer=optimizer_memory_model(cfg.optimizer._component_) or "adamw",
-        tensor_parallel=cfg.get("tensor_parallel", 1),
+        tensor_parallel=cfg.get("tensor_parallel", 1), rank=env.rank,
     )
-    dims = parallel_dims(
-        strategy=plan.strategy, world_size=env.world_size, local_world_size=env.local_world_size,
-        shard_size=cfg.hsdp_shard_size, cpu_offload=plan.cpu_offload, device_type=env.device.type,
-        tensor_parallel=plan.tensor_parallel, rank=env.rank,
-    )
+    dims = plan.dims  # the layout those degrees make
     mesh = dims.build_mesh(env.device.type)
     dp_group = dims.dp_group(mesh)
     checkpointer = instantiate(cfg.checkpointer)

@@ -32,7 +32,7 @@ from toolkit.generation import report_exact_match
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.watchdog import progress, rank_watchdog
 from toolkit.training.recipe_keys import TRAINING_SCHEMA
-from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
+from toolkit.parallel import shard_optimizer_state, unwrap
 from toolkit.training import (
     FLOAT8_TOKEN_MULTIPLE,
     MetricsLogger,
@@ -120,20 +120,11 @@ def train(cfg: DictConfig) -> None:
         tensor_parallel=cfg.get("tensor_parallel", 1),
         expert_parallel=cfg.get("expert_parallel", 1),  # experts shared out over data-parallel ranks (MoE models)
         context_parallel=cfg.get("context_parallel", 1),  # each sequence split over this many data-parallel ranks
+        rank=env.rank,
     )
     accum_steps = plan.accumulation_steps
-    dims = parallel_dims(
-        strategy=plan.strategy,
-        world_size=env.world_size,
-        local_world_size=env.local_world_size,
-        shard_size=cfg.hsdp_shard_size,
-        cpu_offload=plan.cpu_offload,
-        device_type=env.device.type,
-        tensor_parallel=plan.tensor_parallel,
-        rank=env.rank,
-        expert_parallel=cfg.get("expert_parallel", 1),
-        context_parallel=cfg.get("context_parallel", 1),
-    )
+    # The layout those degrees make (the strategy, every degree, offloading): each degree is stated once, above.
+    dims = plan.dims
     # The one device mesh (dp_replicate x dp_shard x tp) every dimension is cut from, and the data-parallel peers
     # of this rank, over which tokens and losses are summed (the ranks of a TP group share their micro-batches).
     mesh = dims.build_mesh(env.device.type)
