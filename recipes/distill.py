@@ -15,55 +15,25 @@ into processes and micro-steps. Metrics per step: ``loss``, ``ce_loss``, ``kd_lo
 student's ``val_loss`` and ``val_kd_loss`` (its divergence from the teacher on held-out data).
 """
 
-import time
 from functools import partial
-from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader
+from omegaconf import DictConfig
 
+from toolkit.checkpoint.peft import fill_adapter_model, save_adapter_and_merged
 from toolkit.config import Bool, Choice, Component, Float, instantiate, recipe_main, rule
-from toolkit.data import GlobalBatchSampler, padded_collate
+from toolkit.data import padded_collate
 from toolkit.errors import UserError
-from toolkit.generation import report_exact_match
 from toolkit.modules.distillation import DIVERGENCES
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
-from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
-from toolkit.training import (
-    MetricsLogger,
-    StepCheckpointer,
-    StepKernels,
-    TrainingState,
-    ValidationSampler,
-    barrier,
-    claim_output_dir,
-    destroy_distributed,
-    fused_by_default,
-    global_batches,
-    init_distributed,
-    init_weights,
-    inject_fault,
-    make_grad_scaler,
-    on_rank_zero,
-    optimizer_memory_model,
-    optimizer_parameters,
-    optimizer_step,
-    parallelize,
-    plan_parallelism,
-    precision_policy,
-    resolve_flex_attention,
-    sdpa_preference,
-    set_seed,
-    start_run,
-    step_metrics,
-)
 from toolkit.objectives.distillation import DistillSettings, check_teacher, distill_forward_backward, distill_validation
-from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
-from toolkit.checkpoint.peft import fill_adapter_model, save_adapter_and_merged
 from toolkit.objectives.preference import frozen_reference
-from toolkit.training.watchdog import progress, rank_watchdog
+from toolkit.parallel import barrier, destroy_distributed, unwrap
+from toolkit.planning import StepKernels
+from toolkit.recipe_setup import build_data, parallelize_model, plan_layout, print_header, setup_run, start_training
+from toolkit.training import init_weights, resolve_flex_attention, sdpa_preference, set_seed
 from toolkit.training.recipe_keys import TRAINING_SCHEMA
+from toolkit.training.watchdog import rank_watchdog
 
 
 @rule("kd_loss", "jsd_beta")
@@ -93,16 +63,11 @@ SCHEMA = TRAINING_SCHEMA.without(
 
 
 def train(cfg: DictConfig) -> None:
-    # --- Processes, devices and precision --------------------------------------------------------------------------
-    env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
-    precision = precision_policy(cfg.dtype, device=env.device)
-    output_dir = Path(cfg.output_dir).expanduser()
+    # --- Processes, devices and precision; the checkpoint to resume from, or None (nothing is written yet) ---------
+    run = setup_run(cfg)
+    env = run.env
     settings = DistillSettings(loss=cfg.kd_loss, kd_ratio=cfg.kd_ratio, temperature=cfg.temperature,
                                jsd_beta=cfg.get("jsd_beta", 0.5))
-    base_checkpoint = cfg.checkpointer.get("checkpoint_dir")
-    resume = on_rank_zero(
-        start_run, output_dir, overwrite=cfg.overwrite, resume_from=cfg.resume_from, base_checkpoint=base_checkpoint
-    )
 
     # --- Student and teacher: built on the meta device and checked against each other before anything is loaded ----
     set_seed(cfg.seed)
@@ -115,21 +80,9 @@ def train(cfg: DictConfig) -> None:
         set_trainable_params(model, adapters)
     kernels = StepKernels(flex_attention=resolve_flex_attention(cfg.get("flex_attention", "auto"), env.device),
                           loss_chunks=cfg.get("loss_chunks"), frozen_model=teacher_shape)  # auto layouts count it
-    plan = plan_parallelism(
-        model=model, strategy=cfg.data_parallel, cpu_offload=cfg.cpu_offload, batch_size=cfg.batch_size,
-        micro_batch_size=cfg.micro_batch_size, device=env.device, device_memory_gb=cfg.get("device_memory_gb"),
-        world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
-        dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing, kernels=kernels,
-        shard_size=cfg.hsdp_shard_size, optimizer=optimizer_memory_model(cfg.optimizer._component_) or "adamw",
-        tensor_parallel=cfg.get("tensor_parallel", 1),
-    )
-    dims = parallel_dims(
-        strategy=plan.strategy, world_size=env.world_size, local_world_size=env.local_world_size,
-        shard_size=cfg.hsdp_shard_size, cpu_offload=plan.cpu_offload, device_type=env.device.type,
-        tensor_parallel=plan.tensor_parallel, rank=env.rank,
-    )
-    mesh = dims.build_mesh(env.device.type)
-    dp_group = dims.dp_group(mesh)
+    # The layout and its mesh (see full_finetune.py): of the degrees, only the shared tensor_parallel (yet).
+    layout = plan_layout(cfg, run=run, model=model, kernels=kernels)
+    dims = layout.dims
     checkpointer = instantiate(cfg.checkpointer)
     teacher_checkpointer = instantiate(cfg.teacher_checkpointer)
     if teacher_checkpointer.checkpoint_dir is None:
@@ -138,143 +91,67 @@ def train(cfg: DictConfig) -> None:
     def fill_student(module: torch.nn.Module) -> None:
         if adapters:
             fill_adapter_model(module, checkpointer)
-        elif resume is None:  # (when resuming, every weight comes from the step checkpoint, loaded below)
+        elif run.resume is None:  # (when resuming, every weight comes from the step checkpoint, loaded below)
             checkpointer.load(module) if checkpointer.checkpoint_dir is not None else init_weights(module)
 
     # Under tensor parallelism both models are split alike (their vocabularies too: the divergence is reduced over
     # the TP group, see toolkit.modules.distillation).
-    sequence_parallel = cfg.get("sequence_parallel", False)
-    model = parallelize(
-        model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill_student,
-        mp_policy=precision.fsdp_policy(), activation_checkpointing=cfg.activation_checkpointing, mesh=mesh,
-        sequence_parallel=sequence_parallel,
-    )
-    teacher = frozen_reference(partial(instantiate, cfg.teacher_model), dims=dims, mesh=mesh, device=env.device,
-                               dtype=precision.compute_dtype, fill=teacher_checkpointer.load,
-                               sequence_parallel=sequence_parallel)
-    autocast = precision.autocast(env.device, sharded=dims.uses_fsdp)
-    grad_scaler = make_grad_scaler(enabled=precision.needs_grad_scaler, device=env.device,
-                                   sharded=dims.uses_fsdp or dims.tp > 1, data_parallel_size=dims.dp_size)
+    model = parallelize_model(cfg, model, run=run, layout=layout, fill=fill_student)
+    teacher = frozen_reference(partial(instantiate, cfg.teacher_model), dims=dims, mesh=layout.mesh, device=env.device,
+                               dtype=run.precision.compute_dtype, fill=teacher_checkpointer.load,
+                               sequence_parallel=cfg.get("sequence_parallel", False))
 
     # --- Data: every data-parallel rank reads its slice of each global batch ---------------------------------------
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer)
     collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, pack_to=cfg.max_seq_len)
-    sampler = GlobalBatchSampler(
-        len(dataset), global_batch_size=cfg.batch_size, rank=dims.dp_rank, world_size=dims.dp_size, seed=cfg.seed,
-        shuffle=cfg.get("shuffle", True),
-    )
-    loader = DataLoader(dataset, batch_size=plan.micro_batch_size, sampler=sampler, collate_fn=collate)
-    val_loader = None
-    if cfg.get("validation_dataset"):
-        val_dataset = instantiate(cfg.validation_dataset, tokenizer)
-        val_loader = DataLoader(val_dataset, batch_size=plan.micro_batch_size, collate_fn=collate,
-                                sampler=ValidationSampler(len(val_dataset), rank=dims.dp_rank, world_size=dims.dp_size))
+    data = build_data(cfg, layout=layout, dataset=dataset, collate=collate, tokenizer=tokenizer)
     eval_tasks = instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None
-    total_steps = cfg.epochs * sampler.steps_per_epoch
-    if cfg.max_steps is not None:
-        total_steps = min(total_steps, cfg.max_steps)
 
-    # --- Optimizer, schedule and step checkpoints (the student only; adapter runs keep only what trains) -----------
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = shard_optimizer_state(
-        instantiate(fused_by_default(cfg.optimizer, grad_scaler=grad_scaler),
-                    optimizer_parameters(model, cfg.optimizer)), dims=dims)
-    lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
-    state = TrainingState(model, optimizer, lr_scheduler, sampler, grad_scaler)
-    checkpoints = StepCheckpointer(
-        output_dir, every_n_steps=cfg.save_every_n_steps, keep_last_n=cfg.keep_last_n, async_save=cfg.async_save,
-        trainable_only=bool(adapters), base_checkpoint=checkpointer.checkpoint_dir, data_parallel_size=dims.dp_size,
+    # --- Optimizer, schedule, step checkpoints (the student only; adapter runs keep only what trains), output folder -
+    def validate() -> dict:
+        return distill_validation(model, teacher, data.val_loader, settings=settings, device=env.device,
+                                  autocast=layout.autocast, flex_attention=kernels.flex_attention,
+                                  num_output_chunks=kernels.loss_chunks, data_parallel_group=layout.dp_group)
+
+    loop = start_training(
+        cfg, run=run, layout=layout, model=model, data=data, base_checkpoint=checkpointer.checkpoint_dir,
+        trainable_only=bool(adapters), eval_tasks=eval_tasks, tokenizer=tokenizer, validate=validate,
     )
-    step = checkpoints.load(resume, state, config=cfg) if resume is not None else 0
-
-    # --- The output folder: claimed once everything that can fail on the user's input is built and checked -------
-    loggers = build_metric_loggers_on_rank_zero(cfg.get("metric_loggers") or [], output_dir=output_dir,
-                                                initial_step=step)
-    if resume is None:
-        on_rank_zero(claim_output_dir, output_dir, overwrite=cfg.overwrite, base_checkpoint=base_checkpoint)
-    log = MetricsLogger(output_dir, enabled=env.is_rank_zero, total_steps=total_steps, initial_step=step,
-                        progress_bar=cfg.progress_bar, loggers=loggers, log_every_n_steps=cfg.log_every_n_steps)
-    log.log_config(cfg)
-    if env.is_rank_zero:
-        OmegaConf.save(cfg, output_dir / "config.yaml")
-    if resume is not None:
-        log.print(f"resumed at step {step} from {resume}")
+    log = loop.log
     n_student = sum(p.numel() for p in unwrap(model).parameters())
     n_teacher = sum(p.numel() for p in teacher_shape.parameters())
-    log.print(
-        f"{settings.loss} at temperature {settings.temperature}, kd_ratio {settings.kd_ratio}: a "
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print_header(
+        log, f"{settings.loss} at temperature {settings.temperature}, kd_ratio {settings.kd_ratio}: a "
         f"{n_teacher / 1e6:.2f}M-parameter teacher into a {n_student / 1e6:.2f}M-parameter student "
-        f"({sum(p.numel() for p in trainable) / 1e6:.3f}M trainable); {env.world_size} process(es) on "
-        f"{env.device.type}, {dims.label}, {precision.name}; global batch {cfg.batch_size} = {dims.dp_size} x "
-        f"{plan.micro_batch_size} x {plan.accumulation_steps} accumulation step(s); {total_steps} steps"
+        f"({n_trainable / 1e6:.3f}M trainable)", run=run, layout=layout, data=data, batch_size=cfg.batch_size,
     )
-    for reason in plan.reasons:
-        log.print(reason)
+    if run.resume is None and data.val_loader is not None:
+        before = loop.validation()
+        log.print(f"held-out divergence from the teacher before training: {before['val_kd_loss']:.4f}")
 
-    def validate() -> dict:
-        return distill_validation(model, teacher, val_loader, settings=settings, device=env.device, autocast=autocast,
-                                  flex_attention=kernels.flex_attention, num_output_chunks=kernels.loss_chunks,
-                                  data_parallel_group=dp_group)
-
-    validated = (None, None)  # the step of the last validation, and its metrics
-    if resume is None and val_loader is not None:
-        validated = (0, validate())
-        log.log({"step": 0, **validated[1]})
-        log.print(f"held-out divergence from the teacher before training: {validated[1]['val_kd_loss']:.4f}")
-    if eval_tasks and resume is None:
-        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
-                           world_size=env.world_size, when="before", log=log.print)
-
-    # --- Training loop ------------------------------------------------------------------------------------------
-    model.train()
-    data_requested = time.perf_counter()
-    for epoch, micro_batches in global_batches(loader, sampler, accum_steps=plan.accumulation_steps):
-        if step == total_steps:
-            break
-        start = time.perf_counter()
-        data_wait_s = start - data_requested
+    # --- Training loop (with eval_tasks: their accuracy before, on a fresh start, and after) ------------------------
+    for epoch, micro_batches in loop.global_batches():
         result = distill_forward_backward(
             model, teacher, micro_batches, settings=settings, device=env.device, data_parallel_size=dims.dp_size,
-            data_parallel_group=dp_group, autocast=autocast, grad_scaler=grad_scaler,
+            data_parallel_group=layout.dp_group, autocast=layout.autocast, grad_scaler=loop.grad_scaler,
             num_output_chunks=kernels.loss_chunks, flex_attention=kernels.flex_attention,
         )
-        forward_backward_s = time.perf_counter() - start
-        grad_norm = optimizer_step(model, optimizer, max_grad_norm=cfg.clip_grad_norm, grad_scaler=grad_scaler)
-        lr = lr_scheduler.get_last_lr()[0]
-        lr_scheduler.step()
-        sampler.advance()
-        step += 1
-        progress(f"step {step}")  # the watchdog's sign of life
-        log.log(step_metrics(
-            step=step, epoch=epoch, result=result, lr=lr, grad_norm=grad_norm, elapsed_s=time.perf_counter() - start,
-            device=env.device, data_wait_s=data_wait_s, forward_backward_s=forward_backward_s,
-            gather_rank_stats=step % cfg.log_every_n_steps == 0 or step == total_steps,
-        ))
-        if val_loader is not None and cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
-            validated = (step, validate())
-            log.log({"step": step, **validated[1]})
-        if checkpoints.due(step, total_steps):
-            checkpoints.save(step, state, config=cfg, strategy=dims.strategy)
-        inject_fault("after_step", step=step, rank=env.rank)  # a testing hook: see toolkit.training.debug
-        data_requested = time.perf_counter()
-    checkpoints.wait()
+        loop.optimizer_step(result, epoch=epoch)
+        loop.end_step()  # validation every eval_every_n_steps, a step checkpoint every save_every_n_steps
 
     # --- Evaluate and save: the student in Hugging Face format, or its PEFT adapter (and the merged model) ----------
-    if val_loader is not None:
-        if validated[0] != step:
-            validated = (step, validate())
-            log.log({"step": step, **validated[1]})
-        log.print(f"held-out divergence from the teacher after training: {validated[1]['val_kd_loss']:.4f}")
-    if eval_tasks:
-        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
-                           world_size=env.world_size, when="after", log=log.print)
+    if data.val_loader is not None:
+        after = loop.final_validation()
+        log.print(f"held-out divergence from the teacher after training: {after['val_kd_loss']:.4f}")
+    loop.finish()
     if adapters:
-        save_adapter_and_merged(model, checkpointer, output_dir=output_dir / "final",
+        save_adapter_and_merged(model, checkpointer, output_dir=run.output_dir / "final",
                                 save_merged=cfg.get("save_merged", False), build=partial(instantiate, cfg.model),
                                 is_rank_zero=env.is_rank_zero, log=log.print)
     else:
-        log.print(f"saved {checkpointer.export(model, output_dir / 'final')}")
+        log.print(f"saved {checkpointer.export(model, run.output_dir / 'final')}")
     barrier()
     log.close()
 

@@ -27,56 +27,19 @@ same global batch trains the same model on any layout. Metrics per step: ``rewar
 """
 
 import json
-import time
 from functools import partial
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader
 
-from toolkit.config import Bool, Choice, Float, instantiate, recipe_main, rule
-from toolkit.data import GlobalBatchSampler, kto_collate, preference_collate
-from toolkit.errors import UserError
-from toolkit.generation import report_exact_match
-from toolkit.modules.peft import get_adapter_params, set_trainable_params, trained_routers
-from toolkit.parallel import parallel_dims, shard_optimizer_state, unwrap
-from toolkit.training import (
-    MetricsLogger,
-    StepCheckpointer,
-    StepKernels,
-    TrainingState,
-    ValidationSampler,
-    barrier,
-    claim_output_dir,
-    compile_model,
-    destroy_distributed,
-    fused_by_default,
-    global_batches,
-    init_distributed,
-    init_weights,
-    inject_fault,
-    make_grad_scaler,
-    on_rank_zero,
-    optimizer_memory_model,
-    optimizer_parameters,
-    optimizer_step,
-    parallelize,
-    plan_parallelism,
-    precision_policy,
-    resolve_flex_attention,
-    sdpa_preference,
-    set_seed,
-    start_run,
-    static_lengths,
-    step_metrics,
-)
-from toolkit.objectives.kto import check_kto_balance, kto_forward_backward
-from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.checkpoint.peft import fill_adapter_model, save_adapter_and_merged
+from toolkit.config import Bool, Choice, Float, instantiate, recipe_main, rule
+from toolkit.data import kto_collate, preference_collate
+from toolkit.errors import UserError
+from toolkit.modules.peft import get_adapter_params, set_trainable_params, trained_routers
+from toolkit.objectives.kto import check_kto_balance, kto_forward_backward
 from toolkit.objectives.preference import (
     LOSSES,
-    reference_logps_file,
     PreferenceSettings,
     WithReferenceLogps,
     frozen_reference,
@@ -84,13 +47,26 @@ from toolkit.objectives.preference import (
     lora_reference,
     model_reference,
     precompute_reference_logps,
-    preference_kernels,
     preference_forward_backward,
+    preference_kernels,
     preference_validation,
+    reference_logps_file,
     save_reference_logps,
 )
-from toolkit.training.watchdog import progress, rank_watchdog
+from toolkit.parallel import barrier, destroy_distributed, unwrap
+from toolkit.planning import StepKernels
+from toolkit.recipe_setup import (
+    build_data,
+    parallelize_model,
+    plan_layout,
+    print_header,
+    row_padding,
+    setup_run,
+    start_training,
+)
+from toolkit.training import init_weights, resolve_flex_attention, sdpa_preference, set_seed
 from toolkit.training.recipe_keys import TRAINING_SCHEMA
+from toolkit.training.watchdog import rank_watchdog
 
 
 @rule("preference_loss", "precompute_reference", "label_smoothing", "desirable_weight", "undesirable_weight")
@@ -139,21 +115,15 @@ def check_pairs(dataset, key: str, *, unpaired: bool = False, note: str = "") ->
 
 
 def train(cfg: DictConfig) -> None:
-    # --- Processes, devices and precision --------------------------------------------------------------------------
-    env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
-    precision = precision_policy(cfg.dtype, device=env.device)
-    output_dir = Path(cfg.output_dir).expanduser()
+    # --- Processes, devices and precision; the checkpoint to resume from, or None (nothing is written yet) ---------
+    run = setup_run(cfg)
+    env = run.env
     settings = PreferenceSettings(
         loss=cfg.preference_loss, beta=cfg.beta, label_smoothing=cfg.get("label_smoothing", 0.0),
         simpo_gamma=cfg.get("simpo_gamma", 0.5), desirable_weight=cfg.get("desirable_weight") or 1.0,
         undesirable_weight=cfg.get("undesirable_weight") or 1.0)
     kto = settings.loss == "kto"
     precompute = bool(cfg.get("precompute_reference")) and settings.needs_reference
-    # The checkpoint to resume from (`resume_from`; after a restart by torchrun, the run's own newest), or None.
-    base_checkpoint = cfg.checkpointer.get("checkpoint_dir")
-    resume = on_rank_zero(
-        start_run, output_dir, overwrite=cfg.overwrite, resume_from=cfg.resume_from, base_checkpoint=base_checkpoint
-    )
 
     # --- Policy: built on the meta device, then split over the mesh, materialized and loaded ------------------------
     set_seed(cfg.seed)  # the same seed on every rank: identical initial weights
@@ -172,21 +142,10 @@ def train(cfg: DictConfig) -> None:
                     loss_chunks=cfg.get("loss_chunks")),
         loss=settings.loss, adapters=bool(adapters), precompute=precompute,
     )
-    plan = plan_parallelism(
-        model=model, strategy=cfg.data_parallel, cpu_offload=cfg.cpu_offload, batch_size=cfg.batch_size,
-        micro_batch_size=cfg.micro_batch_size, device=env.device, device_memory_gb=cfg.get("device_memory_gb"),
-        world_size=env.world_size, local_world_size=env.local_world_size, max_seq_len=cfg.max_seq_len,
-        dtype=cfg.dtype, activation_checkpointing=cfg.activation_checkpointing, kernels=kernels,
-        shard_size=cfg.hsdp_shard_size, optimizer=optimizer_memory_model(cfg.optimizer._component_) or "adamw",
-        tensor_parallel=cfg.get("tensor_parallel", 1), expert_parallel=cfg.get("expert_parallel", 1),
-    )
-    dims = parallel_dims(
-        strategy=plan.strategy, world_size=env.world_size, local_world_size=env.local_world_size,
-        shard_size=cfg.hsdp_shard_size, cpu_offload=plan.cpu_offload, device_type=env.device.type,
-        tensor_parallel=plan.tensor_parallel, rank=env.rank, expert_parallel=cfg.get("expert_parallel", 1),
-    )
-    mesh = dims.build_mesh(env.device.type)
-    dp_group = dims.dp_group(mesh)
+    # The layout and its mesh (see full_finetune.py): of the recipe's own degrees, expert parallelism (no context
+    # parallelism yet).
+    layout = plan_layout(cfg, run=run, model=model, kernels=kernels, expert_parallel=cfg.get("expert_parallel", 1))
+    dims = layout.dims
     checkpointer = instantiate(cfg.checkpointer)
 
     def fill_base(module: torch.nn.Module) -> None:  # the starting weights: the base checkpoint, or random by seed
@@ -200,37 +159,25 @@ def train(cfg: DictConfig) -> None:
     if adapters:
         fill = partial(fill_adapter_model, checkpointer=checkpointer)
     else:  # when resuming, every weight comes from the step checkpoint, loaded below
-        fill = fill_base if resume is None else (lambda module: None)
-    sequence_parallel = cfg.get("sequence_parallel", False)
-    if cfg.get("compile"):  # per layer, before parallelize; TP layers for static shapes (see full_finetune.py)
-        compile_model(model, device=env.device, dynamic=False if dims.tp > 1 else None)
-    model = parallelize(
-        model, dims=dims, device=env.device, dtype=precision.param_dtype, fill=fill,
-        mp_policy=precision.fsdp_policy(), activation_checkpointing=cfg.activation_checkpointing, mesh=mesh,
-        sequence_parallel=sequence_parallel,
-    )
-    autocast = precision.autocast(env.device, sharded=dims.uses_fsdp)
-    grad_scaler = make_grad_scaler(enabled=precision.needs_grad_scaler, device=env.device,
-                                   sharded=dims.uses_fsdp or dims.tp > 1, data_parallel_size=dims.dp_size)
+        fill = fill_base if run.resume is None else (lambda module: None)
+    # Compiled per layer, before parallelize; TP layers for static shapes (see toolkit.recipe_setup.parallelize_model).
+    model = parallelize_model(cfg, model, run=run, layout=layout, fill=fill, compile=cfg.get("compile", False))
 
     # --- The reference: adapters off, a frozen copy, log-probabilities computed once, or none -----------------------
     reference = None
     if settings.needs_reference:
         if adapters:
             reference = lora_reference(model)
-        elif not precompute or resume is None:  # (at a fresh start the policy is still its reference)
+        elif not precompute or run.resume is None:  # (at a fresh start the policy is still its reference)
             reference = model_reference(unwrap(model)) if precompute else model_reference(frozen_reference(
-                build, dims=dims, mesh=mesh, device=env.device, dtype=precision.compute_dtype, fill=fill_base,
-                sequence_parallel=sequence_parallel))
+                build, dims=dims, mesh=layout.mesh, device=env.device, dtype=run.precision.compute_dtype,
+                fill=fill_base, sequence_parallel=cfg.get("sequence_parallel", False)))
 
     # --- Data: pairs; every data-parallel rank reads its slice of each global batch ------------------------------
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer)
     check_pairs(dataset, "dataset", unpaired=kto)
-    multiple = dims.row_multiple(sequence_parallel=sequence_parallel)
-    val_collate = partial(preference_collate, pad_id=tokenizer.pad_id, pad_to_multiple_of=multiple,
-                          lengths=static_lengths(cfg.max_seq_len, multiple=multiple)
-                          if cfg.get("compile") and dims.tp > 1 else None)
+    val_collate = partial(preference_collate, pad_id=tokenizer.pad_id, **row_padding(cfg, layout=layout))
     collate = partial(kto_collate, **val_collate.keywords) if kto else val_collate
     val_dataset = None
     if cfg.get("validation_dataset"):
@@ -246,7 +193,7 @@ def train(cfg: DictConfig) -> None:
         fingerprints = {name: json.dumps({key: resolved.get(key) for key in (
             "model", "checkpointer", "dtype", "max_seq_len", data_key)}, sort_keys=True)
             for name, (data_key, *_) in sets.items()}
-        files = {name: reference_logps_file(data, output_dir=output_dir, fingerprint=fingerprints[name])
+        files = {name: reference_logps_file(data, output_dir=run.output_dir, fingerprint=fingerprints[name])
                  for name, (_, data, _) in sets.items()}
         logps = {name: load_reference_logps(files[name], name=name, num_pairs=len(data),
                                             fingerprint=fingerprints[name]) for name, (_, data, _) in sets.items()}
@@ -256,68 +203,41 @@ def train(cfg: DictConfig) -> None:
                             "fine-tune cannot recompute its reference once trained: start afresh")
         for name in missing:
             logps[name] = precompute_reference_logps(
-                reference, sets[name][1], sets[name][2], batch_size=plan.micro_batch_size, device=env.device,
-                dp_rank=dims.dp_rank, dp_size=dims.dp_size, data_parallel_group=dp_group, autocast=autocast,
-                flex_attention=kernels.flex_attention)
+                reference, sets[name][1], sets[name][2], batch_size=layout.plan.micro_batch_size, device=env.device,
+                dp_rank=dims.dp_rank, dp_size=dims.dp_size, data_parallel_group=layout.dp_group,
+                autocast=layout.autocast, flex_attention=kernels.flex_attention)
         dataset = WithReferenceLogps(dataset, logps["train"])
         if val_dataset is not None:
             val_dataset = WithReferenceLogps(val_dataset, logps["validation"])
         reference = None  # the batches carry it
-    sampler = GlobalBatchSampler(
-        len(dataset), global_batch_size=cfg.batch_size, rank=dims.dp_rank, world_size=dims.dp_size, seed=cfg.seed,
-        shuffle=cfg.get("shuffle", True),
-    )
-    loader = DataLoader(dataset, batch_size=plan.micro_batch_size, sampler=sampler, collate_fn=collate)
-    val_loader = None if val_dataset is None else DataLoader(
-        val_dataset, batch_size=plan.micro_batch_size, collate_fn=val_collate,
-        sampler=ValidationSampler(len(val_dataset), rank=dims.dp_rank, world_size=dims.dp_size),
-    )
-    total_steps = cfg.epochs * sampler.steps_per_epoch
-    if cfg.max_steps is not None:
-        total_steps = min(total_steps, cfg.max_steps)
+    data = build_data(cfg, layout=layout, dataset=dataset, collate=collate, validation_dataset=val_dataset,
+                      val_collate=val_collate)
 
-    # --- Optimizer, schedule and step checkpoints (adapter runs keep only what trains) ------------------------------
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = shard_optimizer_state(
-        instantiate(fused_by_default(cfg.optimizer, grad_scaler=grad_scaler),
-                    optimizer_parameters(model, cfg.optimizer)), dims=dims)
-    lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, total_steps=total_steps)
-    state = TrainingState(model, optimizer, lr_scheduler, sampler, grad_scaler)
-    checkpoints = StepCheckpointer(
-        output_dir, every_n_steps=cfg.save_every_n_steps, keep_last_n=cfg.keep_last_n, async_save=cfg.async_save,
-        trainable_only=bool(adapters), base_checkpoint=checkpointer.checkpoint_dir, data_parallel_size=dims.dp_size,
-    )
-    step = checkpoints.load(resume, state, config=cfg) if resume is not None else 0
+    # --- Optimizer, schedule, step checkpoints (adapter runs keep only what trains), then the output folder -------
+    def validate() -> dict:
+        return preference_validation(model, data.val_loader, settings=settings, device=env.device, reference=reference,
+                                     autocast=layout.autocast, flex_attention=kernels.flex_attention,
+                                     data_parallel_group=layout.dp_group)
 
-    # --- The output folder: claimed once everything that can fail on the user's input is built and checked -------
-    loggers = build_metric_loggers_on_rank_zero(cfg.get("metric_loggers") or [], output_dir=output_dir,
-                                                initial_step=step)
-    if resume is None:
-        on_rank_zero(claim_output_dir, output_dir, overwrite=cfg.overwrite, base_checkpoint=base_checkpoint)
-    log = MetricsLogger(output_dir, enabled=env.is_rank_zero, total_steps=total_steps, initial_step=step,
-                        progress_bar=cfg.progress_bar, loggers=loggers, log_every_n_steps=cfg.log_every_n_steps)
-    log.log_config(cfg)
+    loop = start_training(
+        cfg, run=run, layout=layout, model=model, data=data, base_checkpoint=checkpointer.checkpoint_dir,
+        trainable_only=bool(adapters), eval_tasks=eval_tasks, tokenizer=tokenizer, validate=validate,
+    )
+    log = loop.log
     if env.is_rank_zero:
-        OmegaConf.save(cfg, output_dir / "config.yaml")
         for path in {files[name] for name in missing} if precompute else ():
             save_reference_logps(path, {name: logps[name] for name in files if files[name] == path},
                                  fingerprints=fingerprints)
     barrier()
-    if resume is not None:
-        log.print(f"resumed at step {step} from {resume}")
     n_params = sum(p.numel() for p in unwrap(model).parameters())
-    n_trainable = sum(p.numel() for p in trainable)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     reference_kind = ("none" if not settings.needs_reference else "precomputed" if precompute
                       else "the base, adapters off" if adapters else "a frozen copy")
-    log.print(
-        f"{settings.loss} (beta {settings.beta}), reference: {reference_kind}; {n_params / 1e6:.2f}M parameters, "
-        f"{n_trainable / 1e6:.3f}M trainable; {env.world_size} process(es) on {env.device.type}, {dims.label}, "
-        f"{precision.name}; global batch {cfg.batch_size} {'answers' if kto else 'pairs'} = {dims.dp_size} x "
-        f"{plan.micro_batch_size} x "
-        f"{plan.accumulation_steps} accumulation step(s); {total_steps} steps"
+    print_header(
+        log, f"{settings.loss} (beta {settings.beta}), reference: {reference_kind}; {n_params / 1e6:.2f}M parameters, "
+        f"{n_trainable / 1e6:.3f}M trainable", run=run, layout=layout, data=data, batch_size=cfg.batch_size,
+        batch_unit="answers" if kto else "pairs",
     )
-    for reason in plan.reasons:
-        log.print(reason)
     if kto:
         unpaired = getattr(dataset, "dataset", dataset)  # (under its precomputed reference)
         log.print(f"kto: {unpaired.num_desirable} desirable and {len(unpaired) - unpaired.num_desirable} undesirable "
@@ -329,73 +249,33 @@ def train(cfg: DictConfig) -> None:
     for name in files if precompute else ():
         how = "computed into" if name in missing else "read from"
         log.print(f"reference log-probabilities of the {name} pairs {how} {files[name]}")
-
-    def validate() -> dict:
-        return preference_validation(model, val_loader, settings=settings, device=env.device, reference=reference,
-                                     autocast=autocast, flex_attention=kernels.flex_attention,
-                                     data_parallel_group=dp_group)
-
-    if resume is None and val_loader is not None:
-        before = validate()
-        log.log({"step": 0, **before})
+    if run.resume is None and data.val_loader is not None:
+        before = loop.validation()
         log.print(f"held-out preference accuracy before training: {before['val_reward_accuracy']:.1%} "
                   f"({before['val_pairs']} pairs)")
-    if eval_tasks and resume is None:
-        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
-                           world_size=env.world_size, when="before", log=log.print)
 
-    # --- Training loop ------------------------------------------------------------------------------------------
-    validated = (None, None)  # the step of the last validation, and its metrics
-    model.train()
-    data_requested = time.perf_counter()
-    for epoch, micro_batches in global_batches(loader, sampler, accum_steps=plan.accumulation_steps):
-        if step == total_steps:
-            break
-        start = time.perf_counter()
-        data_wait_s = start - data_requested
+    # --- Training loop (with eval_tasks: their accuracy before, on a fresh start, and after) ------------------------
+    for epoch, micro_batches in loop.global_batches():
         result = (kto_forward_backward if kto else preference_forward_backward)(
             model, micro_batches, settings=settings, device=env.device, data_parallel_size=dims.dp_size,
-            data_parallel_group=dp_group, reference=reference, autocast=autocast, grad_scaler=grad_scaler,
-            flex_attention=kernels.flex_attention,
+            data_parallel_group=layout.dp_group, reference=reference, autocast=layout.autocast,
+            grad_scaler=loop.grad_scaler, flex_attention=kernels.flex_attention,
         )
-        forward_backward_s = time.perf_counter() - start
-        grad_norm = optimizer_step(model, optimizer, max_grad_norm=cfg.clip_grad_norm, grad_scaler=grad_scaler)
-        lr = lr_scheduler.get_last_lr()[0]
-        lr_scheduler.step()
-        sampler.advance()
-        step += 1
-        progress(f"step {step}")  # the watchdog's sign of life
-        log.log(step_metrics(
-            step=step, epoch=epoch, result=result, lr=lr, grad_norm=grad_norm, elapsed_s=time.perf_counter() - start,
-            device=env.device, data_wait_s=data_wait_s, forward_backward_s=forward_backward_s,
-            gather_rank_stats=step % cfg.log_every_n_steps == 0 or step == total_steps,
-        ))
-        if val_loader is not None and cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0:
-            validated = (step, validate())
-            log.log({"step": step, **validated[1]})
-        if checkpoints.due(step, total_steps):
-            checkpoints.save(step, state, config=cfg, strategy=dims.strategy)
-        inject_fault("after_step", step=step, rank=env.rank)  # a testing hook: see toolkit.training.debug
-        data_requested = time.perf_counter()
-    checkpoints.wait()
+        loop.optimizer_step(result, epoch=epoch)
+        loop.end_step()  # validation every eval_every_n_steps, a step checkpoint every save_every_n_steps
 
     # --- Evaluate and save: the model in Hugging Face format, or the PEFT adapter (and the merged model) -----------
-    if val_loader is not None:
-        if validated[0] != step:  # (not validated at the last step already)
-            validated = (step, validate())
-            log.log({"step": step, **validated[1]})
-        after = validated[1]
+    if data.val_loader is not None:
+        after = loop.final_validation()
         log.print(f"held-out preference accuracy after training: {after['val_reward_accuracy']:.1%} "
                   f"({after['val_pairs']} pairs)")
-    if eval_tasks:
-        report_exact_match(model, tokenizer, eval_tasks, max_new_tokens=cfg.eval_max_new_tokens, rank=env.rank,
-                           world_size=env.world_size, when="after", log=log.print)
+    loop.finish()
     if adapters:
-        save_adapter_and_merged(model, checkpointer, output_dir=output_dir / "final",
+        save_adapter_and_merged(model, checkpointer, output_dir=run.output_dir / "final",
                                 save_merged=cfg.get("save_merged", False), build=build,
                                 is_rank_zero=env.is_rank_zero, log=log.print)
     else:
-        log.print(f"saved {checkpointer.export(model, output_dir / 'final')}")
+        log.print(f"saved {checkpointer.export(model, run.output_dir / 'final')}")
     barrier()
     log.close()
 

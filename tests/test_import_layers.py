@@ -25,6 +25,7 @@ FLOORS = (
     ("objectives",),  # preference, KTO, distillation: built on the step
     ("pretrained", "generation"),
     ("evaluation",),
+    ("recipe_setup",),  # the training recipes' shared set-up: the run, the layout, the data, the optimizer, the loop
     ("cli",),
 )
 ORDER = [room for floor in FLOORS for room in floor]

@@ -223,6 +223,25 @@ def test_recipe_keys_give_up_on_keys_named_at_run_time(tmp_path, line: str) -> N
     assert recipe_keys(recipe) is None
 
 
+def test_recipe_keys_follow_the_config_into_the_recipes_set_up(tmp_path) -> None:
+    # The recipes hand `cfg` to their shared set-up (toolkit.recipe_setup): what it reads there is the recipe's,
+    # followed into the functions it hands `cfg` on to; only the functions called count.
+    recipe = tmp_path / "r.py"
+    recipe.write_text(
+        "from toolkit.recipe_setup import setup_run as start\n"
+        "def main(cfg):\n"
+        "    run = start(cfg)\n"
+        "    print(cfg.get('seed'), cfg.logger.keys())\n"
+    )
+    keys = recipe_keys(recipe)
+    assert keys.reads == {"device", "dist_timeout_s", "dtype", "output_dir", "checkpointer", "overwrite",
+                          "resume_from", "seed", "logger"}
+    assert keys.required == keys.reads - {"seed"}
+    # A toolkit function that takes the config under another name: what it reads cannot be said.
+    recipe.write_text("from toolkit.config import instantiate\ndef main(cfg):\n    instantiate(cfg)\n")
+    assert recipe_keys(recipe) is None
+
+
 def test_overrides_checked_against_the_recipe_keys(tmp_path) -> None:
     recipe = tmp_path / "my_recipe.py"
     recipe.write_text(RECIPE_SOURCE)

@@ -655,11 +655,33 @@ def _plan(**overrides):
 
 def test_given_values_pass_through_checked():
     _, plan = _plan(micro_batch_size=2, strategy="ddp", device_memory_gb=None)
-    assert (plan.strategy, plan.micro_batch_size, plan.accumulation_steps, plan.reasons) == ("ddp", 2, 4, ())
+    assert (plan.dims.strategy, plan.micro_batch_size, plan.accumulation_steps, plan.reasons) == ("ddp", 2, 4, ())
     with pytest.raises(UserError, match="not divisible"):
         _plan(micro_batch_size=3, strategy="ddp")
     with pytest.raises(UserError, match="^activation_checkpointing: must be true"):
         _plan(micro_batch_size=2, strategy="ddp", activation_checkpointing=0)
+
+
+def test_the_plan_returns_the_layout_it_checked():
+    # The degrees are given once, to the plan; the layout the recipe builds its mesh from is the plan's.
+    from toolkit.parallel import parallel_dims
+    from toolkit.planning.layout import plan_parallelism
+
+    with torch.device("meta"):
+        model = llama3_demo()
+    args = dict(model=model, strategy="zero3", cpu_offload=False, batch_size=32, micro_batch_size=4,
+                device=torch.device("cpu"), device_memory_gb=None, world_size=8, local_world_size=8, max_seq_len=64,
+                dtype="fp32", activation_checkpointing=False)
+    plan = plan_parallelism(**args, tensor_parallel=2, context_parallel=2, rank=5)
+    assert plan.dims == parallel_dims(strategy="zero3", world_size=8, local_world_size=8, device_type="cpu",
+                                      tensor_parallel=2, context_parallel=2, rank=5)
+    assert (plan.dims.dp_rank, plan.dims.batch_rank, plan.accumulation_steps) == (2, 1, 32 // (2 * 4))
+    # Offloading on a CPU is refused as the recipe would refuse it; `tune plan`, planning for GPUs from here
+    # (offload_candidates), gets the layout a GPU run would have.
+    offloaded = dict(args, cpu_offload=True)
+    with pytest.raises(UserError, match="^cpu_offload: training already runs on the CPU"):
+        plan_parallelism(**offloaded)
+    assert plan_parallelism(**offloaded, offload_candidates=True).dims.cpu_offload
 
 
 def test_a_micro_batch_above_a_process_share_is_cut_to_it():
@@ -725,7 +747,7 @@ def test_more_memory_never_gives_a_smaller_micro_batch():
 
 def test_auto_strategy_then_auto_micro_batch():
     _, plan = _plan(strategy="auto")
-    assert plan.strategy in {"ddp", "zero1", "zero2", "zero3"} and len(plan.reasons) == 2
+    assert plan.dims.strategy in {"ddp", "zero1", "zero2", "zero3"} and len(plan.reasons) == 2
 
 
 def test_nothing_fits_and_unknown_memory_are_user_errors():
@@ -769,7 +791,7 @@ def test_auto_micro_batch_for_the_step_inside_backward_is_the_whole_share():
     assert (fits.micro_batch_size, fits.accumulation_steps) == (8, 1)
     # data_parallel: auto too: the strategy is chosen for the whole share, not for 1 sequence.
     both = plan(strategy="auto", device_memory_gb=1000)
-    assert both.accumulation_steps == 1 and both.strategy in ("zero2", "zero3")
+    assert both.accumulation_steps == 1 and both.dims.strategy in ("zero2", "zero3")
 
 
 def _largest_fitting_micro_batch(model: nn.Module, *, per_rank: int, usable: float, **estimate_args) -> int:

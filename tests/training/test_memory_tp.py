@@ -153,7 +153,7 @@ def _auto(memory_gb: float, **overrides):
 
 def test_tensor_parallel_auto_prefers_no_tp_when_it_fits() -> None:
     plan = _auto(1000)
-    assert (plan.strategy, plan.tensor_parallel) == ("ddp", 1)
+    assert (plan.dims.strategy, plan.dims.tp) == ("ddp", 1)
     (reason,) = plan.reasons
     assert reason.startswith("data_parallel, tensor_parallel: auto -> ddp, tensor_parallel 1 (ddp needs ")
 
@@ -169,12 +169,12 @@ def test_tensor_parallel_auto_splits_when_only_that_fits() -> None:
     assert tp2.total < tp1.total  # the premise
     memory_gb = (tp2.total / 0.9 + 2**20) / GIB
     plan = _auto(memory_gb, batch_size=8)
-    assert plan.tensor_parallel == 2 and plan.strategy in ("ddp", "zero2", "zero3")
+    assert plan.dims.tp == 2 and plan.dims.strategy in ("ddp", "zero2", "zero3")
     (reason,) = plan.reasons
     assert "x tp2 needs" in reason and "without tensor parallelism" in reason
     # Given the strategy, only the degree is chosen.
     given = _auto(memory_gb, batch_size=8, strategy="zero3")
-    assert (given.strategy, given.tensor_parallel) == ("zero3", 2)
+    assert (given.dims.strategy, given.dims.tp) == ("zero3", 2)
     assert given.reasons[0].startswith("tensor_parallel: auto -> 2 (zero3 x tp2 needs")
 
 
@@ -192,10 +192,10 @@ def test_tensor_parallel_auto_never_crosses_nodes_and_keeps_to_what_combines() -
         _auto(4, world_size=4, local_world_size=2, batch_size=4)
     # zero1 cannot combine with TP: only tp=1 is tried.
     plan = _auto(1000, strategy="zero1")
-    assert plan.tensor_parallel == 1
+    assert plan.dims.tp == 1
 
 
 def test_a_given_tensor_parallel_plans_its_data_parallel_ranks() -> None:
     plan = _auto(1000, tensor_parallel=2, micro_batch_size="auto")
     # 16 sequences over 4 data-parallel ranks: 4 each.
-    assert plan.tensor_parallel == 2 and plan.micro_batch_size * plan.accumulation_steps == 4
+    assert plan.dims.tp == 2 and plan.micro_batch_size * plan.accumulation_steps == 4

@@ -1,5 +1,5 @@
-"""Optimizers in the recipes: torch's Adam and AdamW fused by default (:func:`fused_by_default`), and the step inside
-backward.
+"""Optimizers in the recipes: built from the config's ``optimizer`` node over what trains (:func:`build_optimizer`),
+torch's Adam and AdamW fused by default (:func:`fused_by_default`), and the step inside backward.
 
 The optimizer step inside backward: each parameter is updated as soon as its gradient is ready, and that gradient
 is freed at once, so the gradients of the whole model never exist together (their memory, up to 4 bytes per
@@ -25,15 +25,17 @@ zero1     refused: ZeroRedundancyOptimizer updates whole parameters on their own
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 from omegaconf import DictConfig, open_dict
 from torch import nn
 from torch.optim import Optimizer
 
+from toolkit.config import instantiate
 from toolkit.config._instantiate import locate
 from toolkit.errors import UserError
-from toolkit.parallel import SHARDED_STRATEGIES, ParallelDims, unwrap
+from toolkit.parallel import SHARDED_STRATEGIES, ParallelDims, shard_optimizer_state, unwrap
 
 # torch's optimizers with a fused implementation on CUDA and CPU (and every dtype the recipes train in).
 _FUSABLE = {f"torch.optim.{name}" for name in ("Adam", "AdamW", "adam.Adam", "adamw.AdamW")}
@@ -196,3 +198,29 @@ def check_optimizer_in_backward(
             f"data_parallel={', '.join(SHARDED_STRATEGIES[:-1])} or {SHARDED_STRATEGIES[-1]}, or "
             "optimizer_in_backward=false"
         )
+
+
+def build_optimizer(
+    optimizer_cfg: DictConfig,
+    *,
+    model: nn.Module,
+    dims: ParallelDims,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    in_backward: bool = False,
+) -> Optimizer:
+    """The optimizer the config's ``optimizer`` node names, over the parameters of ``model`` that train, built after
+    the model is parallelized (FSDP2's parameters are DTensor shards).
+
+    torch's Adam(W) is fused where it can be (:func:`fused_by_default`, given the run's ``grad_scaler``); under
+    ZeRO-1 the state is sharded over the data-parallel ranks (:func:`~toolkit.parallel.shard_optimizer_state`).
+    With ``in_backward`` each parameter gets its own optimizer, stepped in backward as soon as its gradient is ready
+    (:class:`OptimizerInBackward`; :func:`check_optimizer_in_backward` says what that refuses).
+
+    Raises:
+        UserError: as :func:`fused_by_default`, or what the optimizer's constructor refuses.
+    """
+    optimizer_cfg = fused_by_default(optimizer_cfg, grad_scaler=grad_scaler)
+    if in_backward:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return OptimizerInBackward(trainable, partial(instantiate, optimizer_cfg))
+    return shard_optimizer_state(instantiate(optimizer_cfg, optimizer_parameters(model, optimizer_cfg)), dims=dims)

@@ -2,6 +2,10 @@
 ``data_parallel: auto``, ``tensor_parallel: auto`` and ``micro_batch_size: auto`` (:func:`plan_parallelism`, which
 the recipes call), and the candidates and reasons ``tune plan`` prints.
 
+The plan is the one place a run's degrees (``tensor_parallel``, ``expert_parallel``, ``context_parallel``) are
+given: it returns the layout they make (:attr:`ParallelPlan.dims`, a :class:`~toolkit.parallel.ParallelDims`
+checked by :func:`~toolkit.parallel.parallel_dims`), from which the recipe builds its device mesh.
+
 Each choice is the least-communicating layout whose estimate fits a share (``headroom``) of the device, and says in
 one line which numbers it was made from; where nothing fits, one error names the smallest estimate and what to
 change.
@@ -17,7 +21,13 @@ from torch import nn
 
 from toolkit.errors import UserError
 from toolkit.parallel.expert_parallel import check_expert_parallel
-from toolkit.parallel.mesh import SHARDED_STRATEGIES, expert_parallel_problems, tensor_parallel_problems
+from toolkit.parallel.mesh import (
+    SHARDED_STRATEGIES,
+    ParallelDims,
+    expert_parallel_problems,
+    parallel_dims,
+    tensor_parallel_problems,
+)
 from toolkit.parallel.tensor_parallel import check_tensor_parallel
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.activations import checkpoint_interval
@@ -349,20 +359,18 @@ class ParallelPlan:
     """How a run spreads over its devices, with ``auto`` values resolved.
 
     Attributes:
-        strategy: the ``data_parallel`` strategy.
-        cpu_offload: whether sharded parameters and optimizer state live in host memory.
+        dims: the layout: the ``data_parallel`` strategy, whether sharded state is offloaded to host memory, and
+            every degree (tensor, context, expert parallel), checked against the job. The recipe builds its mesh
+            from it (:meth:`~toolkit.parallel.ParallelDims.build_mesh`); nothing states the degrees a second time.
         micro_batch_size: sequences per device per forward/backward.
-        accumulation_steps: micro-steps per optimizer step (``batch_size = data-parallel ranks x micro x steps``).
+        accumulation_steps: micro-steps per optimizer step (``batch_size = batch-reading ranks x micro x steps``).
         reasons: one line per ``auto`` decision or cut micro batch, naming the numbers it was made from.
-        tensor_parallel: ranks each layer is split over.
     """
 
-    strategy: str
-    cpu_offload: bool
+    dims: ParallelDims
     micro_batch_size: int
     accumulation_steps: int
     reasons: tuple[str, ...] = ()
-    tensor_parallel: int = 1
 
 
 def plan_parallelism(
@@ -389,6 +397,7 @@ def plan_parallelism(
     tensor_parallel: int | str = 1,
     expert_parallel: int = 1,
     context_parallel: int = 1,
+    rank: int = 0,
 ) -> ParallelPlan:
     """Resolve ``tensor_parallel: auto``, ``data_parallel: auto`` and ``micro_batch_size: auto`` from the memory
     estimate.
@@ -427,12 +436,28 @@ def plan_parallelism(
         context_parallel: the config's ``context_parallel``: the batch splits over the data-parallel ranks over it
             (the ranks of a CP group share their samples), and each rank's activations are those of
             ``max_seq_len / context_parallel`` positions.
+        rank: this process's global rank, which the layout (:attr:`ParallelPlan.dims`) places in the mesh.
+
+    Returns:
+        The plan, whose ``dims`` is the layout of these degrees and the chosen strategy, checked against the job as
+        :func:`~toolkit.parallel.parallel_dims` checks it (on the device planned for: ``offload_candidates``
+        plans for a GPU).
 
     Raises:
-        UserError: ``auto`` without a known device memory, nothing fits, sizes that do not divide, or an invalid
-            ``activation_checkpointing``.
+        UserError: ``auto`` without a known device memory, nothing fits, sizes that do not divide, an invalid
+            ``activation_checkpointing``, or a layout :func:`~toolkit.parallel.parallel_dims` refuses.
     """
     checkpoint_interval(activation_checkpointing)  # refused here, before any weight is loaded
+
+    def layout(strategy: str, cpu_offload: bool, tensor_parallel: int) -> ParallelDims:
+        # `tune plan` plans for GPUs from wherever it runs (offload_candidates): its layout is checked as on one.
+        return parallel_dims(
+            strategy=strategy, world_size=world_size, local_world_size=local_world_size, shard_size=shard_size,
+            cpu_offload=cpu_offload, device_type="cuda" if offload_candidates else device.type,
+            tensor_parallel=tensor_parallel, rank=rank, expert_parallel=expert_parallel,
+            context_parallel=context_parallel,
+        )
+
     auto_batch = micro_batch_size == "auto"
     auto_tp = tensor_parallel == "auto"
     if not auto_batch and not isinstance(micro_batch_size, int):
@@ -463,7 +488,7 @@ def plan_parallelism(
         steps = gradient_accumulation_steps(
             batch_size=batch_size, micro_batch_size=micro_batch_size, world_size=batch_world
         )
-        return ParallelPlan(strategy, cpu_offload, micro_batch_size, steps, tuple(reasons), tp)
+        return ParallelPlan(layout(strategy, cpu_offload, tp), micro_batch_size, steps, tuple(reasons))
     memory = device_memory_bytes(device)
     if memory is None:
         if device_memory_gb is None:
@@ -524,7 +549,7 @@ def plan_parallelism(
             usable=int(headroom * memory), world_size=dp_world, tensor_parallel=tp, **common,
         )
         reasons.append(f"micro_batch_size: auto -> {reason}")
-    return ParallelPlan(strategy, cpu_offload, micro, steps, tuple(reasons), tp)
+    return ParallelPlan(layout(strategy, cpu_offload, tp), micro, steps, tuple(reasons))
 
 
 def _largest_micro_batch(
