@@ -16,6 +16,10 @@ Copy it with ``tune cp full_finetune my_recipe.py`` and edit freely.
 The loss of an optimizer step is the mean over every trained token of the global batch (``batch_size``
 sequences, split into ``micro_batch_size`` per device and accumulated), so the same global batch trains the same
 model on any number of processes.
+
+What every training recipe does alike (processes and precision, the memory plan and its mesh, the loaders, the
+optimizer and schedule, step checkpoints and resuming, the output folder and metrics, the bookkeeping of a step)
+is set up by :mod:`toolkit.recipe_setup`; this file keeps what makes it this recipe: its model, its loss, its loop.
 """
 
 from functools import partial

@@ -10,7 +10,8 @@ One file for one device and for many, and for all three methods (chosen by the m
 Only the adapters' gradients are reduced across ranks (under DDP only trainable parameters are registered), and
 the optimizer holds state only for them. The result is written as a PEFT adapter (``final/adapter``, loadable with
 ``peft.PeftModel.from_pretrained``) and, with ``save_merged: true``, as a merged Hugging Face model
-(``final/merged``). Loss normalization, accumulation and data parallelism are the full fine-tune's (toolkit).
+(``final/merged``). Loss normalization, accumulation, data parallelism and the set-up every training recipe shares
+(:mod:`toolkit.recipe_setup`) are the full fine-tune's.
 """
 
 from functools import partial
