@@ -35,7 +35,7 @@ from toolkit.cli._catalog import config_for_recipe, split_launch_suffix
 from toolkit.cli.main import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/design.md", "docs/guide.md", "docs/checkpoints.md", "docs/multi_node.md", "docs/performance.md"]
+DOCS = ["README.md", "docs/guide.md", "docs/checkpoints.md", "docs/multi_node.md", "docs/performance.md"]
 # Every subcommand but `ls` shows examples in its --help.
 SUBCOMMANDS = ["run", "plan", "cp", "cat", "validate", "export", "merge", "plot", "download", "doctor"]
 # What a clone holds that the commands name by path (recipes/full_finetune.py, scripts/slurm/...).
