@@ -16,10 +16,8 @@ This module is what the writer (:mod:`~toolkit.checkpoint.step_writer`), the rea
                            alone (token ids, context length, tokenizer) once the base folder is gone.
 ``COMPLETE``               written last, atomically: a folder without it is ignored by resume and pruned.
 =========================  ============================================================================
-
-Nothing here gathers the model on one rank, and nothing is written twice: a replicated (DDP) model is saved once,
-its tensors spread over the ranks by DCP.
 """
+
 from __future__ import annotations
 
 import errno

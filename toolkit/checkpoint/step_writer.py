@@ -1,22 +1,12 @@
-"""Step checkpoints: everything a run needs to continue exactly, written by every rank in parallel.
+"""Writing step checkpoints: everything a run needs to continue exactly, written by every rank in parallel into
+``<output_dir>/checkpoints/step_<N>/`` (its files: :mod:`~toolkit.checkpoint.step_files`).
 
-``<output_dir>/checkpoints/step_<N>/`` holds:
-
-=========================  ============================================================================
-``.metadata``, ``*.distcp``  ``torch.distributed.checkpoint`` (DCP): the model (or only its trainable part) and
-                           the optimizer state, each rank writing its own shard; keys are parameter names, so
-                           any world size and any data-parallel strategy can load them (DCP reshards).
-``trainer_state.json``     step, data position, LR schedule, loss scale, and what wrote it.
-``rng/rank_<r>.pt``        each rank's RNG states (Python, NumPy, torch CPU, CUDA).
-``config.yaml``            the config of the run that wrote it.
-``base_files/``            the base checkpoint's ``config.json`` and tokenizer files, so the checkpoint exports
-                           alone (token ids, context length, tokenizer) once the base folder is gone.
-``COMPLETE``               written last, atomically: a folder without it is ignored by resume and pruned.
-=========================  ============================================================================
-
-Nothing here gathers the model on one rank, and nothing is written twice: a replicated (DDP) model is saved once,
-its tensors spread over the ranks by DCP.
+The marker is written last, atomically, once every rank's files are on disk: until then the folder is a draft that
+resume ignores and pruning removes, and a failed write (a full disk, a read-only folder) removes it and leaves the
+previous complete checkpoint as it was. Nothing here gathers the model on one rank, and nothing is written twice: a
+replicated (DDP) model is saved once, its tensors spread over the ranks by DCP.
 """
+
 from __future__ import annotations
 
 import errno

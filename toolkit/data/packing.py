@@ -9,8 +9,6 @@ label of a document's last token is the ignore index and no loss crosses a bound
 
 from bisect import bisect_left, insort
 
-import torch
-
 from toolkit.errors import UserError
 # The masks a packed row needs are the attention's, a level below the data pipeline; re-exported for the data's users.
 from toolkit.modules.masks import document_attention_mask, document_ids, packed_attention_mask  # noqa: F401
