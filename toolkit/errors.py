@@ -14,6 +14,11 @@ class UserError(Exception):
     """A problem with the user's input, reported as a single actionable line."""
 
 
+class NothingToDo(Exception):
+    """The command has nothing to do (a run resumed after its last step): its one-line message is printed and it
+    exits with 0, having changed nothing."""
+
+
 def read_json(path: Path) -> Any:
     """The contents of the JSON file ``path``, which the user supplied (a config, an adapter's settings...).
 
