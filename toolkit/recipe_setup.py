@@ -521,7 +521,8 @@ def start_training(
     """
     method = training_method(model)
     if run.resume is not None:
-        complete = on_rank_zero(resume_point, cfg, run=run, data=data, recipe=recipe, method=method)
+        complete = on_rank_zero(resume_point, run=run, data=data, recipe=recipe, method=method,
+                                max_steps=cfg.max_steps, epochs=cfg.epochs)
         if complete is not None:
             raise NothingToDo(complete)
     dims = layout.dims
@@ -554,9 +555,12 @@ def start_training(
     )
 
 
-def resume_point(cfg: DictConfig, *, run: Run, data: Data, recipe: str, method: str) -> str | None:
+def resume_point(
+    *, run: Run, data: Data, recipe: str, method: str, max_steps: int | None, epochs: int
+) -> str | None:
     """Check the checkpoint ``run`` resumes from before anything is read from it: this recipe's and method's, and
-    not past the run's last step. Returns None, or the line saying that the run is already complete.
+    not past the run's last step (``data.total_steps``: ``epochs``, at most ``max_steps``). Returns None, or the line
+    saying that the run is already complete.
 
     A checkpoint at the last step of its own run (in ``output_dir``), whose ``final/`` is written, leaves nothing to
     do: the run is complete and nothing is changed (``resume_from=auto`` on a finished run, as after a restart). A
@@ -570,8 +574,8 @@ def resume_point(cfg: DictConfig, *, run: Run, data: Data, recipe: str, method: 
     total = data.total_steps
     if step > total:
         epoch_steps = data.sampler.steps_per_epoch
-        limit = (f"max_steps={cfg.max_steps}" if cfg.max_steps is not None and cfg.max_steps < cfg.epochs * epoch_steps
-                 else f"epochs={cfg.epochs} of {epoch_steps} steps")
+        limit = (f"max_steps={max_steps}" if max_steps is not None and max_steps < epochs * epoch_steps
+                 else f"epochs={epochs} of {epoch_steps} steps")
         raise UserError(
             f"resume_from: {run.resume} is at step {step}, past this run's last step, {total} ({limit}); raise it to "
             "train on from there, or export that checkpoint (tune export)"
