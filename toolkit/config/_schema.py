@@ -275,18 +275,21 @@ class Schema:
         keys: ``{key: Spec}``; a dotted key (``optimizer.lr``) constrains a value inside a section when present.
         rules: checks across keys (batch divisibility); each runs only when the keys it reads passed their own
             checks, so one mistake is reported once.
+        moved: ``{old top-level key: the key the recipe reads instead}``: a config or override that still sets the
+            old key is told the new one (unless a ``${...}`` uses it, as any other top-level value).
     """
 
     keys: Mapping[str, Spec]
     rules: Sequence[Rule] = field(default_factory=tuple)
+    moved: Mapping[str, str] = field(default_factory=dict)
 
     def extend(self, keys: Mapping[str, Spec] | None = None, rules: Sequence[Rule] = ()) -> Schema:
         """This schema with more (or replaced) keys and more rules."""
-        return Schema({**self.keys, **(keys or {})}, (*self.rules, *rules))
+        return Schema({**self.keys, **(keys or {})}, (*self.rules, *rules), self.moved)
 
     def without(self, *names: str) -> Schema:
         """This schema without the keys ``names`` (for a recipe that does not read them)."""
-        return Schema({k: v for k, v in self.keys.items() if k not in names}, self.rules)
+        return Schema({k: v for k, v in self.keys.items() if k not in names}, self.rules, self.moved)
 
     def problems(
         self,
@@ -320,7 +323,7 @@ class Schema:
         referenced = interpolated_names(cfg) if unknown_keys else set()
         unknown = [str(key) for key in cfg.keys() if unknown_keys and str(key) not in declared | referenced]
         # A misspelled key is one mistake, the typo: a required key it stands for is not reported missing as well.
-        misspelled = {closest(name, declared) for name in unknown}
+        misspelled = {closest(name, declared) for name in unknown if name not in self.moved}
         # Values written as `${other}` last: one that only repeats a value already found wrong is the same mistake,
         # reported once, where the user wrote it.
         interpolated = {key for key in self.keys if _interpolation(cfg, key) is not None}
@@ -343,7 +346,10 @@ class Schema:
             else:
                 values[key] = value
         for name in unknown:
-            problems.append((name, f"not a key this recipe reads{did_you_mean(name, sorted(declared))}"))
+            if name in self.moved:
+                problems.append((name, moved_problem(name, self.moved)))
+            else:
+                problems.append((name, f"not a key this recipe reads{did_you_mean(name, sorted(declared))}"))
         return problems, values
 
     def rule_problems(
@@ -376,6 +382,11 @@ class Schema:
             source = source or config_source(cfg)
             prefix = "" if source == UNKNOWN_SOURCE else f"{source}: "
             raise ConfigError("\n".join(f"{prefix}{path}: {problem}" for path, problem in problems))
+
+
+def moved_problem(key: str, moved: Mapping[str, str]) -> str:
+    """What is said of a top-level ``key`` a recipe now reads as ``moved[key]`` (:attr:`Schema.moved`)."""
+    return f"moved: this recipe reads it as {moved[key]} now; set {moved[key]} instead"
 
 
 def rule(*reads: str) -> Callable[[Rule], Rule]:
