@@ -434,6 +434,15 @@ def test_a_checkpoint_resumes_only_under_the_recipe_and_method_that_wrote_it(ref
         "preference_finetune recipe (full): another recipe's checkpoint does not resume here; resume it with "
         "full_finetune (full), or start a new run"
     )
+    # resume_from=auto meeting another recipe's run folder: the same line, for its newest checkpoint.
+    other = tmp_path / "full_run"
+    shutil.copytree(reference_single, other)
+    auto = run_here(other, "preference_loss=dpo", "resume_from=auto", recipe="preference_finetune")
+    assert auto.returncode == 2 and auto.stderr.strip().splitlines() == [(
+        f"error: {other / 'checkpoints' / 'step_8' / 'trainer_state.json'}: written by the full_finetune recipe "
+        "(full), but this run is the preference_finetune recipe (full): another recipe's checkpoint does not resume "
+        "here; resume it with full_finetune (full), or start a new run"
+    )]
     # Another method of the same recipe (here recorded by hand): named too.
     dora = tmp_path / "dora" / "step_6"
     shutil.copytree(step, dora)
