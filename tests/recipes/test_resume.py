@@ -452,7 +452,8 @@ def test_a_checkpoint_resumes_only_under_the_recipe_and_method_that_wrote_it(ref
     # A checkpoint from before the record: unknown, so it resumes as it always did.
     old = tmp_path / "old" / "step_6"
     shutil.copytree(step, old)
-    (old / "trainer_state.json").write_text(json.dumps({k: v for k, v in state.items() if k not in ("recipe", "method")}))
+    unrecorded = {key: value for key, value in state.items() if key not in ("recipe", "method")}
+    (old / "trainer_state.json").write_text(json.dumps(unrecorded))
     result = run_here(tmp_path / "resumed_old", f"resume_from={old}")
     assert result.returncode == 0, result.stderr
     assert losses(tmp_path / "resumed_old") == losses(reference_single)[6:]

@@ -27,8 +27,9 @@ def check_export(checkpoint: Path, output_dir: Path, *, overwrite: bool) -> Dict
 
     Raises:
         UserError: ``output_dir`` is, holds or lies inside the checkpoint or its run's ``checkpoints/`` folder
-            (even with ``overwrite``), or exists without ``overwrite``; the checkpoint is incomplete, a file of it is missing, truncated, unreadable or holds
-            more than a checkpoint does; its config names a model or checkpointer that is not tunekit's.
+            (even with ``overwrite``), or exists without ``overwrite``; the checkpoint is incomplete, a file of it
+            is missing, truncated, unreadable or holds more than a checkpoint does; its config names a model or
+            checkpointer that is not tunekit's.
     """
     # overwrite replaces the output folder: never the checkpoint itself, nor a folder holding it; and an export
     # inside the run's checkpoints/ would go with the checkpoints keep_last_n prunes, or overwrite=true clears.
