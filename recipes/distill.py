@@ -115,7 +115,8 @@ def train(cfg: DictConfig) -> None:
                                   num_output_chunks=kernels.loss_chunks, data_parallel_group=layout.dp_group)
 
     loop = start_training(
-        cfg, run=run, layout=layout, model=model, data=data, base_checkpoint=checkpointer.checkpoint_dir,
+        cfg, recipe="distill", run=run, layout=layout, model=model, data=data,
+        base_checkpoint=checkpointer.checkpoint_dir,
         trainable_only=bool(adapters), eval_tasks=eval_tasks, tokenizer=tokenizer, validate=validate,
     )
     log = loop.log

@@ -116,7 +116,8 @@ def train(cfg: DictConfig) -> None:
 
     # --- Optimizer, schedule, step checkpoints (resume exactly where a run stopped), then the output folder -------
     loop = start_training(
-        cfg, run=run, layout=layout, model=model, data=data, base_checkpoint=checkpointer.checkpoint_dir,
+        cfg, recipe="full_finetune", run=run, layout=layout, model=model, data=data,
+        base_checkpoint=checkpointer.checkpoint_dir,
         optimizer_in_backward=cfg.get("optimizer_in_backward", False), profiler=profiler_options, measure_mfu=True,
         eval_tasks=eval_tasks, tokenizer=tokenizer,
         # The held-out loss: every rank scores a disjoint slice of the set; the loss is exact on any number of ranks.

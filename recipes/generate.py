@@ -1,11 +1,13 @@
 """Generate a reply from a checkpoint, on one device, or with one model split over several (tensor parallelism).
 
     tune run generate --config demo prompt="reverse: hello"
-    tune run generate --config demo checkpoint_dir=outputs/lora_finetune_demo/final/merged temperature=0.8 top_p=0.9
-    tune run generate --config demo checkpoint_dir=null adapter_dir=outputs/lora_finetune_demo/final/adapter
+    tune run generate --config demo checkpointer.checkpoint_dir=outputs/lora_finetune_demo/final/merged temperature=0.8
+    tune run generate --config demo checkpointer.checkpoint_dir=null \
+        adapter_dir=outputs/lora_finetune_demo/final/adapter
     tune run generate_distributed --nproc_per_node 2 --config demo tensor_parallel=2 prompt="reverse: hello"
 
-The weights come from ``checkpoint_dir`` (``null``: random from ``seed``, the LoRA demo's base). With ``adapter_dir``,
+The weights come from ``checkpointer.checkpoint_dir``, as in every recipe (``null``: random from ``seed``, the LoRA
+demo's base). With ``adapter_dir``,
 a PEFT LoRA/DoRA adapter folder is loaded on top: a plain ``model`` is built as its LoRA/DoRA version with the
 settings of the adapter's ``adapter_config.json`` (a LoRA builder in ``model`` is used as it is). The prompt is sent
 as one user message in the tokenizer's chat format; the reply is printed.
@@ -53,7 +55,10 @@ SCHEMA = Schema({
     "top_p": Float(ge=0, le=1, null=True),
     "tensor_parallel": Int(ge=1, required=False),
     "dist_timeout_s": Float(gt=0, required=False),
-}, rules=(tensor_parallel_spans_the_processes, parallelism_splits_the_model)).without("sdpa_backend")
+}, rules=(tensor_parallel_spans_the_processes, parallelism_splits_the_model),
+    # Read at the top level before every recipe's vocabulary was one: said once, in one line, rather than ignored.
+    moved={"checkpoint_dir": "checkpointer.checkpoint_dir"},
+).without("sdpa_backend")
 
 
 def generate_reply(cfg: DictConfig) -> None:

@@ -131,12 +131,12 @@ def test_generate_with_an_adapter_on_the_plain_config_replies_as_the_merged_mode
         return replies[-1], capsys.readouterr().out
 
     # The demo config's plain `model` (llama3_demo): the LoRA model is built from adapter_config.json.
-    adapted = reply(f"checkpoint_dir={demo_base}", f"adapter_dir={adapter}")
+    adapted = reply(f"checkpointer.checkpoint_dir={demo_base}", f"adapter_dir={adapter}")
     # Greedy decoding of W x + s B A x and of the merged (W + s B A) x: logits ~1e-7 apart (float32 rounding), so
     # the same argmax at every step.
-    assert adapted == reply(f"checkpoint_dir={merged}")
+    assert adapted == reply(f"checkpointer.checkpoint_dir={merged}")
     assert len(adapted[0]) == 16 and adapted[1].strip()
-    assert adapted[0] != reply(f"checkpoint_dir={demo_base}")[0], "the adapter changes the reply"
+    assert adapted[0] != reply(f"checkpointer.checkpoint_dir={demo_base}")[0], "the adapter changes the reply"
 
 
 def test_generation_past_longropes_original_context_rotates_every_key_with_the_long_factors(monkeypatch):

@@ -134,7 +134,7 @@ def test_demo_path_on_core_install(core_env: dict[str, str], tmp_path: Path) -> 
           f"checkpointer.checkpoint_dir={out / 'final'}", "save_merged=false", *small], True),
         (["merge", "--base", str(out / "final"), "--adapter", str(lora / "final" / "adapter"),
           "--output", str(merged)], True),
-        (["run", "generate", "--config", "demo", f"checkpoint_dir={merged}", "max_new_tokens=4"], True),
+        (["run", "generate", "--config", "demo", f"checkpointer.checkpoint_dir={merged}", "max_new_tokens=4"], True),
         (["run", "eval_single_device", "--config", "demo", f"checkpointer.checkpoint_dir={merged}",
           f"output_dir={tmp_path / 'eval'}", "dataset.num_samples=8", "eval_tasks.num_samples=4"], True),
         (["run", "eval_single_device", "--config", "demo", f"output_dir={tmp_path / 'lm_eval'}",

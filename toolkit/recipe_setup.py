@@ -39,9 +39,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
 from toolkit.checkpoint import StepCheckpointer, TrainingState, claim_output_dir, start_run
+from toolkit.checkpoint.step_files import CHECKPOINTS_DIR
+from toolkit.checkpoint.step_reader import resume_step
 from toolkit.config import instantiate
 from toolkit.data import GlobalBatchSampler
+from toolkit.errors import NothingToDo, UserError
 from toolkit.generation import report_exact_match
+from toolkit.modules.peft import training_method
 from toolkit.optim import build_optimizer, check_optimizer_in_backward
 from toolkit.parallel import DistributedEnv, ParallelDims, init_distributed, on_rank_zero, unwrap
 from toolkit.parallel.context_parallel import ContextParallel
@@ -398,7 +402,7 @@ class TrainingLoop:
         for epoch, micro_batches in global_batches(
             self.loader, self.state.sampler, accum_steps=self.accumulation_steps
         ):
-            if self.step == self.total_steps:
+            if self.step >= self.total_steps:
                 break
             self._started = time.perf_counter()
             self._data_wait_s = self._started - data_requested  # reading and collating this step's micro-batches
@@ -473,6 +477,7 @@ def start_training(
     layout: Layout,
     model: nn.Module,
     data: Data,
+    recipe: str,
     base_checkpoint: str | Path | None,
     trainable_only: bool = False,
     optimizer_in_backward: bool = False,
@@ -487,13 +492,16 @@ def start_training(
 
     When resuming, every weight, the optimizer, the schedule, the fp16 loss scale, the data position and every
     rank's RNG come from the checkpoint (:class:`~toolkit.checkpoint.StepCheckpointer`), on any number of
-    processes. A fresh start claims the output folder only now, once everything that can fail on the user's input
-    is built and checked (:func:`claim_output`).
+    processes, once it is known to be this recipe's and method's, and not past the run's last step
+    (:func:`resume_point`). A fresh start claims the output folder only now, once everything that can fail on the
+    user's input is built and checked (:func:`claim_output`).
 
     Args:
         cfg: the recipe's config.
         run, layout, model, data: from :func:`setup_run`, :func:`plan_layout`, :func:`parallelize_model` and
             :func:`build_data`.
+        recipe: the recipe's name (``full_finetune``...), which its step checkpoints record, with how ``model``
+            trains (:func:`~toolkit.modules.peft.training_method`): only the same recipe and method resume them.
         base_checkpoint: the checkpointer's folder, whose config and tokenizer files every step checkpoint keeps.
         trainable_only: step checkpoints hold only what trains (adapters, their optimizer state); the frozen rest
             comes from the base checkpoint on resume.
@@ -507,8 +515,16 @@ def start_training(
 
     Raises:
         UserError: an optimizer or schedule the config cannot build, step checkpoints on storage the nodes do not
-            share, a checkpoint that does not fit the model, or an output folder that cannot be claimed.
+            share, a checkpoint of another recipe or method, past the run's last step or that does not fit the
+            model, or an output folder that cannot be claimed.
+        NothingToDo: the run resumed is complete (see :func:`resume_point`); nothing was changed.
     """
+    method = training_method(model)
+    if run.resume is not None:
+        complete = on_rank_zero(resume_point, run=run, data=data, recipe=recipe, method=method,
+                                max_steps=cfg.max_steps, epochs=cfg.epochs)
+        if complete is not None:
+            raise NothingToDo(complete)
     dims = layout.dims
     grad_scaler = make_grad_scaler(
         enabled=run.precision.needs_grad_scaler, device=run.env.device, sharded=dims.uses_fsdp or dims.tp > 1,
@@ -522,6 +538,7 @@ def start_training(
     checkpoints = StepCheckpointer(
         run.output_dir, every_n_steps=cfg.save_every_n_steps, keep_last_n=cfg.keep_last_n, async_save=cfg.async_save,
         trainable_only=trainable_only, base_checkpoint=base_checkpoint, data_parallel_size=dims.dp_size,
+        recipe=recipe, method=method,
     )
     step = checkpoints.load(run.resume, state, config=cfg) if run.resume is not None else 0
     log = claim_output(cfg, run=run, step=step, total_steps=data.total_steps)
@@ -536,6 +553,40 @@ def start_training(
         eval_tasks=eval_tasks, tokenizer=tokenizer, eval_max_new_tokens=cfg.eval_max_new_tokens,
         validate=validate if data.val_loader is not None else None, validate_every_n_steps=cfg.eval_every_n_steps,
     )
+
+
+def resume_point(
+    *, run: Run, data: Data, recipe: str, method: str, max_steps: int | None, epochs: int
+) -> str | None:
+    """Check the checkpoint ``run`` resumes from before anything is read from it: this recipe's and method's, and
+    not past the run's last step (``data.total_steps``: ``epochs``, at most ``max_steps``). Returns None, or the line
+    saying that the run is already complete.
+
+    A checkpoint at the last step of its own run (in ``output_dir``), whose ``final/`` is written, leaves nothing to
+    do: the run is complete and nothing is changed (``resume_from=auto`` on a finished run, as after a restart). A
+    checkpoint past the last step (``max_steps`` lowered since) is refused rather than taken as finished: its
+    weights are not those of the run asked for, and ``final/`` would claim they were.
+
+    Raises:
+        UserError: another recipe's or method's checkpoint, or one past the last step; the line names both.
+    """
+    step = resume_step(run.resume, recipe=recipe, method=method)
+    total = data.total_steps
+    if step > total:
+        epoch_steps = data.sampler.steps_per_epoch
+        limit = (f"max_steps={max_steps}" if max_steps is not None and max_steps < epochs * epoch_steps
+                 else f"epochs={epochs} of {epoch_steps} steps")
+        raise UserError(
+            f"resume_from: {run.resume} is at step {step}, past this run's last step, {total} ({limit}); raise it to "
+            "train on from there, or export that checkpoint (tune export)"
+        )
+    own = run.resume.parent.resolve() == (run.output_dir / CHECKPOINTS_DIR).resolve()
+    if step == total and own and (run.output_dir / "final").is_dir():
+        return (
+            f"{run.output_dir}: the run is complete: its last step checkpoint, {run.resume.name}, is at step {step} "
+            f"of {total} and final/ is written; nothing to do (raise max_steps or epochs to train on)"
+        )
+    return None
 
 
 def claim_output(cfg: DictConfig, *, run: Run, step: int, total_steps: int) -> MetricsLogger:

@@ -115,6 +115,24 @@ def test_tune_merge_equals_the_adapted_model(tmp_path: Path, use_dora: bool, cap
     assert "already exists" in capsys.readouterr().err
 
 
+def test_merge_output_stays_apart_from_its_inputs(tmp_path: Path):
+    # Into, over, or inside the base or adapter folder: --overwrite would delete an input, or the output would be
+    # mixed into one.
+    base_dir = save_base(tmp_path / "base")
+    adapter = save_peft_adapter(adapted_model(base_dir, use_dora=False), tmp_path / "adapter", model_family="llama3")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for output, refusal in [
+        (base_dir, f"is the base {base_dir}"),
+        (tmp_path, f"holds the base {base_dir}"),
+        (base_dir / "merged", f"is inside the base {base_dir}"),
+        (adapter / "merged", f"is inside the adapter {adapter}"),
+    ]:
+        with pytest.raises(UserError) as info:
+            merge_adapter_into_checkpoint(base_dir, adapter, output, overwrite=True)
+        assert str(info.value).startswith(f"--output: {output} {refusal}"), info.value
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_merge_refuses_an_adapter_for_another_model(tmp_path: Path):
     base_dir = save_base(tmp_path / "base")
     adapter = save_peft_adapter(adapted_model(base_dir, use_dora=False), tmp_path / "adapter", model_family="llama3")

@@ -228,6 +228,23 @@ def test_an_any_model_checkpoint_whose_base_moved_says_so(tmp_path, capsys):
     assert not (tmp_path / "hf2").exists()
 
 
+def test_an_export_inside_the_checkpoint_or_its_runs_checkpoints_is_refused(tmp_path, capsys):
+    # keep_last_n prunes a run's step checkpoints and overwrite=true clears them: an export among them would go too.
+    step, _ = write_step_checkpoint(tmp_path)
+    checkpoints = step.parent
+    for output, refusal in [
+        (step / "hf", f"is inside the checkpoint {step}"),
+        (checkpoints / "hf", f"is inside the run's step checkpoints {checkpoints}"),
+        (checkpoints / "step_9" / "hf", f"is inside the run's step checkpoints {checkpoints}"),
+        (checkpoints.parent, f"holds the checkpoint {step}"),
+    ]:
+        for args in ([str(step)], [str(checkpoints.parent)]):  # the step folder, or the run standing for it
+            assert main(["export", *args, "--output", str(output), "--overwrite"]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"tune: error: --output: {output} {refusal}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_1"] and not (step / "hf").exists()
+
+
 def test_the_python_api_checks_what_the_command_checks(tmp_path):
     from toolkit.checkpoint.export import export_step_checkpoint
 

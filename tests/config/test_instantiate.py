@@ -119,3 +119,23 @@ def test_recipe_passing_a_wrong_keyword_is_a_bug_not_a_config_error() -> None:
 def test_node_without_component() -> None:
     with pytest.raises(ConfigError, match="no '_component_'"):
         instantiate(OmegaConf.create({"m": {"x": 1}}).m)
+
+
+def test_an_objects_own_argument_error_names_the_key_of_the_node_it_was_built_from(tmp_path) -> None:
+    # The same checkpointer class under two keys: each refusal names its own key path, nested ones too.
+    from toolkit.errors import UserError
+
+    missing = tmp_path / "gone"
+    node = {"_component_": "toolkit.checkpoint.HFCheckpointer", "checkpoint_dir": str(missing),
+            "model_family": "llama3"}
+    cfg = OmegaConf.create({"checkpointer": node, "distill": {"teacher_checkpointer": node}})
+    for key in ("checkpointer", "distill.teacher_checkpointer"):
+        built = OmegaConf.select(cfg, key)
+        with pytest.raises(UserError) as info:
+            instantiate(built)
+        assert str(info.value) == f"{key}.checkpoint_dir: {missing} is not a folder"
+    # Built in code, with no key to name: the argument alone.
+    from toolkit.checkpoint import HFCheckpointer
+
+    with pytest.raises(UserError, match=rf"^checkpoint_dir: {missing} is not a folder$"):
+        HFCheckpointer(str(missing), model_family="llama3")

@@ -94,6 +94,31 @@ def test_an_unknown_top_level_key_is_a_typo_unless_an_interpolation_uses_it():
     assert SCHEMA.problems(cfg, unknown_keys=False) == []
 
 
+def test_a_misspelled_required_key_is_one_line_the_typo_not_also_the_missing_key():
+    # `epoch: 3` instead of `epochs: 3`: one mistake, one line (not also "epochs: missing"), and a rule that reads
+    # the missing key does not run on its absence.
+    cfg = _cfg({key: value for key, value in GOOD.items() if key != "epochs"} | {"epoch": 3, "max_steps": 100})
+    schema = SCHEMA.extend(rules=[_steps_within_epochs])
+    assert schema.problems(cfg, world_size=2) == [("epoch", "not a key this recipe reads; did you mean 'epochs'?")]
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, schema=schema, world_size=2)
+    assert str(info.value) == "run.yaml: epoch: not a key this recipe reads; did you mean 'epochs'?"
+
+
+def test_a_moved_key_names_the_key_the_recipe_reads_instead_unless_an_interpolation_uses_it():
+    schema = Schema({**SCHEMA.keys, "checkpointer": Component()},
+                    moved={"checkpoint_dir": "checkpointer.checkpoint_dir"})
+    node = {"_component_": "a.b", "checkpoint_dir": "/models/x"}
+    cfg = _cfg({**GOOD, "checkpointer": node, "checkpoint_dir": "/models/y"})
+    moved = "moved: this recipe reads it as checkpointer.checkpoint_dir now; set checkpointer.checkpoint_dir instead"
+    expected = [("checkpoint_dir", moved)]
+    assert schema.problems(cfg) == expected
+    assert schema.without("name").extend({"name": Str(required=False)}).problems(cfg) == expected  # kept by both
+    # A config written before the move, whose checkpointer reads the old key through `${...}`: still good.
+    assert schema.problems(_cfg({**GOOD, "checkpointer": {**node, "checkpoint_dir": "${checkpoint_dir}"},
+                                 "checkpoint_dir": "/models/y"})) == []
+
+
 def test_a_value_from_an_interpolation_is_checked_as_resolved():
     cfg = _cfg({**GOOD, "steps": -5, "max_steps": "${steps}"})
     assert SCHEMA.problems(cfg) == [("max_steps", "expects an integer >= 1 or null, got -5")]

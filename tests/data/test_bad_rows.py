@@ -10,7 +10,13 @@ from typing import Callable
 
 import pytest
 
-from toolkit.data import chat_dataset, instruct_dataset, preference_dataset, text_completion_dataset
+from toolkit.data import (
+    chat_dataset,
+    instruct_dataset,
+    kto_dataset,
+    preference_dataset,
+    text_completion_dataset,
+)
 from toolkit.errors import UserError
 from toolkit.tokenizers import byte_tokenizer
 
@@ -57,6 +63,23 @@ CASES = [
     _case("identical answers", preference_dataset, {"prompt": "p", "chosen": "a", "rejected": "b"},
           {"prompt": "p", "chosen": "a", "rejected": "a"},
           "columns 'chosen' and 'rejected' are the same; a preference pair needs two answers"),
+    # An empty answer on either side (a string, or a conversation's last message): judged on nothing but its
+    # end-of-turn token, it used to train with no message.
+    _case("empty chosen", preference_dataset, {"prompt": "p", "chosen": "a", "rejected": "b"},
+          {"prompt": "p", "chosen": "", "rejected": "b"}, "column 'chosen' has an empty answer; a judged answer needs"),
+    _case("blank rejected", preference_dataset, {"prompt": "p", "chosen": "a", "rejected": "b"},
+          {"prompt": "p", "chosen": "a", "rejected": " \n"}, "column 'rejected' has an empty answer"),
+    _case("empty answer in a conversation", preference_dataset, {"prompt": "p", "chosen": "a", "rejected": "b"},
+          {"chosen": [{"role": "user", "content": "p"}, {"role": "assistant", "content": ""}],
+           "rejected": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "b"}]},
+          "column 'chosen' has an empty answer"),
+    _case("empty KTO completion", kto_dataset, {"prompt": "p", "completion": "a", "label": True},
+          {"prompt": "p", "completion": "", "label": False}, "column 'completion' has an empty answer"),
+    _case("empty KTO assistant messages", kto_dataset, {"prompt": "p", "completion": "a", "label": True},
+          {"prompt": "p", "completion": [{"role": "assistant", "content": ""}], "label": True},
+          "column 'completion' has an empty answer"),
+    _case("empty chosen of a KTO pair", kto_dataset, {"prompt": "p", "chosen": "a", "rejected": "b"},
+          {"prompt": "p", "chosen": "", "rejected": "b"}, "column 'chosen' has an empty answer"),
     _case("too long", instruct_dataset, GOOD_INSTRUCT, {"input": "x" * 100, "output": "y"},
           "tokens, more than max_seq_len 64 (set truncation: true"),
     # Trained on nothing, it would only cost compute; it used to go in silently, all of its labels ignored.

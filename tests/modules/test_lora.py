@@ -18,6 +18,7 @@ from toolkit.modules.peft import (
     is_adapter_key,
     merge_lora_weights,
     set_trainable_params,
+    training_method,
 )
 from toolkit.training import HFCheckpointer, materialize
 
@@ -163,3 +164,15 @@ def test_public_sizes_build_on_meta():
     base = sum(p.numel() for n, p in lora.named_parameters() if not is_adapter_key(n))
     assert abs(base / 1e9 - 8.030) < 0.001
     assert type(qlora.layers[0].mlp.up_proj.weight).__name__ == "NF4Tensor"
+
+
+def test_training_method_names_what_a_step_checkpoint_of_the_model_holds():
+    # Recorded in every step checkpoint: a checkpoint resumes only under the method that wrote it.
+    with torch.device("meta"):
+        models = {
+            "full": llama3(**DIMS),
+            "lora": lora_llama3(**DIMS, **LORA, lora_rank=4),
+            "dora": lora_llama3(**DIMS, **LORA, lora_rank=4, use_dora=True),
+            "qlora": lora_llama3(**DIMS, lora_attn_modules=["q_proj"], lora_rank=4, quantize_base=True),
+        }
+    assert {method: training_method(model) for method, model in models.items()} == {m: m for m in models}

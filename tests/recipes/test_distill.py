@@ -127,10 +127,13 @@ def test_sigkill_then_resume_is_bitwise_exact(single, teacher, tmp_path):
      "distributions token by token, so both need the same tokenizer"),
     ("teacher_checkpointer.checkpoint_dir=null",
      "error: teacher_checkpointer.checkpoint_dir: a teacher needs its trained weights; give its folder"),
+    # The checkpointer's own check, named by the key of the node it was built from (not the student's).
+    ("teacher_checkpointer.checkpoint_dir={tmp}/gone",
+     "error: teacher_checkpointer.checkpoint_dir: {tmp}/gone is not a folder"),
 ])
 def test_a_teacher_that_cannot_teach_is_refused_in_one_line(override, message, teacher, tmp_path):
     out = tmp_path / "run"
-    result = run_tune_here(*distill_args(out, teacher, override))
+    result = run_tune_here(*distill_args(out, teacher, override.format(tmp=tmp_path)))
     assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.strip().splitlines() == [message]
+    assert result.stderr.strip().splitlines() == [message.format(tmp=tmp_path)]
     assert not out.exists()

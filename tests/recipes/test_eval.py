@@ -192,9 +192,11 @@ def test_generate_rebuilds_the_lora_demo_from_its_seed_and_adapter(lora_run, mon
         return generate(model, *args, **kwargs)
 
     monkeypatch.setattr(toolkit.generation, "generate", recording_generate)
-    run_recipe_here("generate", "demo", "checkpoint_dir=null", f"adapter_dir={lora_run / 'final' / 'adapter'}")
+    run_recipe_here(
+        "generate", "demo", "checkpointer.checkpoint_dir=null", f"adapter_dir={lora_run / 'final' / 'adapter'}"
+    )
     adapted = capsys.readouterr().out
-    run_recipe_here("generate", "demo", f"checkpoint_dir={lora_run / 'final' / 'merged'}")
+    run_recipe_here("generate", "demo", f"checkpointer.checkpoint_dir={lora_run / 'final' / 'merged'}")
     assert adapted == capsys.readouterr().out
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -89,10 +89,21 @@ def test_a_bad_activation_checkpointing_value_is_one_line(tmp_path):
 
 
 def test_generate_answers_from_the_checkpoint(single_run):
-    result = tune_here("run", "generate", "--config", "demo", f"checkpoint_dir={single_run / 'final'}",
+    result = tune_here("run", "generate", "--config", "demo", f"checkpointer.checkpoint_dir={single_run / 'final'}",
                        "prompt=reverse: abcd", "max_new_tokens=5")
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.strip("\n")) <= 5 * 4  # at most 5 tokens (bytes) of output, plus nothing else
+    # One vocabulary: generate reads checkpointer.checkpoint_dir like every recipe. The top-level key it once read
+    # is told the new one, and a bad folder is named by the key it was given as.
+    for override, refusal in [
+        (f"checkpoint_dir={single_run / 'final'}", (
+            f"tune: error: override 'checkpoint_dir={single_run / 'final'}': checkpoint_dir: moved: this recipe reads "
+            "it as checkpointer.checkpoint_dir now; set checkpointer.checkpoint_dir instead")),
+        (f"checkpointer.checkpoint_dir={single_run / 'gone'}",
+         f"error: checkpointer.checkpoint_dir: {single_run / 'gone'} is not a folder"),
+    ]:
+        result = tune_here("run", "generate", "--config", "demo", override)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [refusal], result.stderr
 
 
 def test_refuses_to_overwrite_a_finished_run(single_run):

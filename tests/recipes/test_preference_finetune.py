@@ -208,6 +208,30 @@ def test_sigkill_then_resume_is_bitwise_exact(variant, single, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resuming_a_finished_run_past_its_steps_or_with_another_method(single, tmp_path):
+    # The shared resume checks (recipe_setup.resume_point), as the full fine-tune has them (tests/recipes/
+    # test_resume.py), on a LoRA DPO run: 5 steps, checkpoints at 2, 4 and 5, final/ written.
+    out = tmp_path / "lora"
+    shutil.copytree(single["lora"], out)
+    files = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    complete = run_here(out, *LORA, "resume_from=auto")
+    assert complete.stdout.strip().splitlines()[-1].startswith(
+        f"{out}: the run is complete: its last step checkpoint, step_5, is at step 5 of 5 and final/ is written"
+    )
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == files, "nothing changed"
+    step_4 = out / "checkpoints" / "step_4"
+    for overrides, refusal in [
+        ([*LORA, "max_steps=3"], f"error: resume_from: {step_4} is at step 4, past this run's last step, 3"),
+        ([], (f"error: {step_4 / 'trainer_state.json'}: written by the preference_finetune recipe (lora), but this "
+              "run is the preference_finetune recipe (full): another method's checkpoint does not resume here")),
+    ]:
+        result = run_tune_here("run", "preference_finetune_single_device", "--config", "demo",
+                               f"output_dir={tmp_path / 'new'}", *FAST, *overrides, f"resume_from={step_4}")
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert result.stderr.startswith(refusal), result.stderr
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_dataset_without_pairs_is_refused_in_one_line(tmp_path):
     out = tmp_path / "run"
     result = run_tune_here("run", "preference_finetune_single_device", "--config", "demo", f"output_dir={out}",

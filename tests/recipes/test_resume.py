@@ -345,16 +345,18 @@ def copy_checkpoint(reference: Path, tmp_path: Path) -> Path:
     return step
 
 
-def refused(tmp_path: Path, step: Path, *overrides: str, new_process: bool = False) -> str:
+def refused(
+    tmp_path: Path, step: Path, *overrides: str, new_process: bool = False, recipe: str = "full_finetune"
+) -> str:
     """The 1-process resume from ``step``, refused with exit 2 before metrics.jsonl is touched; its stderr. In this
     process (`tune run` on one device runs the recipe in its own process), or with ``new_process`` in a new one."""
     out = tmp_path / "run"
     out.mkdir(exist_ok=True)
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     if new_process:
-        result = run(out, f"resume_from={step}", *overrides, nproc=1)
+        result = run(out, f"resume_from={step}", *overrides, nproc=1, recipe=recipe)
     else:
-        result = run_here(out, f"resume_from={step}", *overrides)
+        result = run_here(out, f"resume_from={step}", *overrides, recipe=recipe)
     assert result.returncode == 2, result.stderr
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n', "nothing overwritten"
     return result.stderr
@@ -391,3 +393,67 @@ def test_shape_mismatch_is_named(reference, tmp_path):
     config.write_text(config.read_text().replace("model:\n", "model:\n  vocab_size: 400\n", 1))
     stderr = refused(tmp_path, step, "model.vocab_size=400")
     assert "'model.embed_tokens.weight' has shape (384, 128) in the checkpoint but (400, 128) here" in stderr
+
+
+# --- what a checkpoint may resume: its own recipe and method, up to the run's last step; a finished run is left be ----
+
+
+def test_a_checkpoint_past_max_steps_is_refused_naming_its_step_and_max_steps(reference_single, tmp_path):
+    # step_6 with max_steps=4: taking it as finished would export step 6's weights as a 4-step run's; training on
+    # from step 6 would never reach step 4. Every training recipe resumes through recipe_setup.resume_point.
+    stderr = refused(tmp_path, reference_single / "checkpoints" / "step_6", "max_steps=4")
+    assert stderr.strip() == (
+        f"error: resume_from: {reference_single / 'checkpoints' / 'step_6'} is at step 6, past this run's last step, "
+        "4 (max_steps=4); raise it to train on from there, or export that checkpoint (tune export)"
+    )
+
+
+def test_auto_on_a_finished_run_says_it_is_complete_and_changes_nothing(reference_single, tmp_path):
+    out = tmp_path / "finished"
+    shutil.copytree(reference_single, out)
+    before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    result = run_here(out, "resume_from=auto")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == (
+        f"{out}: the run is complete: its last step checkpoint, step_8, is at step 8 of 8 and final/ is written; "
+        "nothing to do (raise max_steps or epochs to train on)"
+    )
+    assert "resumed" not in result.stdout and result.stderr == ""
+    after = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert after == before, "metrics.jsonl, final/ and the checkpoints byte-identical"
+
+
+def test_a_checkpoint_resumes_only_under_the_recipe_and_method_that_wrote_it(reference_single, tmp_path):
+    step = reference_single / "checkpoints" / "step_6"
+    state = json.loads((step / "trainer_state.json").read_text())
+    assert (state["recipe"], state["method"]) == ("full_finetune", "full")
+    # A full fine-tune's checkpoint fits a full preference run's model: only the record tells them apart.
+    stderr = refused(tmp_path, step, "preference_loss=dpo", recipe="preference_finetune")
+    assert stderr.strip() == (
+        f"error: {step / 'trainer_state.json'}: written by the full_finetune recipe (full), but this run is the "
+        "preference_finetune recipe (full): another recipe's checkpoint does not resume here; resume it with "
+        "full_finetune (full), or start a new run"
+    )
+    # resume_from=auto meeting another recipe's run folder: the same line, for its newest checkpoint.
+    other = tmp_path / "full_run"
+    shutil.copytree(reference_single, other)
+    auto = run_here(other, "preference_loss=dpo", "resume_from=auto", recipe="preference_finetune")
+    assert auto.returncode == 2 and auto.stderr.strip().splitlines() == [(
+        f"error: {other / 'checkpoints' / 'step_8' / 'trainer_state.json'}: written by the full_finetune recipe "
+        "(full), but this run is the preference_finetune recipe (full): another recipe's checkpoint does not resume "
+        "here; resume it with full_finetune (full), or start a new run"
+    )]
+    # Another method of the same recipe (here recorded by hand): named too.
+    dora = tmp_path / "dora" / "step_6"
+    shutil.copytree(step, dora)
+    (dora / "trainer_state.json").write_text(json.dumps({**state, "method": "dora"}))
+    assert "written by the full_finetune recipe (dora), but this run is the full_finetune recipe (full): another " \
+        "method's checkpoint" in refused(tmp_path, dora)
+    # A checkpoint from before the record: unknown, so it resumes as it always did.
+    old = tmp_path / "old" / "step_6"
+    shutil.copytree(step, old)
+    unrecorded = {key: value for key, value in state.items() if key not in ("recipe", "method")}
+    (old / "trainer_state.json").write_text(json.dumps(unrecorded))
+    result = run_here(tmp_path / "resumed_old", f"resume_from={old}")
+    assert result.returncode == 0, result.stderr
+    assert losses(tmp_path / "resumed_old") == losses(reference_single)[6:]

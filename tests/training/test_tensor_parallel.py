@@ -162,10 +162,10 @@ def test_a_tensor_parallel_checkpoint_resumes_on_one_process(four_processes, tmp
 
 # Few enough samples to keep the evaluation short; generation stops at the byte tokenizer's end of sequence.
 EVAL = ["dataset.num_samples=32", "eval_tasks.num_samples=12", "micro_batch_size=8"]
-# The random model of the seed (checkpoint_dir=null: each process draws the whole tensors and keeps its part): the
-# 5-step model's reply is its end-of-sequence token at once, even sampled, which would agree with anything. The eval
-# run below loads the trained checkpoint.
-PROMPT = ["prompt=reverse: tensor", "checkpoint_dir=null"]
+# The random model of the seed (checkpointer.checkpoint_dir=null: each process draws the whole tensors and keeps its
+# part): the 5-step model's reply is its end-of-sequence token at once, even sampled, which would agree with anything.
+# The eval run below loads the trained checkpoint.
+PROMPT = ["prompt=reverse: tensor", "checkpointer.checkpoint_dir=null"]
 
 
 def _split_over_two_runs(four_processes: Path) -> dict[str, RecipeRun]:

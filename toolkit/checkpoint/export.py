@@ -16,7 +16,8 @@ from toolkit.config.moved import current_path
 from toolkit.errors import UserError
 from toolkit.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, HFCheckpointer, check_step_checkpoint
 from toolkit.checkpoint.step_reader import _first_line, _read_trainer_state, load_dcp
-from toolkit.checkpoint.step_files import base_files_dir
+from toolkit.checkpoint.output_dir import check_output_apart
+from toolkit.checkpoint.step_files import CHECKPOINTS_DIR, base_files_dir
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +26,17 @@ def check_export(checkpoint: Path, output_dir: Path, *, overwrite: bool) -> Dict
     """Everything an export checks before it writes anything; returns the run's config (``config.yaml``).
 
     Raises:
-        UserError: ``output_dir`` is or holds the checkpoint (even with ``overwrite``), or exists without
-            ``overwrite``; the checkpoint is incomplete, a file of it is missing, truncated, unreadable or holds
-            more than a checkpoint does; its config names a model or checkpointer that is not tunekit's.
+        UserError: ``output_dir`` is, holds or lies inside the checkpoint or its run's ``checkpoints/`` folder
+            (even with ``overwrite``), or exists without ``overwrite``; the checkpoint is incomplete, a file of it
+            is missing, truncated, unreadable or holds more than a checkpoint does; its config names a model or
+            checkpointer that is not tunekit's.
     """
-    # overwrite replaces the output folder: never the checkpoint itself, nor a folder holding it.
-    if output_dir.resolve() in (checkpoint.resolve(), *checkpoint.resolve().parents):
-        raise UserError(f"--output: {output_dir} holds the checkpoint {checkpoint}; choose another folder")
+    # overwrite replaces the output folder: never the checkpoint itself, nor a folder holding it; and an export
+    # inside the run's checkpoints/ would go with the checkpoints keep_last_n prunes, or overwrite=true clears.
+    inputs = [("the checkpoint", checkpoint)]
+    if checkpoint.resolve().parent.name == CHECKPOINTS_DIR:
+        inputs.append(("the run's step checkpoints", checkpoint.parent))
+    check_output_apart(output_dir, option="--output", inputs=inputs)
     if output_dir.exists() and not overwrite:
         raise UserError(f"{output_dir} exists; pass --overwrite to replace it")
     check_step_checkpoint(checkpoint)  # the marker, the metadata and every file's size

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import toolkit.models
-from toolkit.errors import UserError, read_json
+from toolkit.errors import ArgumentError, UserError, read_json
 from toolkit.models._expert_keys import Part
 from toolkit.modules._dtensor import full_tensor, local_region
 from toolkit.modules.moe import MoEFeedForward
@@ -129,10 +129,10 @@ class HFCheckpointer:
     def __init__(self, checkpoint_dir: str | None = None, *, model_family: str) -> None:
         self.checkpoint_dir = Path(checkpoint_dir).expanduser() if checkpoint_dir else None
         if self.checkpoint_dir is not None and not self.checkpoint_dir.is_dir():
-            raise UserError(f"checkpointer.checkpoint_dir: {self.checkpoint_dir} is not a folder")
+            raise ArgumentError("checkpoint_dir", f"{self.checkpoint_dir} is not a folder")
         if model_family == "auto":
             if self.checkpoint_dir is None:
-                raise UserError("checkpointer.model_family: auto reads the checkpoint's config.json; set checkpoint_dir")
+                raise ArgumentError("model_family", "auto reads the checkpoint's config.json; set checkpoint_dir")
             model_family = toolkit.models.read_hf_config(self.checkpoint_dir)[1]
         self.family_name = model_family
         self.family = load_model_family(model_family)

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from toolkit.errors import UserError
@@ -89,6 +90,33 @@ def check_writable_folder(folder: str | Path, *, key: str = "output_dir") -> Non
         os.unlink(probe)
     except OSError as e:
         raise UserError(f"{key}: cannot write into {existing} ({os_error_text(e)})") from None
+
+
+def check_output_apart(output: str | Path, *, option: str, inputs: Sequence[tuple[str, str | Path]]) -> None:
+    """Check that a command's ``output`` folder lies apart from each of its ``inputs``: it is not one of them, does
+    not hold one (``--overwrite`` would delete it), and is not inside one, where what keeps that input would delete
+    the output with it (``keep_last_n`` prunes a run's step checkpoints; a new run's ``overwrite=true`` clears them)
+    or mix it into the input's files.
+
+    Args:
+        output: the folder the command writes.
+        option: the option that named it (``--output``), for the message.
+        inputs: ``(what, folder)`` of each folder to stay apart from, e.g. ``("the checkpoint", step_6)``.
+
+    Raises:
+        UserError: the one line names the option, the output and the input folder.
+    """
+    resolved = Path(output).expanduser().resolve()
+    for what, folder in inputs:
+        input_folder = Path(folder).expanduser().resolve()
+        if resolved == input_folder or input_folder.is_relative_to(resolved):
+            relation = "is" if resolved == input_folder else "holds"
+            raise UserError(f"{option}: {output} {relation} {what} {folder}; choose another folder")
+        if resolved.is_relative_to(input_folder):
+            raise UserError(
+                f"{option}: {output} is inside {what} {folder}, and would go when that is pruned, cleared or "
+                "rewritten; choose a folder outside it"
+            )
 
 
 def check_run_folder(output_dir: str | Path) -> None:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from toolkit.checkpoint.output_dir import check_output_apart
 from toolkit.errors import UserError, read_json
 from toolkit.models import hf_model_types, read_hf_config
 from toolkit.models._decoder import LinearFactory
@@ -495,16 +496,16 @@ def merge_adapter_into_checkpoint(
         ``output_dir``.
 
     Raises:
-        UserError: unreadable inputs, an adapter module without a base weight, a shape mismatch, or an existing
-            ``output_dir`` without ``overwrite``; checked before anything is written where possible.
+        UserError: unreadable inputs, an adapter module without a base weight, a shape mismatch, an ``output_dir``
+            that is, holds or lies inside an input folder, or an existing one without ``overwrite``; checked before
+            anything is written where possible.
     """
     base_dir, output_dir = Path(base_dir), Path(output_dir)
     if not base_dir.is_dir():
         raise UserError(f"--base: {base_dir} is not a folder")
+    check_output_apart(output_dir, option="--output", inputs=[("the base", base_dir), ("the adapter", adapter_dir)])
     if output_dir.exists() and not overwrite:
         raise UserError(f"--output: {output_dir} already exists; choose another folder or pass --overwrite")
-    if output_dir.resolve() in (base_dir.resolve(), Path(adapter_dir).resolve()):
-        raise UserError(f"--output: {output_dir} is an input folder; choose another folder")
     config, by_module, saved = _read_adapter(adapter_dir)
     targets = {f"{module}.weight": params for module, params in by_module.items() if not is_fused(module)}
     scales = {f"{module}.weight": _rank_and_scale(config, module)[1] for module in by_module}

@@ -9,7 +9,8 @@ This module is what the writer (:mod:`~toolkit.checkpoint.step_writer`), the rea
 ``.metadata``, ``*.distcp``  ``torch.distributed.checkpoint`` (DCP): the model (or only its trainable part) and
                            the optimizer state, each rank writing its own shard; keys are parameter names, so
                            any world size and any data-parallel strategy can load them (DCP reshards).
-``trainer_state.json``     step, data position, LR schedule, loss scale, and what wrote it.
+``trainer_state.json``     step, data position, LR schedule, loss scale, and what wrote it (the layout, the
+                           recipe and its method: only the same recipe and method resume it).
 ``rng/rank_<r>.pt``        each rank's RNG states (Python, NumPy, torch CPU, CUDA).
 ``config.yaml``            the config of the run that wrote it.
 ``base_files/``            the base checkpoint's ``config.json`` and tokenizer files, so the checkpoint exports

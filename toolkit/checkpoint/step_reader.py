@@ -79,23 +79,27 @@ def load_step_checkpoint(
     trainable_only: bool,
     rank: int,
     data_parallel_size: int,
+    recipe: str | None = None,
+    method: str | None = None,
 ) -> int:
     """Restore ``state`` from the step checkpoint ``path``; returns its step. A collective: every rank calls it.
 
     ``trainable_only``: the checkpoint holds only what trains (adapters); ``rank`` picks the RNG file (modulo the
-    writing run's world size); ``data_parallel_size`` rescales an fp16 loss scale saved on another layout.
+    writing run's world size); ``data_parallel_size`` rescales an fp16 loss scale saved on another layout;
+    ``recipe`` and ``method``: what resumes it (see :func:`resume_step`).
 
-    Everything is checked before anything is restored: the marker, the config, the files' sizes, and every key
-    and shape against this model and optimizer.
+    Everything is checked before anything is restored: the marker, the recipe and method that wrote it, the config,
+    the files' sizes, and every key and shape against this model and optimizer.
 
     Raises:
-        UserError: an incomplete, truncated or corrupt checkpoint, one of another model, or one whose config
-            is incompatible; the message names the file and the key.
+        UserError: an incomplete, truncated or corrupt checkpoint, one of another recipe, method or model, or one
+            whose config is incompatible; the message names the file and the key.
     """
     path = Path(path)
     if not is_complete(path):
         raise UserError(f"{path}: not a complete checkpoint (no {COMPLETE_MARKER} marker)")
     trainer = _read_trainer_state(path)
+    _check_writer(path, trainer, recipe=recipe, method=method)
     _check_config(path, config, _MUST_MATCH_TRAINABLE_ONLY if trainable_only else _MUST_MATCH)
     if trainer["model_state"] != ("trainable" if trainable_only else "full"):
         raise UserError(
@@ -120,7 +124,10 @@ def load_step_checkpoint(
             group["lr"].fill_(lr)
         else:
             group["lr"] = lr
-    state.sampler.load_state_dict(trainer["sampler"])
+    try:
+        state.sampler.load_state_dict(trainer["sampler"])
+    except UserError as e:
+        raise UserError(f"{path / TRAINER_STATE}: {e}") from None
     if state.grad_scaler is not None and trainer["grad_scaler"]:
         scaler = dict(trainer["grad_scaler"])
         # The scale is per rank's loss, which carries the data-parallel size (see make_grad_scaler): on another
@@ -136,6 +143,39 @@ def load_step_checkpoint(
     except Exception as e:
         raise UserError(f"{rng_file}: cannot read the RNG state ({_first_line(e)})") from None
     return int(trainer["step"])
+
+
+def resume_step(path: str | Path, *, recipe: str | None, method: str | None) -> int:
+    """The step of the step checkpoint ``path``, once it is known to be one that ``recipe`` training by ``method``
+    may resume: read from its ``trainer_state.json`` alone, before anything is built from it.
+
+    A checkpoint records the recipe and method that wrote it; one written before they were recorded (by this code
+    base, so most likely by the same recipe) resumes as before, its tensors and config still checked on load.
+
+    Raises:
+        UserError: the checkpoint is incomplete or unreadable, or another recipe's or method's; the message names
+            its ``trainer_state.json``.
+    """
+    path = Path(path)
+    if not is_complete(path):
+        raise UserError(f"{path}: not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+    trainer = _read_trainer_state(path)
+    _check_writer(path, trainer, recipe=recipe, method=method)
+    return int(trainer["step"])
+
+
+def _check_writer(path: Path, trainer: dict[str, Any], *, recipe: str | None, method: str | None) -> None:
+    """Refuse a checkpoint another recipe or method wrote: its tensors may even fit (a full fine-tune's and a full
+    preference run's do), but continuing one run's schedule, data position and objective in another is not a
+    resume. A record or an expectation that is missing (None) is unknown, and allowed."""
+    saved_recipe, saved_method = trainer.get("recipe"), trainer.get("method")
+    for key, saved, here in (("recipe", saved_recipe, recipe), ("method", saved_method, method)):
+        if saved is not None and here is not None and saved != here:
+            raise UserError(
+                f"{path / TRAINER_STATE}: written by the {saved_recipe} recipe ({saved_method}), but this run is the "
+                f"{recipe} recipe ({method}): another {key}'s checkpoint does not resume here; resume it with "
+                f"{saved_recipe} ({saved_method}), or start a new run"
+            )
 
 
 def load_dcp(state_dict: dict[str, Any], path: Path, **kwargs: Any) -> None:

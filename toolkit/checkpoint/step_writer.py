@@ -190,6 +190,9 @@ class StepCheckpointer:
             are copied from the base once, at the process's first save, and hard-linked into each checkpoint.
         data_parallel_size: the run's data-parallel ranks (default: every process), which the fp16 loss scale
             carries (a resume on another layout rescales it).
+        recipe: the recipe writing them (``full_finetune``...), recorded so that another recipe cannot resume them.
+        method: how the model trains (``full``, ``lora``, ``dora``, ``qlora``: see
+            :func:`~toolkit.modules.peft.training_method`), recorded likewise.
     """
 
     def __init__(
@@ -202,6 +205,8 @@ class StepCheckpointer:
         trainable_only: bool = False,
         base_checkpoint: str | Path | None = None,
         data_parallel_size: int | None = None,
+        recipe: str | None = None,
+        method: str | None = None,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise UserError(f"save_every_n_steps must be a positive number of steps or null, got {every_n_steps}")
@@ -213,6 +218,7 @@ class StepCheckpointer:
         self.async_save = async_save
         self.trainable_only = trainable_only
         self.base_checkpoint = Path(base_checkpoint).expanduser() if base_checkpoint is not None else None
+        self.recipe, self.method = recipe, method
         self._base_files: list[Path] | None = None  # rank 0: the snapshot's files, once taken
         # Checked in output_dir itself (the token file is removed again): nothing is created in checkpoints/ before
         # the recipe claims the folder, which a failure here must leave as it was.
@@ -248,6 +254,8 @@ class StepCheckpointer:
             "data_parallel_size": self.data_parallel_size,
             "data_parallel": strategy,
             "model_state": "trainable" if self.trainable_only else "full",
+            "recipe": self.recipe,
+            "method": self.method,
         }
 
     # --- saving -----------------------------------------------------------------------------------------------------
@@ -399,4 +407,6 @@ class StepCheckpointer:
             trainable_only=self.trainable_only,
             rank=self.rank,
             data_parallel_size=self.data_parallel_size,
+            recipe=self.recipe,
+            method=self.method,
         )

@@ -617,9 +617,9 @@ def run_command(argv: Sequence[str]) -> int:
     # Check everything here (the recipe's declared schema too, with the number of processes the launch will start),
     # so that a mistake costs no process launch.
     cfg = load_config(config_path)
-    apply_overrides(cfg, overrides, recipe=recipe_keys(path))
-    world = _world_size(launch) if distributed else 1
     schema = recipe_schema(path)
+    apply_overrides(cfg, overrides, recipe=recipe_keys(path), moved=schema.moved if schema is not None else None)
+    world = _world_size(launch) if distributed else 1
     validate(cfg, schema=schema, world_size=world)
     if distributed:
         device = str(cfg.get("device", "auto"))

@@ -91,11 +91,13 @@ def _validate(args: argparse.Namespace) -> int:
         path = find_config(args.config)
     cfg = load_config(path)
     recipe = _recipe_file(path, args.recipe)
-    apply_overrides(cfg, args.overrides, recipe=recipe_keys(recipe) if recipe is not None else None)
+    schema = recipe_schema(recipe) if recipe is not None else None
+    apply_overrides(cfg, args.overrides, recipe=recipe_keys(recipe) if recipe is not None else None,
+                    moved=schema.moved if schema is not None else None)
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise UserError(f"--nproc_per_node must be at least 1, got {args.nproc_per_node}")
     world = None if args.nproc_per_node is None else args.nproc_per_node * args.nnodes
-    validate(cfg, schema=recipe_schema(recipe) if recipe is not None else None, world_size=world)
+    validate(cfg, schema=schema, world_size=world)
     # Without its recipe, neither the keys nor their values can be checked against what the recipe reads.
     note = "" if recipe is not None else (
         " (components only: pass --recipe to check every key against the recipe's schema)"

@@ -22,8 +22,14 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     Returns:
         ``"; did you mean 'x'?"`` for a close match, else ``""``, so it can be appended to any message.
     """
+    match = closest(word, candidates)
+    return f"; did you mean '{match}'?" if match else ""
+
+
+def closest(word: str, candidates: Iterable[str]) -> str | None:
+    """The candidate a mistyped ``word`` most likely stands for, or None when none is close."""
     matches = difflib.get_close_matches(word, [str(c) for c in candidates], n=1, cutoff=0.6)
-    return f"; did you mean '{matches[0]}'?" if matches else ""
+    return matches[0] if matches else None
 
 
 def first_line(error: BaseException) -> str:

@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from toolkit.config._errors import ConfigError, did_you_mean, first_line
 from toolkit.config._schema import Spec
 from toolkit.config._tree import UNKNOWN_SOURCE, child_path, config_source, node_path
+from toolkit.errors import ArgumentError, UserError
 
 COMPONENT_KEY = "_component_"
 
@@ -228,7 +229,12 @@ def _instantiate_node(
             except TypeError:
                 raise  # the recipe's own arguments do not fit: a bug, keep the traceback
             raise ConfigError(f"{where}: cannot call {dotted}: {e}") from None
-    return target(*args, **call_kwargs)
+    try:
+        return target(*args, **call_kwargs)
+    except ArgumentError as e:  # the object names its argument; the line names the key it came from
+        if not path:
+            raise
+        raise UserError(f"{child_path(path, e.argument)}: {e.problem}") from None
 
 
 def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from toolkit.config._errors import ConfigError, did_you_mean, first_line
 from toolkit.config._recipe_keys import RecipeKeys, recipe_keys
-from toolkit.config._schema import Schema
+from toolkit.config._schema import Schema, moved_problem
 from toolkit.config._validate import validate
 from toolkit.config._tree import (
     UNKNOWN_SOURCE,
@@ -165,8 +165,11 @@ def _list_index(node: ListConfig, segment: str, override: str) -> int:
     return index
 
 
-def _check_top_level(cfg: DictConfig, key: str, override: str, known: RecipeKeys, *, deleting: bool) -> None:
-    """Refuse an override of a top-level key that would have no effect (a typo) or break the recipe later."""
+def _check_top_level(
+    cfg: DictConfig, key: str, override: str, known: RecipeKeys, *, deleting: bool, moved: Mapping[str, str]
+) -> None:
+    """Refuse an override of a top-level key that would have no effect (a typo, or a key the recipe reads elsewhere
+    now: ``moved``) or break the recipe later."""
     top = key.split(".", 1)[0]
     if deleting:
         if top == key and top in known.required and cfg._get_node(top) is not None:
@@ -176,6 +179,8 @@ def _check_top_level(cfg: DictConfig, key: str, override: str, known: RecipeKeys
         return
     if cfg._get_node(top) is not None or top in known.reads:
         return
+    if top in moved:
+        raise ConfigError(f"override '{override}': {top}: {moved_problem(top, moved)}")
     hint = did_you_mean(top, sorted(set(map(str, cfg.keys())) | known.reads))
     raise ConfigError(
         f"override '{override}': no key '{top}' in the config, and recipe {known.recipe} does not read one{hint}"
@@ -195,7 +200,12 @@ def _check_not_replacing_a_component(parent: Any, last: str, key: str, value: An
 
 
 def apply_overrides(
-    cfg: DictConfig, overrides: Sequence[str], *, source: str | None = None, recipe: RecipeKeys | None = None
+    cfg: DictConfig,
+    overrides: Sequence[str],
+    *,
+    source: str | None = None,
+    recipe: RecipeKeys | None = None,
+    moved: Mapping[str, str] | None = None,
 ) -> DictConfig:
     """Apply command-line overrides to a config, in order.
 
@@ -209,6 +219,8 @@ def apply_overrides(
         source: The config file, named in errors; defaults to the file ``cfg`` was loaded from.
         recipe: What the recipe reads (see :func:`recipe_keys`); if given, an override may create a top-level
             key only if the recipe reads it, and may not delete one the recipe cannot do without.
+        moved: the recipe schema's moved keys (:class:`Schema`): a new top-level key among them is told where the
+            recipe reads it now.
 
     Returns:
         ``cfg``, for chaining.
@@ -224,7 +236,7 @@ def apply_overrides(
             if not _KEY_RE.match(key):
                 raise ConfigError(f"override '{override}' is malformed: expected ~key.path to delete a key")
             if recipe is not None:
-                _check_top_level(cfg, key, override, recipe, deleting=True)
+                _check_top_level(cfg, key, override, recipe, deleting=True, moved=moved or {})
             parent, last = _walk_to_parent(cfg, key, override, create=False)
             if isinstance(parent, ListConfig):
                 del parent[_list_index(parent, last, override)]
@@ -240,7 +252,7 @@ def apply_overrides(
             hint = "; keys are created without a '+'" if override.startswith("+") else ""
             raise ConfigError(f"override '{override}' is malformed: expected key.path=value or ~key.path{hint}")
         if recipe is not None:
-            _check_top_level(cfg, key, override, recipe, deleting=False)
+            _check_top_level(cfg, key, override, recipe, deleting=False, moved=moved or {})
         value = _parse_value(text, override)
         parent, last = _walk_to_parent(cfg, key, override, create=True)
         _check_not_replacing_a_component(parent, last, key, value, override)
@@ -335,7 +347,7 @@ def parse_recipe_args(
     config, overrides = split_config_arg(args)
     cfg = load_config(config)
     recipe = recipe_keys(recipe_file) if recipe_file is not None else None
-    apply_overrides(cfg, overrides, source=config, recipe=recipe)
+    apply_overrides(cfg, overrides, source=config, recipe=recipe, moved=schema.moved if schema is not None else None)
     if schema is not None:
         validate(cfg, source=config, schema=schema, world_size=world_size)
     return resolve(cfg, source=config)

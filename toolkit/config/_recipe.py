@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from toolkit.config._parse import parse_recipe_args
 from toolkit.config._schema import Schema
-from toolkit.errors import UserError
+from toolkit.errors import NothingToDo, UserError
 
 T = TypeVar("T")
 
@@ -85,7 +85,8 @@ def recipe_main(fn: Callable[[DictConfig], T] | None = None, *, schema: Schema |
     Called without arguments, the wrapper builds the config with
     ``parse_recipe_args(sys.argv[1:])`` and calls ``fn(cfg)``. A :class:`~toolkit.errors.UserError` (such as
     a :class:`ConfigError`) is printed as one ``error: ...`` line by rank 0 (``RANK``, default 0) and exits
-    with code 2; Ctrl-C exits with 130 quietly; any other exception keeps its traceback. Called with a
+    with code 2; a :class:`~toolkit.errors.NothingToDo` is printed by rank 0 and exits with 0; Ctrl-C exits with
+    130 quietly; any other exception keeps its traceback. Called with a
     config, the wrapper checks it against the schema (its top-level keys are not checked: a config built in code
     may carry more) and calls ``fn(cfg)`` (for tests and notebooks).
     """
@@ -108,7 +109,12 @@ def recipe_main(fn: Callable[[DictConfig], T] | None = None, *, schema: Schema |
                 sys.argv[1:], recipe_file=inspect.getsourcefile(fn), schema=schema,
                 world_size=_world_size(),
             )
-            result = record(fn)(cfg)
+            try:
+                result = record(fn)(cfg)
+            except NothingToDo as e:
+                if _rank() == 0:
+                    print(e, flush=True)
+                result = None
             if "TORCHELASTIC_RUN_ID" in os.environ:
                 # A torchrun worker that finished: leave without running interpreter teardown, where torch 2.13's
                 # gloo process-group destructor can deadlock or abort ("terminate called without an active

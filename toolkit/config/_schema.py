@@ -25,7 +25,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from toolkit.config._errors import ConfigError, did_you_mean
+from toolkit.config._errors import ConfigError, closest, did_you_mean
 from toolkit.config._tree import UNKNOWN_SOURCE, config_source
 
 _MISSING = object()
@@ -275,18 +275,21 @@ class Schema:
         keys: ``{key: Spec}``; a dotted key (``optimizer.lr``) constrains a value inside a section when present.
         rules: checks across keys (batch divisibility); each runs only when the keys it reads passed their own
             checks, so one mistake is reported once.
+        moved: ``{old top-level key: the key the recipe reads instead}``: a config or override that still sets the
+            old key is told the new one (unless a ``${...}`` uses it, as any other top-level value).
     """
 
     keys: Mapping[str, Spec]
     rules: Sequence[Rule] = field(default_factory=tuple)
+    moved: Mapping[str, str] = field(default_factory=dict)
 
     def extend(self, keys: Mapping[str, Spec] | None = None, rules: Sequence[Rule] = ()) -> Schema:
         """This schema with more (or replaced) keys and more rules."""
-        return Schema({**self.keys, **(keys or {})}, (*self.rules, *rules))
+        return Schema({**self.keys, **(keys or {})}, (*self.rules, *rules), self.moved)
 
     def without(self, *names: str) -> Schema:
         """This schema without the keys ``names`` (for a recipe that does not read them)."""
-        return Schema({k: v for k, v in self.keys.items() if k not in names}, self.rules)
+        return Schema({k: v for k, v in self.keys.items() if k not in names}, self.rules, self.moved)
 
     def problems(
         self,
@@ -316,6 +319,11 @@ class Schema:
         problems: list[tuple[str, str]] = []
         values: dict[str, Any] = {}
         known = set(known_problems)
+        declared = {key.split(".", 1)[0] for key in self.keys}
+        referenced = interpolated_names(cfg) if unknown_keys else set()
+        unknown = [str(key) for key in cfg.keys() if unknown_keys and str(key) not in declared | referenced]
+        # A misspelled key is one mistake, the typo: a required key it stands for is not reported missing as well.
+        misspelled = {closest(name, declared) for name in unknown if name not in self.moved}
         # Values written as `${other}` last: one that only repeats a value already found wrong is the same mistake,
         # reported once, where the user wrote it.
         interpolated = {key for key in self.keys if _interpolation(cfg, key) is not None}
@@ -327,7 +335,7 @@ class Schema:
                 continue
             value = _lookup(cfg, key)
             if value is _MISSING:
-                if spec.required and "." not in key:
+                if spec.required and "." not in key and key not in misspelled:
                     problems.append((key, f"missing: the recipe reads it ({spec.full_description()})"))
                 continue
             if value is _UNRESOLVED:
@@ -337,21 +345,20 @@ class Schema:
                 problems.append((key, problem))
             else:
                 values[key] = value
-        if unknown_keys:
-            declared = {key.split(".", 1)[0] for key in self.keys}
-            referenced = interpolated_names(cfg)
-            for key in cfg.keys():
-                name = str(key)
-                if name not in declared and name not in referenced:
-                    hint = did_you_mean(name, sorted(declared))
-                    problems.append((name, f"not a key this recipe reads{hint}"))
+        for name in unknown:
+            if name in self.moved:
+                problems.append((name, moved_problem(name, self.moved)))
+            else:
+                problems.append((name, f"not a key this recipe reads{did_you_mean(name, sorted(declared))}"))
         return problems, values
 
     def rule_problems(
         self, values: Mapping[str, Any], *, world_size: int | None = None, known_problems: Iterable[str] = ()
     ) -> list[tuple[str, str]]:
         """The problems the rules find, skipping each rule that reads a key in ``known_problems`` (or under it)."""
-        bad = set(known_problems)
+        # A required key without a value that passed is wrong or missing (or misspelled): already reported.
+        bad = {*known_problems, *(key for key, spec in self.keys.items()
+                                  if spec.required and "." not in key and key not in values)}
         context = Context(values=values, world_size=world_size)
         problems: list[tuple[str, str]] = []
         for check in self.rules:
@@ -375,6 +382,11 @@ class Schema:
             source = source or config_source(cfg)
             prefix = "" if source == UNKNOWN_SOURCE else f"{source}: "
             raise ConfigError("\n".join(f"{prefix}{path}: {problem}" for path, problem in problems))
+
+
+def moved_problem(key: str, moved: Mapping[str, str]) -> str:
+    """What is said of a top-level ``key`` a recipe now reads as ``moved[key]`` (:attr:`Schema.moved`)."""
+    return f"moved: this recipe reads it as {moved[key]} now; set {moved[key]} instead"
 
 
 def rule(*reads: str) -> Callable[[Rule], Rule]:

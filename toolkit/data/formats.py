@@ -319,7 +319,7 @@ class PreferenceFormat:
             messages = self._prompt(row) + [{"role": "assistant", "content": value}]
         else:
             raise BadRowError(f"column {name!r} must be a string or a list of messages, got {_type_name(value)}")
-        return _with_system(messages, self.system_prompt)
+        return _with_system(_answered(messages, name), self.system_prompt)
 
     def _prompt(self, row: Any) -> list[dict[str, str]]:
         name = self.column_map.get("prompt", "prompt")
@@ -331,6 +331,16 @@ class PreferenceFormat:
         if not isinstance(value, list):
             raise BadRowError(f"column {name!r} must be a string or a list of messages, got {_type_name(value)}")
         return normalize_messages(value, name=name)
+
+
+def _answered(messages: list[dict[str, str]], name: str) -> list[dict[str, str]]:
+    """``messages``, whose last one is a judged answer (a preference pair's side, a KTO completion). An empty one
+    (or only whitespace) gives the loss nothing to judge but the end-of-turn token: the row is refused, not trained
+    on in silence."""
+    last = messages[-1]
+    if last["role"] == "assistant" and not (last["content"].strip() or last.get("reasoning_content", "").strip()):
+        raise BadRowError(f"column {name!r} has an empty answer; a judged answer needs text")
+    return messages
 
 
 @dataclass(frozen=True)
@@ -361,7 +371,8 @@ class UnpairedFormat(PreferenceFormat):
         name = self.column_map.get("completion", "completion")
         value = column(row, name, mapped_from="completion")
         if isinstance(value, list) and value and isinstance(value[0], dict) and value[0].get("role") == "assistant":
-            return _with_system(self._prompt(row) + normalize_messages(value, name=name), self.system_prompt)
+            answer = _answered(normalize_messages(value, name=name), name)
+            return _with_system(self._prompt(row) + answer, self.system_prompt)
         return self._conversation(row, "completion")
 
     def _label(self, row: Any) -> bool:

@@ -8,6 +8,10 @@ from torch.utils.data import Sampler
 
 from toolkit.errors import UserError
 
+# The advice when a resumed data position does not fit: the same value, and the same recipe (another recipe's data
+# may differ in size by chance only, and its checkpoint is no resume of this run).
+_SAME_RUN = "resume with the same value and the recipe that wrote the checkpoint, or start a new run"
+
 
 class GlobalBatchSampler(Sampler[int]):
     """Yields this rank's share of each global batch, in an order fixed by ``(seed, epoch)`` alone.
@@ -153,14 +157,14 @@ class GlobalBatchSampler(Sampler[int]):
         if bool(state_dict.get("shuffle", True)) != self.shuffle:
             raise UserError(
                 f"the checkpoint's data position was saved with shuffle={str(not self.shuffle).lower()}, but this "
-                f"run has shuffle={str(self.shuffle).lower()}; resume with the same value or start a new run"
+                f"run has shuffle={str(self.shuffle).lower()}; {_SAME_RUN}"
             )
         for key in ("seed", "global_batch_size", "num_samples"):
             if key in state_dict and int(state_dict[key]) != getattr(self, key):
                 name = "batch_size" if key == "global_batch_size" else key
                 raise UserError(
                     f"the checkpoint's data position was saved with {name}={int(state_dict[key])}, but this run "
-                    f"has {name}={getattr(self, key)}; resume with the same value or start a new run"
+                    f"has {name}={getattr(self, key)}; {_SAME_RUN}"
                 )
         consumed = int(state_dict["consumed_global_batches"])
         if not 0 <= consumed <= self.steps_per_epoch:

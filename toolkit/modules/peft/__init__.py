@@ -28,6 +28,7 @@ from toolkit.modules.peft.utils import (
     merge_lora_weights,
     set_trainable_params,
     trained_routers,
+    training_method,
 )
 
 __all__ = [
@@ -52,4 +53,5 @@ __all__ = [
     "set_trainable_params",
     "to_nf4",
     "trained_routers",
+    "training_method",
 ]

@@ -23,6 +23,18 @@ def adapter_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAGroupedExper
     }
 
 
+def training_method(model: nn.Module) -> str:
+    """How ``model`` trains, as a step checkpoint records it: ``full`` (every weight), ``lora`` or ``dora`` (adapters
+    over frozen weights), ``qlora`` or ``qdora`` (over NF4-quantized ones). A checkpoint of one method holds other
+    tensors than another's, so it resumes only under its own."""
+    adapters = adapter_modules(model).values()
+    if not adapters:
+        return "full"
+    kind = "dora" if any(isinstance(module, DoRALinear) for module in adapters) else "lora"
+    quantized = any(getattr(module, "quantize_base", False) for module in adapters) or bool(nf4_stacks(model))
+    return f"q{kind}" if quantized else kind
+
+
 def trained_routers(model: nn.Module) -> dict[str, TrainedRouter]:
     """Every router of ``model`` trained whole next to the adapters (``train_router``), by module name
     (``layers.0.mlp.gate``)."""
