@@ -13,6 +13,8 @@ and keeps in its own file what makes it that recipe (its model, its loss, its lo
         loop.optimizer_step(result, epoch=epoch)
         loop.end_step()
     loop.finish()
+    ...                                      # the recipe saves its model into final/
+    print_summary(loop, run=run, final=...)  # wall time, best held-out loss, outputs, the commands to run next
 
 Unlike the rest of the toolkit, these functions read the config: they are the recipes' set-up, moved here whole.
 What a recipe alone reads (its own keys, or the shared keys only some recipes take, such as ``context_parallel``)
