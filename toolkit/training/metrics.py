@@ -131,11 +131,12 @@ class MetricsLogger:
 
     def _timing(self, metrics: Mapping[str, Any]) -> str:
         """``  elapsed 1m02s  eta 9m18s  peak 3.1GiB`` for a training record: the time left is the remaining steps
-        at this attempt's mean step time; the peak memory the largest over ranks where the record gathered it."""
+        at this attempt's mean step time; the peak memory the largest over ranks, which the records of the steps
+        whose line is printed gather (the recipes gather every ``log_every_n_steps`` steps and at the last)."""
         step, elapsed = int(metrics["step"]), metrics["elapsed_s"]
         mean = elapsed / (step - self._first_step + 1)
         parts = [f"elapsed {format_duration(elapsed)}", f"eta {format_duration(mean * (self.total_steps - step))}"]
-        peak = metrics.get("rank_peak_memory_gib_max", metrics.get("peak_memory_gib"))
+        peak = metrics.get("rank_peak_memory_gib_max")
         if peak is not None:
             parts.append(f"peak {peak:.1f}GiB")
         return "".join(f"  {part}" for part in parts)
@@ -341,7 +342,6 @@ def step_metrics(
         "num_tokens": result.num_tokens,
         "tokens_per_second": result.num_tokens / elapsed_s,
         "step_time_s": elapsed_s,
-        "peak_memory_gib": peak_memory_gib(device),  # this rank's, on every step (the gathered max on some)
         **result.metrics,
     }
     if forward_backward_s is not None:
