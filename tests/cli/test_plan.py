@@ -544,6 +544,10 @@ def test_validate_says_which_process_count_it_assumed_and_what_the_plan_lacks(va
         "plan not resolved for 3 process(es) on cpu: batch_size: 32 is not divisible by the world size (3); use "
         "batch_size=30 or 33",
     ]
+    split = validate("lora_finetune/qwen3_8b_lora_128k")  # each sequence over 4 processes, of the 3 assumed
+    assert split.returncode == 0 and split.stdout.splitlines()[1] == (
+        "plan not resolved for 3 process(es) on cpu: tensor_parallel x context_parallel (4) does not divide the 3 "
+        "processes")
     refused = validate("full_finetune/demo", "--nproc_per_node", "3")
     assert refused.returncode == 2 and refused.stdout == "" and len(refused.stderr.splitlines()) == 1
     # auto sizes need the devices' memory, which this machine may not have: the run is planned where it runs.

@@ -318,6 +318,10 @@ def resolved_plan(cfg: DictConfig, *, nproc_per_node: int | None, nnodes: int) -
             "optimizer": optimizer, "expert_parallel": cfg.get("expert_parallel", 1),
         }
         context_parallel = cfg.get("context_parallel", 1)
+        # What the checks ask of a given process count, asked here of an assumed one (which they did not see).
+        split = context_parallel * (cfg.get("tensor_parallel", 1) if cfg.get("tensor_parallel", 1) != "auto" else 1)
+        if world % split:
+            raise UserError(f"tensor_parallel x context_parallel ({split}) does not divide the {world} processes")
         plan = plan_parallelism(
             model=model, strategy=str(cfg.data_parallel), cpu_offload=bool(cfg.get("cpu_offload", False)),
             micro_batch_size=cfg.micro_batch_size, device=device, device_memory_gb=cfg.get("device_memory_gb"),
