@@ -174,8 +174,8 @@ def test_the_header_names_the_method_optimizer_and_model_code_and_the_strategy_o
     print_header(log, "0.89M parameters", run=_run(2), layout=layout, loop=loop, batch_size=16,
                  data=Data(sampler=None, loader=None, val_loader=None, total_steps=3))
     assert log.lines == ["0.89M parameters; full fine-tuning, fused AdamW, llama3",
-                         "2 processes on cpu (1 thread each), zero3, fp32; global batch 16 = 2 x 8 x 1 accumulation "
-                         "step; 3 steps"]
+                         ("2 processes on cpu (1 thread each), zero3, fp32; global batch 16 = 2 x 8 x 1 "
+                          "accumulation step; 3 steps")]
 
 
 @pytest.mark.parametrize("overrides, method", [
@@ -235,8 +235,8 @@ def test_the_summary_says_how_it_went_where_the_outputs_are_and_what_to_run_next
     assert re.fullmatch(r"done: 2 steps in 0m0\ds; best val_loss 1\.2500 at step 2; held-out accuracy 12\.5% -> 50\.0%",
                         lines[0]), lines
     assert lines[1:] == [
-        f"outputs in {out}: final/ (the model, Hugging Face files), checkpoints/ (step checkpoints), metrics.jsonl, "
-        "config.yaml",
+        (f"outputs in {out}: final/ (the model, Hugging Face files), checkpoints/ (step checkpoints), "
+         "metrics.jsonl, config.yaml"),
         f"next: tune run generate --config demo checkpoint_dir={out / 'final'}",
         f"      tune export {out} --output {out}_hf   # the newest step checkpoint as Hugging Face files",
     ]

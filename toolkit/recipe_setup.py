@@ -50,6 +50,7 @@ from toolkit.modules.peft import DoRALinear, adapter_modules, has_nf4
 from toolkit.optim import build_optimizer, check_optimizer_in_backward, fused_by_default
 from toolkit.parallel import DistributedEnv, ParallelDims, init_distributed, on_rank_zero, unwrap
 from toolkit.parallel.context_parallel import ContextParallel
+from toolkit.paths import configs_dir
 from toolkit.planning import ParallelPlan, StepKernels, optimizer_memory_model, plan_parallelism
 from toolkit.training import (
     MetricsLogger,
@@ -69,7 +70,6 @@ from toolkit.training import (
     static_lengths,
     step_metrics,
 )
-from toolkit.paths import configs_dir
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.metrics import format_duration
 from toolkit.training.watchdog import progress

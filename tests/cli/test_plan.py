@@ -539,10 +539,10 @@ def test_validate_says_which_process_count_it_assumed_and_what_the_plan_lacks(va
     result = validate("full_finetune/demo")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[:2] == [
-        "assumed 3 process(es) per node, as `tune run <recipe>_distributed` starts here (--nproc_per_node N for "
-        "another count)",
-        "plan not resolved for 3 process(es) on cpu: batch_size: 32 is not divisible by the world size (3); use "
-        "batch_size=30 or 33",
+        ("assumed 3 process(es) per node, as `tune run <recipe>_distributed` starts here (--nproc_per_node N for "
+         "another count)"),
+        ("plan not resolved for 3 process(es) on cpu: batch_size: 32 is not divisible by the world size (3); use "
+         "batch_size=30 or 33"),
     ]
     split = validate("lora_finetune/qwen3_8b_lora_128k")  # each sequence over 4 processes, of the 3 assumed
     assert split.returncode == 0 and split.stdout.splitlines()[1] == (

@@ -225,8 +225,8 @@ def test_a_piped_demo_run_says_what_it_is_and_ends_with_a_summary(piped_demo_run
     assert re.fullmatch(rf"done: 4 steps in \dm\d\ds; best val_loss {best['val_loss']:.4f} at step {best['step']}; "
                         r"held-out accuracy \d+\.\d% -> \d+\.\d%", summary[0]), summary
     assert summary[1:] == [
-        f"outputs in {out}: final/ (the model, Hugging Face files), checkpoints/ (step checkpoints), metrics.jsonl, "
-        "config.yaml",
+        (f"outputs in {out}: final/ (the model, Hugging Face files), checkpoints/ (step checkpoints), "
+         "metrics.jsonl, config.yaml"),
         f"next: tune run generate --config demo checkpoint_dir={out / 'final'}",
         f"      tune export {out} --output {out}_hf   # the newest step checkpoint as Hugging Face files",
     ]
