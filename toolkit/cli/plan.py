@@ -340,8 +340,9 @@ def resolved_plan(cfg: DictConfig, *, nproc_per_node: int | None, nnodes: int) -
             gradient_accumulation_steps=plan.accumulation_steps, **shape,
         )
         memory = f"about {format_bytes(estimate.total)} per device (estimated)"
-    except UserError as error:  # a model the estimate does not count (the transformers backend's layers)
-        memory = f"memory not estimated ({error})"
+    except UserError as error:
+        backend = getattr(model, "hf_config", None) is not None  # its layers are transformers', not the memory model's
+        memory = f"memory not estimated ({'the transformers backend' if backend else error})"
     n_params = parameter_count(model)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trainable = f", {n_trainable / 1e6:.3f}M trainable" if n_trainable != n_params else ""
