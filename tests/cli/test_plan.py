@@ -522,6 +522,12 @@ def test_validate_prints_the_plan_as_the_run_s_header_would(validate) -> None:
     ]
 
 
+def test_validate_names_what_a_preference_batch_counts(validate) -> None:
+    for config, unit in (("demo", "32 pairs"), ("demo_kto", "64 answers")):
+        result = validate(f"preference_finetune/{config}", "--nproc_per_node", "2")
+        assert f"; global batch {unit} = 2 x " in result.stdout.splitlines()[1], result.stdout
+
+
 def test_validate_resolves_auto_and_says_why(validate) -> None:
     result = validate("full_finetune/demo", "--nproc_per_node", "2", "data_parallel=auto", "micro_batch_size=auto",
                       "device_memory_gb=0.1")

@@ -354,7 +354,7 @@ def resolved_plan(cfg: DictConfig, *, nproc_per_node: int | None, nnodes: int) -
         backend=describe_backend(model, cfg.model),
         processes=world, device_type=device.type if not absent_gpus else "cuda", layout=dims.label,
         precision=str(cfg.get("dtype", "bf16-mixed")), batch_size=cfg.batch_size,
-        batch_unit="pairs" if "preference_loss" in cfg else "", batch_ranks=dims.batch_ranks,
+        batch_unit={None: "", "kto": "answers"}.get(cfg.get("preference_loss"), "pairs"), batch_ranks=dims.batch_ranks,
         micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.accumulation_steps, steps=steps,
         memory=memory,
     )
