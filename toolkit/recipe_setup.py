@@ -705,13 +705,15 @@ def print_header(
 
 
 def print_summary(loop: TrainingLoop, *, run: Run, final: Path | None = None) -> None:
-    """The run's last lines, on rank zero: its wall time, the best held-out loss (and its step) and the eval tasks'
-    accuracy before and after where there are any, where its outputs are, and the commands to try next with them
-    (generating from ``final``: the Hugging Face model, or a PEFT adapter under ``final/adapter`` and the merged
-    model under ``final/merged``; merging an adapter; exporting a step checkpoint)."""
+    """The run's last lines, on rank zero: its wall time (a resumed run's: this attempt's), the best held-out loss
+    (and its step) and the eval tasks' accuracy before and after where there are any, where its outputs are, and
+    the commands to try next with them (generating from ``final``: the Hugging Face model, or a PEFT adapter under
+    ``final/adapter`` and the merged model under ``final/merged``; merging an adapter; exporting a step
+    checkpoint)."""
     if not run.env.is_rank_zero:
         return
-    done = [f"done: {_count(loop.step, 'step')} in {format_duration(time.perf_counter() - run.started)}"]
+    done = [f"done: {_count(loop.step, 'step')} in {format_duration(time.perf_counter() - run.started)}"
+            + (f" (this attempt, resumed from {run.resume.name})" if run.resume is not None else "")]
     if loop.best_validation is not None:
         done.append(f"best val_loss {loop.best_validation[0]:.4f} at step {loop.best_validation[1]}")
     accuracy = loop.accuracy
