@@ -30,7 +30,15 @@ from toolkit.objectives.distillation import DistillSettings, check_teacher, dist
 from toolkit.objectives.preference import frozen_reference
 from toolkit.parallel import barrier, destroy_distributed, unwrap
 from toolkit.planning import StepKernels
-from toolkit.recipe_setup import build_data, parallelize_model, plan_layout, print_header, setup_run, start_training
+from toolkit.recipe_setup import (
+    build_data,
+    parallelize_model,
+    plan_layout,
+    print_header,
+    print_summary,
+    setup_run,
+    start_training,
+)
 from toolkit.training import init_weights, resolve_flex_attention, sdpa_preference, set_seed
 from toolkit.training.recipe_keys import TRAINING_SCHEMA
 from toolkit.training.watchdog import rank_watchdog
@@ -127,6 +135,7 @@ def train(cfg: DictConfig) -> None:
         log, f"{settings.loss} at temperature {settings.temperature}, kd_ratio {settings.kd_ratio}: a "
         f"{n_teacher / 1e6:.2f}M-parameter teacher into a {n_student / 1e6:.2f}M-parameter student "
         f"({n_trainable / 1e6:.3f}M trainable)", run=run, layout=layout, data=data, batch_size=cfg.batch_size,
+        loop=loop,
     )
     if run.resume is None and data.val_loader is not None:
         before = loop.validation()
@@ -154,6 +163,7 @@ def train(cfg: DictConfig) -> None:
     else:
         log.print(f"saved {checkpointer.export(model, run.output_dir / 'final')}")
     barrier()
+    print_summary(loop, run=run, final=run.output_dir / "final")  # wall time, outputs, commands to try next
     log.close()
 
 

@@ -36,6 +36,7 @@ from toolkit.recipe_setup import (
     parallelize_model,
     plan_layout,
     print_header,
+    print_summary,
     row_padding,
     setup_run,
     start_training,
@@ -128,7 +129,7 @@ def train(cfg: DictConfig) -> None:
     log = loop.log
     n_params = sum(p.numel() for p in unwrap(model).parameters())
     print_header(log, f"{n_params / 1e6:.2f}M parameters", run=run, layout=layout, data=data, batch_size=cfg.batch_size,
-                 notes=[f"float8 matmuls in {len(float8_layers)} layers"] if cfg.get("float8") else ())
+                 loop=loop, notes=[f"float8 matmuls in {len(float8_layers)} layers"] if cfg.get("float8") else ())
 
     # --- Training loop: with eval_tasks, their accuracy before (a fresh start) and after; on GPU the model FLOPs
     # utilization; a torch.profiler trace of a window of steps with `profiler.enabled`
@@ -146,6 +147,7 @@ def train(cfg: DictConfig) -> None:
     # --- Export: every rank writes its share of the Hugging Face files -----------------------------------------------
     final = checkpointer.export(model, run.output_dir / "final")
     log.print(f"saved {final}")
+    print_summary(loop, run=run, final=final)  # wall time, best held-out loss, outputs, commands to try next
     log.close()
 
 

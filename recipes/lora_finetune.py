@@ -30,6 +30,7 @@ from toolkit.recipe_setup import (
     parallelize_model,
     plan_layout,
     print_header,
+    print_summary,
     row_padding,
     setup_run,
     start_training,
@@ -126,7 +127,7 @@ def train(cfg: DictConfig) -> None:
     n_params = sum(p.numel() for p in unwrap(model).parameters())
     n_trainable = sum(p.numel() for p in unwrap(model).parameters() if p.requires_grad)
     print_header(log, f"{n_params / 1e6:.2f}M parameters, {n_trainable / 1e6:.3f}M trainable", run=run,
-                 layout=layout, data=data, batch_size=cfg.batch_size,
+                 layout=layout, data=data, batch_size=cfg.batch_size, loop=loop,
                  notes=[f"float8 matmuls in {len(float8_layers)} layers"] if cfg.get("float8") else ())
 
     # --- Training loop: with eval_tasks, their accuracy before (a fresh start) and after; on GPU the model FLOPs
@@ -149,6 +150,7 @@ def train(cfg: DictConfig) -> None:
         build=partial(instantiate, cfg.model), is_rank_zero=env.is_rank_zero, log=log.print,
     )
     barrier()
+    print_summary(loop, run=run, final=run.output_dir / "final")  # wall time, outputs, commands to try next
     log.close()
 
 

@@ -60,6 +60,7 @@ from toolkit.recipe_setup import (
     parallelize_model,
     plan_layout,
     print_header,
+    print_summary,
     row_padding,
     setup_run,
     start_training,
@@ -237,7 +238,7 @@ def train(cfg: DictConfig) -> None:
     print_header(
         log, f"{settings.loss} (beta {settings.beta}), reference: {reference_kind}; {n_params / 1e6:.2f}M parameters, "
         f"{n_trainable / 1e6:.3f}M trainable", run=run, layout=layout, data=data, batch_size=cfg.batch_size,
-        batch_unit="answers" if kto else "pairs",
+        batch_unit="answers" if kto else "pairs", loop=loop,
     )
     if kto:
         unpaired = getattr(dataset, "dataset", dataset)  # (under its precomputed reference)
@@ -278,6 +279,7 @@ def train(cfg: DictConfig) -> None:
     else:
         log.print(f"saved {checkpointer.export(model, run.output_dir / 'final')}")
     barrier()
+    print_summary(loop, run=run, final=run.output_dir / "final")  # wall time, outputs, commands to try next
     log.close()
 
 

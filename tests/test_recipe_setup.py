@@ -3,6 +3,7 @@ and the header line. (The recipes that use it run end to end in tests/recipes.)"
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader
 from toolkit.checkpoint import StepCheckpointer, TrainingState
 from toolkit.data import GlobalBatchSampler
 from toolkit.errors import UserError
-from toolkit.models.llama3 import llama3_demo
+from toolkit.models.llama3 import llama3_demo, lora_llama3_demo
 from toolkit.parallel import DistributedEnv, parallel_dims
 from toolkit.planning import ParallelPlan, StepKernels
 from toolkit.recipe_setup import (
@@ -25,8 +26,12 @@ from toolkit.recipe_setup import (
     Run,
     TrainingLoop,
     build_data,
+    describe_backend,
+    describe_method,
+    describe_optimizer,
     plan_layout,
     print_header,
+    print_summary,
     row_padding,
 )
 from toolkit.training import MetricsLogger, StepResult, precision_policy
@@ -140,7 +145,8 @@ class _Printed:
         self.lines.append(line)
 
 
-def test_the_header_says_the_recipe_s_words_then_the_run_s_shape():
+def test_the_header_says_the_recipe_s_words_then_the_run_s_shape(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     dims = parallel_dims(strategy="ddp", world_size=1, local_world_size=1, device_type="cpu")
     plan = ParallelPlan(dims, micro_batch_size=16, accumulation_steps=2, reasons=("micro_batch_size: auto -> 16",))
     layout = Layout(plan, mesh=None, dp_group=None, context_parallel=None, autocast=contextlib.nullcontext())
@@ -149,14 +155,119 @@ def test_the_header_says_the_recipe_s_words_then_the_run_s_shape():
     print_header(log, "dpo (beta 0.1)", run=_run(1), layout=layout, data=data, batch_size=32, batch_unit="pairs",
                  notes=["float8 matmuls in 4 layers"])
     assert log.lines == [
-        "dpo (beta 0.1); 1 process(es) on cpu, ddp, fp32; global batch 32 pairs = 1 x 16 x 2 accumulation step(s); "
-        "30 steps",
+        "dpo (beta 0.1)",  # (a recipe that passes no loop: its own words only)
+        # One process: no data-parallel strategy named, it has nothing to spread over.
+        "1 process on cpu (2 threads), fp32; global batch 32 pairs = 1 x 16 x 2 accumulation steps; 30 steps",
         "micro_batch_size: auto -> 16",
         "float8 matmuls in 4 layers",
     ]
 
 
-def _loop(tmp_path: Path, *, total_steps: int, step: int = 0, validate=None) -> TrainingLoop:
+def test_the_header_names_the_method_optimizer_and_model_code_and_the_strategy_of_several(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    dims = parallel_dims(strategy="zero3", world_size=2, local_world_size=2, device_type="cpu")
+    layout = Layout(ParallelPlan(dims, micro_batch_size=8, accumulation_steps=1), mesh=None, dp_group=None,
+                    context_parallel=None, autocast=contextlib.nullcontext())
+    loop = _loop(tmp_path, total_steps=3, config={"model": {"_component_": "toolkit.models.llama3.llama3_demo"},
+                                                   "optimizer": {"_component_": "torch.optim.AdamW"}})
+    log = _Printed()
+    print_header(log, "0.89M parameters", run=_run(2), layout=layout, loop=loop, batch_size=16,
+                 data=Data(sampler=None, loader=None, val_loader=None, total_steps=3))
+    assert log.lines == ["0.89M parameters; full fine-tuning, fused AdamW, llama3",
+                         ("2 processes on cpu (1 thread each), zero3, fp32; global batch 16 = 2 x 8 x 1 "
+                          "accumulation step; 3 steps")]
+
+
+@pytest.mark.parametrize("overrides, method", [
+    ({}, "LoRA"), ({"use_dora": True}, "DoRA"), ({"quantize_base": True}, "QLoRA"),
+    ({"use_dora": True, "quantize_base": True}, "QDoRA"),
+])
+def test_the_method_is_read_from_the_model_on_the_meta_device(overrides, method):
+    with torch.device("meta"):
+        model = lora_llama3_demo(lora_attn_modules=["q_proj", "v_proj"], **overrides)
+        plain = llama3_demo()
+    assert describe_method(model) == method and describe_method(plain) == "full fine-tuning"
+
+
+def test_the_optimizer_and_model_code_in_a_few_words():
+    def optimizer(component: str, **options) -> str:
+        return describe_optimizer(OmegaConf.create({"_component_": component, **options}))
+
+    assert optimizer("torch.optim.AdamW") == "fused AdamW"  # torch's Adam(W) is fused by default
+    assert optimizer("torch.optim.AdamW", fused=False) == "AdamW"
+    assert optimizer("torchao.optim.AdamW8bit") == "8-bit AdamW"
+    assert optimizer("toolkit.optim.Muon") == "Muon"
+    assert describe_optimizer(OmegaConf.create({"_component_": "torch.optim.SGD"}), in_backward=True) == (
+        "SGD stepped in backward")
+
+    class Backend(nn.Module):  # what the transformers backend keeps of the Hugging Face config
+        hf_config = OmegaConf.create({"model_type": "olmo2"})
+
+    assert describe_backend(Backend(), OmegaConf.create({"_component_": "toolkit.models.build_from_hf"})) == (
+        "transformers (olmo2)")
+    assert describe_backend(nn.Linear(1, 1), OmegaConf.create({"_component_": "toolkit.models.qwen3.qwen3_8b"})) == (
+        "qwen3")
+
+
+def _summary(tmp_path: Path, capsys, *, model: str, final_parts: tuple[str, ...], base: str | None) -> list[str]:
+    """The summary of a 2-step run on ``model`` whose ``final/`` holds ``final_parts`` (nothing: a Hugging Face
+    model), validated at steps 1 and 2 and its eval tasks scored before and after."""
+    out = tmp_path / "run"
+    losses = iter([2.5, 1.25])
+    loop = _loop(out, total_steps=2, config={"model": {"_component_": model}},
+                 validate=lambda: {"val_loss": next(losses)})
+    loop._accuracy.update(before=0.125, after=0.5)
+    for step in (1, 2):
+        loop.step = step
+        loop.validation()
+    (out / "checkpoints" / "step_2").mkdir(parents=True)
+    for part in final_parts or ("",):
+        (out / "final" / part).mkdir(parents=True, exist_ok=True)
+    capsys.readouterr()
+    run = Run(_run(1).env, precision_policy("fp32", device=CPU), out, resume=None, base_checkpoint=base)
+    print_summary(loop, run=run, final=out / "final")
+    return capsys.readouterr().out.splitlines()
+
+
+def test_the_summary_says_how_it_went_where_the_outputs_are_and_what_to_run_next(tmp_path, capsys):
+    out = tmp_path / "run"
+    lines = _summary(tmp_path, capsys, model="toolkit.models.llama3.llama3_demo", final_parts=(), base=None)
+    assert re.fullmatch(r"done: 2 steps in 0m0\ds; best val_loss 1\.2500 at step 2; held-out accuracy 12\.5% -> 50\.0%",
+                        lines[0]), lines
+    assert lines[1:] == [
+        (f"outputs in {out}: final/ (the model, Hugging Face files), checkpoints/ (step checkpoints), "
+         "metrics.jsonl, config.yaml"),
+        f"next: tune run generate --config demo checkpointer.checkpoint_dir={out / 'final'}",
+        f"      tune export {out} --output {out}_hf   # the newest step checkpoint as Hugging Face files",
+    ]
+
+
+def test_the_summary_of_an_adapter_generates_on_its_base_and_merges_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    lines = _summary(tmp_path, capsys, model="toolkit.models.llama3.lora_llama3_demo", final_parts=("adapter",),
+                     base="models/base")
+    adapter = out / "final" / "adapter"
+    assert lines[1].startswith(f"outputs in {out}: final/adapter/ (PEFT adapter), checkpoints/ (step checkpoints)")
+    assert lines[2:4] == [
+        f"next: tune run generate --config demo checkpointer.checkpoint_dir=models/base adapter_dir={adapter}",
+        f"      tune merge --base models/base --adapter {adapter} --output {out}_merged",
+    ]
+
+
+def test_the_summary_of_a_model_generate_does_not_ship_a_config_for_says_to_make_one(tmp_path, capsys):
+    out = tmp_path / "run"
+    lines = _summary(tmp_path, capsys, model="toolkit.models.qwen3.qwen3_8b", final_parts=("adapter", "merged"),
+                     base="models/base")
+    assert lines[1].startswith(f"outputs in {out}: final/adapter/ (PEFT adapter), final/merged/ (merged model), ")
+    assert lines[2:4] == [  # the merged model: nothing left to merge
+        "next: tune cp generate/demo my_generate.yaml   # then set its model and tokenizer to this run's",
+        f"      tune run generate --config my_generate.yaml checkpoint_dir={out / 'final' / 'merged'}",
+    ]
+
+
+def _loop(
+    tmp_path: Path, *, total_steps: int, step: int = 0, validate=None, config: dict | None = None
+) -> TrainingLoop:
     torch.manual_seed(0)
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -168,7 +279,8 @@ def _loop(tmp_path: Path, *, total_steps: int, step: int = 0, validate=None) -> 
         checkpoints=StepCheckpointer(tmp_path, every_n_steps=None),
         log=MetricsLogger(tmp_path, enabled=True, total_steps=total_steps, initial_step=step, progress_bar=False),
         step=step, total_steps=total_steps, max_grad_norm=None, output_dir=tmp_path, device=CPU, rank=0,
-        gather_every_n_steps=1, config=OmegaConf.create({}), strategy="ddp", resumed=step > 0, validate=validate,
+        gather_every_n_steps=1, config=OmegaConf.create(config or {}), strategy="ddp", resumed=step > 0,
+        validate=validate,
         validate_every_n_steps=2,
     )
 

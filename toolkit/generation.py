@@ -1,8 +1,10 @@
 """Text generation with a KV cache: greedy, temperature, top-k and top-p sampling."""
 
+import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -10,6 +12,7 @@ from toolkit.errors import UserError
 from toolkit.modules import LongRopeRotaryEmbeddings, TransformerDecoder
 from toolkit.parallel import unwrap
 from toolkit.parallel.distributed import all_reduce_sum
+from toolkit.training.metrics import Progress
 from toolkit.training.watchdog import progress
 
 
@@ -136,11 +139,16 @@ def exact_match_accuracy(
     # instead of splitting the samples and stopping after different numbers of tokens.
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     correct = 0
-    for sample in samples if sharded else samples[rank::world_size]:
-        progress("evaluation")
-        prompt = tokenizer.prompt_tokens([{"role": "user", "content": sample["prompt"]}])
-        out = generate(model, prompt, max_new_tokens=max_new_tokens, stop_tokens=tokenizer.stop_tokens)
-        correct += int(tokenizer.decode(out).strip() == sample["answer"].strip())
+    # Rank zero shows the progress of all ranks, which split the samples evenly and so keep about its pace (the global
+    # rank: under tensor parallelism several processes have data-parallel rank 0).
+    rank_zero = not dist.is_initialized() or dist.get_rank() == 0
+    with contextlib.closing(Progress(len(samples), label="eval", unit="answers", enabled=rank_zero)) as shown:
+        for sample in samples if sharded else samples[rank::world_size]:
+            progress("evaluation")
+            prompt = tokenizer.prompt_tokens([{"role": "user", "content": sample["prompt"]}])
+            out = generate(model, prompt, max_new_tokens=max_new_tokens, stop_tokens=tokenizer.stop_tokens)
+            correct += int(tokenizer.decode(out).strip() == sample["answer"].strip())
+            shown.update(1 if sharded else world_size)
     if not sharded:
         device = model.token_embedding().weight.device
         correct = int(all_reduce_sum(torch.tensor([correct], dtype=torch.int64, device=device)).item())

@@ -13,6 +13,8 @@ and keeps in its own file what makes it that recipe (its model, its loss, its lo
         loop.optimizer_step(result, epoch=epoch)
         loop.end_step()
     loop.finish()
+    ...                                      # the recipe saves its model into final/
+    print_summary(loop, run=run, final=...)  # wall time, best held-out loss, outputs, the commands to run next
 
 Unlike the rest of the toolkit, these functions read the config: they are the recipes' set-up, moved here whole.
 What a recipe alone reads (its own keys, or the shared keys only some recipes take, such as ``context_parallel``)
@@ -25,6 +27,7 @@ recipes' order, which matters: everything that can fail on the user's input is b
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,10 +48,12 @@ from toolkit.config import instantiate
 from toolkit.data import GlobalBatchSampler
 from toolkit.errors import NothingToDo, UserError
 from toolkit.generation import report_exact_match
+from toolkit.models import read_hf_config
 from toolkit.modules.peft import training_method
-from toolkit.optim import build_optimizer, check_optimizer_in_backward
+from toolkit.optim import build_optimizer, check_optimizer_in_backward, fused_by_default
 from toolkit.parallel import DistributedEnv, ParallelDims, init_distributed, on_rank_zero, unwrap
 from toolkit.parallel.context_parallel import ContextParallel
+from toolkit.paths import configs_dir
 from toolkit.planning import ParallelPlan, StepKernels, optimizer_memory_model, plan_parallelism
 from toolkit.training import (
     MetricsLogger,
@@ -69,6 +74,7 @@ from toolkit.training import (
     step_metrics,
 )
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
+from toolkit.training.metrics import format_duration
 from toolkit.training.watchdog import progress
 
 
@@ -84,6 +90,7 @@ class Run:
             newest), or None for a fresh start.
         base_checkpoint: the base weights' folder (``checkpointer.checkpoint_dir``), never inside a folder that
             ``overwrite`` clears.
+        started: when the run was set up (``time.perf_counter``), for the wall time of its summary.
     """
 
     env: DistributedEnv
@@ -91,6 +98,7 @@ class Run:
     output_dir: Path
     resume: Path | None
     base_checkpoint: str | None
+    started: float = field(default_factory=time.perf_counter)
 
 
 def setup_run(cfg: DictConfig) -> Run:
@@ -376,6 +384,18 @@ class TrainingLoop:
     _started: float = field(default=0.0, init=False)
     _data_wait_s: float = field(default=0.0, init=False)
     _validated: tuple[int, dict[str, Any]] | None = field(default=None, init=False)  # the last validation's step
+    _best_val: tuple[float, int] | None = field(default=None, init=False)  # the lowest val_loss and its step
+    _accuracy: dict[str, float] = field(default_factory=dict, init=False)  # the eval tasks' "before" and "after"
+
+    @property
+    def best_validation(self) -> tuple[float, int] | None:
+        """The lowest held-out ``val_loss`` of the run so far and the step it was taken at (None before any)."""
+        return self._best_val
+
+    @property
+    def accuracy(self) -> dict[str, float]:
+        """The eval tasks' exact-match accuracy ``before`` and ``after`` training, as far as reported."""
+        return dict(self._accuracy)
 
     @property
     def grad_scaler(self) -> torch.amp.GradScaler | None:
@@ -446,6 +466,8 @@ class TrainingLoop:
         metrics = self.validate()
         self.log.log({"step": self.step, **metrics})
         self._validated = (self.step, metrics)
+        if "val_loss" in metrics and (self._best_val is None or metrics["val_loss"] < self._best_val[0]):
+            self._best_val = (metrics["val_loss"], self.step)
         return metrics
 
     def final_validation(self) -> dict[str, Any]:
@@ -464,7 +486,7 @@ class TrainingLoop:
             self._report_exact_match("after")
 
     def _report_exact_match(self, when: str) -> None:
-        report_exact_match(
+        self._accuracy[when] = report_exact_match(
             self.state.model, self.tokenizer, self.eval_tasks, max_new_tokens=self.eval_max_new_tokens,
             rank=self.rank, world_size=self.world_size, when=when, log=self.log.print,
         )
@@ -613,6 +635,82 @@ def claim_output(cfg: DictConfig, *, run: Run, step: int, total_steps: int) -> M
     return log
 
 
+def describe_method(model: nn.Module) -> str:
+    """What trains, read from the model's layers (on the meta device too): ``full fine-tuning``, or ``LoRA``,
+    ``DoRA``, ``QLoRA`` (the frozen base in NF4) or ``QDoRA``: the method a step checkpoint records, in words."""
+    method = training_method(unwrap(model))
+    return "full fine-tuning" if method == "full" else method.upper().replace("DORA", "DoRA").replace("LORA", "LoRA")
+
+
+def describe_optimizer(
+    optimizer_cfg: DictConfig, *, in_backward: bool = False, grad_scaler: torch.amp.GradScaler | None = None
+) -> str:
+    """The optimizer in a few words, as the run will build it: ``fused AdamW``, ``Muon``, ``8-bit AdamW``
+    (torchao's ``AdamW8bit``), with `` stepped in backward`` for ``optimizer_in_backward``."""
+    name = str(optimizer_cfg.get("_component_", "?")).rsplit(".", 1)[-1]
+    if bits := re.fullmatch(r"(\w+?)(\d+)bit", name):
+        name = f"{bits[2]}-bit {bits[1]}"
+    if fused_by_default(optimizer_cfg, grad_scaler=grad_scaler).get("fused"):  # torch's Adam(W), fused by default
+        name = f"fused {name}"
+    return f"{name} stepped in backward" if in_backward else name
+
+
+def describe_backend(model: nn.Module, model_cfg: DictConfig) -> str:
+    """Which code the model is: a native family (``llama3``, the package its builder is in, or the family
+    ``build_from_hf`` found for the checkpoint) or ``transformers (olmo2)`` for the transformers backend."""
+    plain = unwrap(model)
+    hf_config = getattr(plain, "hf_config", None)
+    if hf_config is not None:
+        return f"transformers ({hf_config.model_type})"
+    parts = str(model_cfg.get("_component_", "")).split(".")
+    if parts[-1] == "build_from_hf" and model_cfg.get("path"):
+        return read_hf_config(model_cfg.path)[1]
+    if parts[:2] == ["toolkit", "models"] and len(parts) > 3:
+        return parts[2]
+    return type(plain).__name__
+
+
+def _count(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def header_lines(
+    what: str,
+    *,
+    method: str,
+    optimizer: str,
+    backend: str,
+    processes: int,
+    device_type: str,
+    threads: int | None = None,
+    layout: str,
+    precision: str,
+    batch_size: int,
+    batch_unit: str = "",
+    batch_ranks: int,
+    micro_batch_size: int,
+    accumulation_steps: int,
+    steps: str,
+    memory: str | None = None,
+) -> list[str]:
+    """The two lines that say what a run is: the recipe's own words (``what``), the method, the optimizer and the
+    model's code; then its shape: ``2 processes on cpu (1 thread each), ddp, fp32; global batch 32 = 2 x 16 x 1
+    accumulation step; 30 steps`` (one process names no data-parallel strategy: it has nothing to spread over),
+    and the memory each device is estimated to hold where given. ``threads`` are each CPU process's (CPU processes
+    share the cores: part of the speed), where known. The run's header and ``tune validate`` print these lines."""
+    where = f"{_count(processes, 'process', 'processes')} on {device_type}"
+    if threads is not None:
+        where += f" ({_count(threads, 'thread')}{' each' if processes > 1 else ''})"
+    if processes > 1:
+        where += f", {layout}"
+    unit = f" {batch_unit}" if batch_unit else ""
+    shape = (f"{where}, {precision}; global batch {batch_size}{unit} = {batch_ranks} x {micro_batch_size} x "
+             f"{_count(accumulation_steps, 'accumulation step')}; {steps}")
+    if memory:
+        shape += f"; {memory}"
+    return [f"{what}; {method}, {optimizer}, {backend}", shape]
+
+
 def print_header(
     log: MetricsLogger,
     what: str,
@@ -623,16 +721,93 @@ def print_header(
     batch_size: int,
     batch_unit: str = "",
     notes: Sequence[str] = (),
+    loop: TrainingLoop | None = None,
 ) -> None:
-    """Print the run's header line, ``what`` (the recipe's own words: its parameters, its objective) and then its
-    shape, ``2 process(es) on cpu, ddp, fp32; global batch 32 = 2 x 16 x 1 accumulation step(s); 30 steps``
-    (``batch_unit`` names what ``batch_size`` counts where that is not sequences); then the reason for each
-    ``auto`` choice of the plan, and the recipe's ``notes``, a line each."""
+    """Print the run's header (:func:`header_lines`): ``what`` (the recipe's own words: its parameters, its
+    objective), with the ``loop`` its method, optimizer and model code, then its shape (``batch_unit`` names what
+    ``batch_size`` counts where that is not sequences); then the reason for each ``auto`` choice of the plan, and
+    the recipe's ``notes``, a line each."""
     env, dims, plan = run.env, layout.dims, layout.plan
-    log.print(
-        f"{what}; {env.world_size} process(es) on {env.device.type}, {dims.label}, {run.precision.name}; global "
-        f"batch {batch_size}{f' {batch_unit}' if batch_unit else ''} = {dims.batch_ranks} x {plan.micro_batch_size} "
-        f"x {plan.accumulation_steps} accumulation step(s); {data.total_steps} steps"
+    if loop is not None:
+        cfg = loop.config
+        described = {
+            "method": describe_method(loop.state.model), "backend": describe_backend(loop.state.model, cfg.model),
+            "optimizer": describe_optimizer(cfg.optimizer, in_backward=cfg.get("optimizer_in_backward", False),
+                                            grad_scaler=loop.grad_scaler),
+        }
+    lines = header_lines(
+        what, **(described if loop is not None else {"method": "", "optimizer": "", "backend": ""}),
+        processes=env.world_size, device_type=env.device.type, layout=dims.label,
+        threads=torch.get_num_threads() if env.device.type == "cpu" else None, precision=run.precision.name,
+        batch_size=batch_size, batch_unit=batch_unit, batch_ranks=dims.batch_ranks,
+        micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.accumulation_steps,
+        steps=_count(data.total_steps, "step"),
     )
-    for line in (*plan.reasons, *notes):
+    if loop is None:  # (a recipe copied before the loop was passed: its own words alone)
+        lines[0] = what
+    for line in (*lines, *plan.reasons, *notes):
         log.print(line)
+
+
+def print_summary(loop: TrainingLoop, *, run: Run, final: Path | None = None) -> None:
+    """The run's last lines, on rank zero: its wall time (a resumed run's: this attempt's), the best held-out loss
+    (and its step) and the eval tasks' accuracy before and after where there are any, where its outputs are, and
+    the commands to try next with them (generating from ``final``: the Hugging Face model, or a PEFT adapter under
+    ``final/adapter`` and the merged model under ``final/merged``; merging an adapter; exporting a step
+    checkpoint)."""
+    if not run.env.is_rank_zero:
+        return
+    done = [f"done: {_count(loop.step, 'step')} in {format_duration(time.perf_counter() - run.started)}"
+            + (f" (this attempt, resumed from {run.resume.name})" if run.resume is not None else "")]
+    if loop.best_validation is not None:
+        done.append(f"best val_loss {loop.best_validation[0]:.4f} at step {loop.best_validation[1]}")
+    accuracy = loop.accuracy
+    if "after" in accuracy:
+        before = f"{accuracy['before']:.1%} -> " if "before" in accuracy else ""
+        done.append(f"held-out accuracy {before}{accuracy['after']:.1%}")
+    out = run.output_dir
+    adapter = merged = None
+    if final is not None:
+        adapter = final / "adapter" if (final / "adapter").is_dir() else None
+        merged = final / "merged" if (final / "merged").is_dir() else None
+    checkpoints = out / "checkpoints"
+    kept = [(final if adapter is None and merged is None else None, "the model, Hugging Face files"),
+            (adapter, "PEFT adapter"), (merged, "merged model"),
+            (checkpoints if checkpoints.is_dir() else None, "step checkpoints")]
+    where = [f"{_inside(path, out)}/ ({what})" for path, what in kept if path is not None]
+    where += ["metrics.jsonl", "config.yaml"]
+    generate, commands = _generate_command(loop.config)
+    if final is not None and (adapter is None or merged is not None):  # a Hugging Face model: the run's own
+        commands.append(f"{generate} checkpointer.checkpoint_dir={merged or final}")
+    elif adapter is not None:  # the adapter on its base, as generate builds it; or merged into it once
+        base = run.base_checkpoint or "null"
+        commands.append(f"{generate} checkpointer.checkpoint_dir={base} adapter_dir={adapter}")
+        if merged is None and run.base_checkpoint is not None:
+            commands.append(f"tune merge --base {run.base_checkpoint} --adapter {adapter} --output {out}_merged")
+    if checkpoints.is_dir():
+        commands.append(f"tune export {out} --output {out}_hf   # the newest step checkpoint as Hugging Face files")
+    lines = ["; ".join(done), f"outputs in {out}: {', '.join(where)}"]
+    lines += [f"{'next: ' if i == 0 else '      '}{command}" for i, command in enumerate(commands)]
+    for line in lines:
+        loop.log.print(line)
+
+
+def _inside(path: Path, folder: Path) -> Path:
+    """``path`` relative to ``folder`` where it is inside it, else whole."""
+    try:
+        return path.relative_to(folder)
+    except ValueError:
+        return path
+
+
+def _generate_command(cfg: DictConfig) -> tuple[str, list[str]]:
+    """How to generate from this run's model: ``tune run generate --config demo`` where the shipped generate
+    config builds it (its builder, or the plain builder a LoRA builder adapts: generate builds the LoRA version
+    from an adapter's settings), and otherwise from a copy of that config, made first, given this run's model."""
+    shipped = configs_dir() / "generate" / "demo.yaml"
+    builder = str(cfg.model.get("_component_", ""))
+    plain = re.sub(r"\.q?lora_", ".", builder)
+    if shipped.is_file() and OmegaConf.load(shipped).model.get("_component_") in (builder, plain):
+        return "tune run generate --config demo", []
+    copy = "tune cp generate/demo my_generate.yaml   # then set its model and tokenizer to this run's"
+    return "tune run generate --config my_generate.yaml", [copy]

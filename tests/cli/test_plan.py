@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -13,19 +14,25 @@ EIGHT_B = ("model._component_=toolkit.models.llama3.llama3_1_8b", "micro_batch_s
 SEVENTY_B = ("model._component_=toolkit.models.llama3.llama3_1_70b", "micro_batch_size=1", "max_seq_len=2048")
 
 
-@pytest.fixture
-def plan(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    """`tune plan ARGS` in this process, on the repository's own recipes and configs."""
+def _in_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str,
+                *appended: str):
+    """`tune COMMAND ARGS APPENDED` in this process, on the repository's own recipes and configs."""
     for name in ("TUNE_RECIPES_DIR", "TUNE_CONFIGS_DIR"):
         monkeypatch.delenv(name, raising=False)
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         capsys.readouterr()
-        code = main(["plan", *args])
+        code = main([command, *args, *appended])
         out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["tune", "plan", *args], code, out, err)
+        return subprocess.CompletedProcess(["tune", command, *args], code, out, err)
 
     return run
+
+
+@pytest.fixture
+def plan(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """`tune plan ARGS` in this process."""
+    return _in_process(monkeypatch, capsys, "plan")
 
 
 def _row(out: str, title: str) -> list[str]:
@@ -490,3 +497,73 @@ def test_plan_counts_muon_and_shows_no_tensor_parallel_layout(plan) -> None:
     assert ", muon, " in muon.splitlines()[1]
     assert float(_row(muon, "optimizer state")[0]) < float(_row(adamw, "optimizer state")[0])
     assert "tensor_parallel 2:" in adamw and "tensor_parallel 2:" not in muon
+
+
+@pytest.fixture
+def validate(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """`tune validate ARGS` in this process, planned for the CPU (on a GPU machine too)."""
+    return _in_process(monkeypatch, capsys, "validate", "device=cpu")
+
+
+def test_validate_prints_the_plan_as_the_run_s_header_would(validate) -> None:
+    result = validate("full_finetune/demo", "--nproc_per_node", "2", "max_steps=30")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "0.89M parameters; full fine-tuning, fused AdamW, llama3"  # as the run's header starts
+    assert re.fullmatch(r"2 processes on cpu, ddp, fp32; global batch 32 = 2 x 16 x 1 accumulation step; at most 30 "
+                        r"steps; about [\d.]+ MiB per device \(estimated\)", lines[1]), lines[1]
+    assert lines[2].startswith("OK: ") and len(lines) == 3
+    lora = validate("lora_finetune/demo", "--nproc_per_node", "1", "model.use_dora=true", "max_steps=null", "epochs=2")
+    assert lora.stdout.splitlines()[:2] == [
+        "1.06M parameters, 0.169M trainable; DoRA, fused AdamW, llama3",
+        # One process: no strategy named; no threads either (the run chooses them, not this command).
+        "1 process on cpu, fp32; global batch 32 = 1 x 16 x 2 accumulation steps; 2 epoch(s) of the data; about "
+        + lora.stdout.splitlines()[1].split("; about ")[1],
+    ]
+
+
+def test_validate_names_what_a_preference_batch_counts(validate) -> None:
+    for config, unit in (("demo", "32 pairs"), ("demo_kto", "64 answers")):
+        result = validate(f"preference_finetune/{config}", "--nproc_per_node", "2")
+        assert f"; global batch {unit} = 2 x " in result.stdout.splitlines()[1], result.stdout
+
+
+def test_validate_resolves_auto_and_says_why(validate) -> None:
+    result = validate("full_finetune/demo", "--nproc_per_node", "2", "data_parallel=auto", "micro_batch_size=auto",
+                      "device_memory_gb=0.1")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("2 processes on cpu, ddp, fp32; global batch 32 = 2 x 16 x 1 accumulation step; ")
+    assert lines[2].startswith("data_parallel: auto -> ddp") and lines[3].startswith("micro_batch_size: auto -> 16")
+
+
+def test_validate_says_which_process_count_it_assumed_and_what_the_plan_lacks(validate, monkeypatch) -> None:
+    # No GPU and 3 cores: `tune run ..._distributed` would start 3 CPU processes, over which the batch of 32 does
+    # not split. Assumed, the count is a line (the config itself is fine); given, it is the error a run would meet.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("os.cpu_count", lambda: 3)
+    result = validate("full_finetune/demo")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[:2] == [
+        ("assumed 3 process(es) per node, as `tune run <recipe>_distributed` starts here (--nproc_per_node N for "
+         "another count)"),
+        ("plan not resolved for 3 process(es) on cpu: batch_size: 32 is not divisible by the world size (3); use "
+         "batch_size=30 or 33"),
+    ]
+    split = validate("lora_finetune/qwen3_8b_lora_128k")  # each sequence over 4 processes, of the 3 assumed
+    assert split.returncode == 0 and split.stdout.splitlines()[1] == (
+        "plan not resolved for 3 process(es) on cpu: tensor_parallel x context_parallel (4) does not divide the 3 "
+        "processes")
+    refused = validate("full_finetune/demo", "--nproc_per_node", "3")
+    assert refused.returncode == 2 and refused.stdout == "" and len(refused.stderr.splitlines()) == 1
+    # auto sizes need the devices' memory, which this machine may not have: the run is planned where it runs.
+    unknown = validate("full_finetune/demo", "--nproc_per_node", "2", "micro_batch_size=auto")
+    assert unknown.returncode == 0 and unknown.stdout.splitlines()[0] == (
+        "plan not resolved for 2 process(es) on cpu: micro_batch_size: auto needs the memory of each device; on CPU "
+        "set device_memory_gb=<GiB> (or give the value: data_parallel ddp, zero1, zero2, zero3 or hsdp; "
+        "micro_batch_size and tensor_parallel a number)")
+
+
+def test_validate_of_a_config_that_trains_nothing_says_ok_only(validate) -> None:
+    result = validate("generate/demo")
+    assert result.returncode == 0 and result.stdout.startswith("OK: ") and len(result.stdout.splitlines()) == 1

@@ -5,6 +5,7 @@ over the whole global batch, and the same step whatever the split into micro-bat
 to the live one. Tolerances: float32's on per-answer values; 1e-6 on a step's loss (float32 through the model)."""
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.modules.peft import disable_adapters, get_adapter_params, set_trainable_params
 from toolkit.objectives.kto import check_kto_balance, kto_forward_backward, kto_losses
 from toolkit.objectives.preference import PreferenceSettings, lora_reference
+from toolkit.training.metrics import _loss_line
 
 CPU = torch.device("cpu")
 IGNORE = CROSS_ENTROPY_IGNORE_INDEX
@@ -115,19 +117,25 @@ def model_and_batches(split: int):
     return model, [kto_collate(rows[i : i + size], pad_id=0) for i in range(0, len(rows), size)], rows
 
 
-def reference_kto(model, rows, settings) -> tuple[float, float]:
-    """The step's loss and z0 from float64 log-softmaxes of the model's logits, each row alone (no padding): z0
-    the clamped mean log-ratio over every KL sequence of the batch, the loss the mean of the formula above."""
+def log_ratio(model, row, name: str) -> float:
+    """log pi - log ref of a row's ``name`` sequence (``completion`` or ``kl``), each summed over its trained tokens
+    from the float64 log-softmax of the model's logits for that row alone (no padding); the reference is the model
+    with its adapters off."""
 
     def logp(tokens, labels) -> float:
         logits = model(torch.tensor([tokens])).double()[0]
         return float(sum(logits[t].log_softmax(-1)[label] for t, label in enumerate(labels) if label != IGNORE))
 
-    def ratio(row, name) -> float:
+    with torch.no_grad():
         policy = logp(row[f"{name}_tokens"], row[f"{name}_labels"])
         with disable_adapters(model):
             return policy - logp(row[f"{name}_tokens"], row[f"{name}_labels"])
 
+
+def reference_kto(model, rows, settings) -> tuple[float, float]:
+    """The step's loss and z0 in float64 (:func:`log_ratio`): z0 the clamped mean log-ratio over every KL sequence
+    of the batch, the loss the mean of the formula above."""
+    ratio = partial(log_ratio, model)
     with torch.no_grad():
         z0 = max(0.0, sum(ratio(row, "kl") for row in rows) / len(rows))
         losses = [formula(ratio(row, "completion"), 0.0, row["desirable"], z0=z0, beta=settings.beta,
@@ -158,6 +166,22 @@ def test_a_kto_step_takes_its_reference_point_over_the_global_batch_whatever_the
             torch.testing.assert_close(grad[key], value, rtol=1e-5, atol=1e-7, msg=key)
     metrics = results[0].metrics
     assert metrics["reward_margin"] == pytest.approx(metrics["rewards_desirable"] - metrics["rewards_undesirable"])
+
+
+def test_the_reward_means_the_console_shows_are_the_float64_ones():
+    settings = PreferenceSettings(loss="kto", beta=0.5)
+    model, batches, rows = model_and_batches(2)
+    metrics = step(model, batches, settings, reference=lora_reference(model)).metrics
+    rewards = {kind: [0.5 * log_ratio(model, row, "completion") for row in rows if row["desirable"] == kind]
+               for kind in (True, False)}
+    desirable, undesirable = (sum(rewards[kind]) / len(rewards[kind]) for kind in (True, False))
+    assert abs(desirable - undesirable) > 1e-3  # (a margin to compare)
+    # float32 log-probabilities through the model against float64 from its logits.
+    assert metrics["rewards_desirable"] == pytest.approx(desirable, abs=1e-5)
+    assert metrics["rewards_undesirable"] == pytest.approx(undesirable, abs=1e-5)
+    line = _loss_line({"step": 1, "loss": 0.7, **metrics}, total_steps=2)
+    assert (f"  margin {metrics['reward_margin']:.4f}  r_desirable {metrics['rewards_desirable']:.4f}  "
+            f"r_undesirable {metrics['rewards_undesirable']:.4f}") in line
 
 
 def test_a_precomputed_reference_is_the_live_one():

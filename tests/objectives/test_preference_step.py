@@ -12,6 +12,7 @@ from toolkit.data import preference_collate
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.modules.peft import disable_adapters, set_trainable_params, get_adapter_params
 from toolkit.objectives.preference import PreferenceSettings, lora_reference, preference_forward_backward
+from toolkit.training.metrics import _loss_line
 
 CPU = torch.device("cpu")
 IGNORE = CROSS_ENTROPY_IGNORE_INDEX
@@ -43,23 +44,28 @@ def model_and_batches(split: int):
     return model, batches, rows
 
 
-def reference_dpo(model, rows, beta: float) -> float:
-    """The mean over pairs of -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), each log-probability summed
-    over an answer from the float64 log-softmax of the model's logits for that row alone (no padding)."""
+def reference_rewards(model, rows, beta: float) -> list[tuple[float, float]]:
+    """Each pair's rewards ``beta * (pi - ref)`` of its chosen and rejected answers, each log-probability summed over
+    an answer from the float64 log-softmax of the model's logits for that row alone (no padding)."""
 
     def logp(tokens, labels) -> float:
         logits = model(torch.tensor([tokens])).double()[0]
         picked = [logits[t].log_softmax(-1)[label] for t, label in enumerate(labels) if label != IGNORE]
         return float(sum(picked))
 
-    losses = []
+    rewards = []
     with torch.no_grad():
         for row in rows:
             policy = [logp(row[f"{n}_tokens"], row[f"{n}_labels"]) for n in ("chosen", "rejected")]
             with disable_adapters(model):
                 ref = [logp(row[f"{n}_tokens"], row[f"{n}_labels"]) for n in ("chosen", "rejected")]
-            z = beta * ((policy[0] - ref[0]) - (policy[1] - ref[1]))
-            losses.append(math.log1p(math.exp(-z)))
+            rewards.append((beta * (policy[0] - ref[0]), beta * (policy[1] - ref[1])))
+    return rewards
+
+
+def reference_dpo(model, rows, beta: float) -> float:
+    """The mean over pairs of -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), in float64."""
+    losses = [math.log1p(math.exp(-(chosen - rejected))) for chosen, rejected in reference_rewards(model, rows, beta)]
     return sum(losses) / len(losses)
 
 
@@ -122,3 +128,24 @@ def test_a_loss_scaler_scales_the_gradients_only():
     for name, param in model.named_parameters():
         if name in grads:
             torch.testing.assert_close(param.grad, 64.0 * grads[name], rtol=1e-6, atol=0, msg=name)
+
+
+def test_the_reward_accuracy_and_margin_the_console_shows_are_the_float64_ones():
+    # Adapters moved off zero, so that the policy differs from its reference and the rewards do not all tie.
+    settings = PreferenceSettings(loss="dpo", beta=0.5)
+    model, batches, rows = model_and_batches(2)
+    generator = torch.Generator().manual_seed(3)  # (a seed whose pairs go both ways)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_b" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    metrics = step(model, batches, settings, reference=lora_reference(model)).metrics
+    rewards = reference_rewards(model, rows, 0.5)
+    accuracy = sum(chosen > rejected for chosen, rejected in rewards) / len(rewards)
+    margin = sum(chosen - rejected for chosen, rejected in rewards) / len(rewards)
+    assert 0 < accuracy < 1 and abs(margin) > 1e-3  # neither all ties nor all one way: a number to compare
+    assert metrics["reward_accuracy"] == accuracy
+    # float32 log-probabilities through the model against float64 from its logits (sums of a few tokens of ~6).
+    assert metrics["reward_margin"] == pytest.approx(margin, abs=1e-5)
+    line = _loss_line({"step": 1, "loss": 0.7, **metrics}, total_steps=2)
+    assert f"  reward_acc {accuracy:.3f}  margin {margin:.4f}" in line

@@ -6,6 +6,7 @@ Tolerances: on 2 processes the sums are rounded in another order, hence rtol 1e-
 tests; resumes are bitwise."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,12 @@ def test_sigkill_then_resume_is_bitwise_exact(single, teacher, tmp_path):
     assert killed.returncode != 0 and not (out / "final").exists()
     resumed = tune_here(*distill_args(out, teacher, "resume_from=auto"))
     assert "resumed at step 2" in resumed.stdout
+    # The summary: the student is no model the shipped generate config builds, so a copy of it comes first.
+    lines = resumed.stdout.splitlines()
+    done = next(line for line in lines if line.startswith("done: "))
+    assert re.match(r"done: 5 steps in \dm\d\ds \(this attempt, resumed from step_2\)", done), done
+    assert "next: tune cp generate/demo my_generate.yaml   # then set its model and tokenizer to this run's" in lines
+    assert f"      tune run generate --config my_generate.yaml checkpoint_dir={out / 'final'}" in lines
     assert [r["loss"] for r in steps(out)] == [r["loss"] for r in steps(single["full"])]
     a, b = load_file(out / "final" / "model.safetensors"), load_file(single["full"] / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -39,11 +39,15 @@ def base_checkpoint(tmp_path_factory) -> Path:
     return out / "final"
 
 
+# What each one-process run printed, by output folder.
+PRINTED: dict[Path, str] = {}
+
+
 @pytest.fixture(scope="module")
 def single(base_checkpoint, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lora_single")
-    tune("run", "lora_finetune_single_device", "--config", "demo", f"output_dir={out}",
-         f"checkpointer.checkpoint_dir={base_checkpoint}", *FAST)
+    PRINTED[out] = tune("run", "lora_finetune_single_device", "--config", "demo", f"output_dir={out}",
+                        f"checkpointer.checkpoint_dir={base_checkpoint}", *FAST).stdout
     return out
 
 
@@ -83,8 +87,8 @@ def test_two_processes_match_one(layout, single, two_process_runs):
 @pytest.fixture(scope="module")
 def dora_single(base_checkpoint, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dora_single")
-    tune("run", "lora_finetune_single_device", "--config", "demo", f"output_dir={out}",
-         f"checkpointer.checkpoint_dir={base_checkpoint}", *FAST, "model.use_dora=true")
+    PRINTED[out] = tune("run", "lora_finetune_single_device", "--config", "demo", f"output_dir={out}",
+                        f"checkpointer.checkpoint_dir={base_checkpoint}", *FAST, "model.use_dora=true").stdout
     return out
 
 
@@ -149,9 +153,18 @@ def test_adapter_loads_in_peft_and_matches_the_merged_export(single, base_checkp
 @pytest.fixture(scope="module")
 def qlora_single(base_checkpoint, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("qlora_single")
-    tune("run", "lora_finetune_single_device", "--config", "demo", f"output_dir={out}",
-         f"checkpointer.checkpoint_dir={base_checkpoint}", *FAST, *QLORA)
+    PRINTED[out] = tune("run", "lora_finetune_single_device", "--config", "demo", f"output_dir={out}",
+                        f"checkpointer.checkpoint_dir={base_checkpoint}", *FAST, *QLORA).stdout
     return out
+
+
+def test_the_header_names_the_method_and_the_summary_where_the_adapter_is(single, dora_single, qlora_single):
+    for out, method in ((single, "LoRA"), (dora_single, "DoRA"), (qlora_single, "QLoRA")):
+        assert f"M trainable; {method}, fused AdamW, llama3\n" in PRINTED[out], PRINTED[out][:500]
+    lines = PRINTED[single].splitlines()
+    summary = lines[next(i for i, line in enumerate(lines) if line.startswith("done: 4 steps in ")):]
+    assert summary[1].startswith(f"outputs in {single}: final/adapter/ (PEFT adapter), final/merged/ (merged model), ")
+    assert summary[2] == f"next: tune run generate --config demo checkpointer.checkpoint_dir={single / 'final' / 'merged'}"
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "ddp"])

@@ -203,6 +203,11 @@ def test_sigkill_then_resume_is_bitwise_exact(variant, single, tmp_path):
         assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     resumed = run_here(out, *VARIANTS[variant], "resume_from=auto", config=CONFIGS[variant])
     assert "resumed at step 2" in resumed.stdout
+    # The console's step lines show the rewards: DPO's accuracy and margin, KTO's margin and mean of each kind.
+    trained = [line for line in resumed.stdout.splitlines() if line.startswith("step ") and "  loss " in line]
+    shown = (("  margin ", "  r_desirable ", "  r_undesirable ") if variant == "kto_full"
+             else ("  reward_acc ", "  margin "))
+    assert trained and all(field in line for line in trained for field in shown), trained
     assert [r["loss"] for r in steps(out)] == [r["loss"] for r in steps(single[variant])]
     a, b = final_weights(out), final_weights(single[variant])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -181,8 +181,13 @@ def test_remote_code_is_refused_unless_allowed(folders, tmp_path):
 @pytest.mark.parametrize("config_name", ["full_finetune/transformers_backend",
                                          "lora_finetune/transformers_backend_lora"])
 def test_configs_validate_on_a_backend_checkpoint(config_name, folders):
-    result = run_tune_here("validate", config_name, f"checkpointer.checkpoint_dir={folders['olmo2']}")
+    result = run_tune_here("validate", config_name, f"checkpointer.checkpoint_dir={folders['olmo2']}",
+                           "--nproc_per_node", "1")
     assert result.returncode == 0, result.stderr[-2000:]
+    # The plan names the backend, and says the memory model does not count its layers.
+    header = result.stdout.splitlines()[:2]
+    assert header[0].endswith(", fused AdamW, transformers (olmo2)"), header
+    assert header[1].endswith("; memory not estimated (the transformers backend)"), header
 
 
 @pytest.mark.parametrize("override, message", [

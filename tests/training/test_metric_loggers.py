@@ -244,12 +244,14 @@ def test_metrics_logger_feeds_its_loggers_on_rank_zero(tmp_path):
     log.log(record(1, 3.0))
     log.log({"step": 1, "val_loss": 2.5})  # a validation record: no training fields
     log.close()
+    # A training record as metrics.jsonl has it, with the seconds since training started (none: it times no step).
+    written = {**record(1, 3.0), "elapsed_s": 0.0}
     assert recorder.calls == [
-        ("log_config", CONFIG), ("log", 1, record(1, 3.0)), ("log", 1, {"step": 1, "val_loss": 2.5}), ("close",)
+        ("log_config", CONFIG), ("log", 1, written), ("log", 1, {"step": 1, "val_loss": 2.5}), ("close",)
     ]
     assert type(recorder.calls[0][1]) is dict  # a DictConfig reaches the loggers as plain values
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines] == [record(1, 3.0), {"step": 1, "val_loss": 2.5}]
+    assert [json.loads(line) for line in lines] == [written, {"step": 1, "val_loss": 2.5}]
 
 
 def test_other_ranks_build_no_logger_but_check_the_specs(tmp_path):

@@ -174,7 +174,7 @@ def test_two_nodes_one_process_each_train_like_one_process(reference, tmp_path):
     results = launch_nodes(outs, tmp_path / "logs", 1, "data_parallel=ddp")
     assert_one_writer(outs, reference)
     # The job really spanned both launchers: a world of 2, one process per node.
-    assert any("2 process(es)" in r.stdout for r in results)
+    assert any("2 processes on cpu" in r.stdout for r in results)
 
 
 @pytest.mark.slow  # two launchers, four workers
@@ -183,7 +183,7 @@ def test_hsdp_two_nodes_two_processes_each(reference, tmp_path):
     outs = [tmp_path / "node0", tmp_path / "node1"]
     results = launch_nodes(outs, tmp_path / "logs", 2, "data_parallel=hsdp")
     assert_one_writer(outs, reference)
-    assert any("4 process(es)" in r.stdout and "hsdp" in r.stdout for r in results)
+    assert any("4 processes on cpu" in r.stdout and "hsdp" in r.stdout for r in results)
 
 
 

@@ -98,6 +98,12 @@ def _validate(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc_per_node must be at least 1, got {args.nproc_per_node}")
     world = None if args.nproc_per_node is None else args.nproc_per_node * args.nnodes
     validate(cfg, schema=schema, world_size=world)
+    if recipe is not None:  # a training config's plan, as the run's header will show it (meta device: cheap)
+        # (imports torch: only for this command, not every `tune`)
+        from toolkit.cli.plan import resolved_plan
+
+        for line in resolved_plan(cfg, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes):
+            print(line)
     # Without its recipe, neither the keys nor their values can be checked against what the recipe reads.
     note = "" if recipe is not None else (
         " (components only: pass --recipe to check every key against the recipe's schema)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -17,16 +18,24 @@ from typing import Any, NoReturn
 import torch
 from omegaconf import DictConfig
 
-from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
-from toolkit.config import apply_overrides, instantiate, load_config, recipe_keys, validate
+from toolkit.cli._catalog import (
+    config_for_recipe,
+    recipe_path,
+    recipe_schema,
+    split_launch_suffix,
+)
+from toolkit.config import (
+    apply_overrides,
+    instantiate,
+    load_config,
+    recipe_keys,
+    validate,
+)
 from toolkit.errors import UserError
 from toolkit.modules.moe import MoEFeedForward, active_parameter_count, parameter_count
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
-from toolkit.parallel.mesh import EXPERT_PARALLEL_STRATEGIES
-from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
-from toolkit.training.activations import checkpoint_interval
 from toolkit.objectives.preference import preference_kernels
-from toolkit.planning.memory import StepKernels, estimate_memory, format_bytes, format_table, optimizer_memory_model
+from toolkit.parallel.mesh import EXPERT_PARALLEL_STRATEGIES
 from toolkit.planning.layout import (
     candidate_strategies,
     choose_layout,
@@ -36,6 +45,25 @@ from toolkit.planning.layout import (
     plan_parallelism,
     tensor_parallel_degrees,
 )
+from toolkit.planning.memory import (
+    StepKernels,
+    estimate_memory,
+    format_bytes,
+    format_table,
+    optimizer_memory_model,
+)
+from toolkit.recipe_setup import (
+    describe_backend,
+    describe_method,
+    describe_optimizer,
+    header_lines,
+)
+from toolkit.training import resolve_flex_attention
+from toolkit.training.accumulation import (
+    gradient_accumulation_steps,
+    micro_batch_within_share,
+)
+from toolkit.training.activations import checkpoint_interval
 
 _GIB = 1024**3
 
@@ -226,6 +254,113 @@ def print_longest_sequences(model, *, degrees, world_size: int, nnodes: int, usa
     print()
 
 
+def meta_model(cfg: DictConfig, kernels: StepKernels) -> tuple[torch.nn.Module, StepKernels, torch.nn.Module | None]:
+    """The config's model on the meta device (shapes only: a 70B model costs nothing), with what trains set as its
+    recipe sets it, and the step's kernels with what the recipe adds to a step: ``(model, kernels, teacher)``."""
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    adapters = get_adapter_params(model)
+    if adapters:  # what the LoRA recipe does: only the adapters train
+        set_trainable_params(model, adapters)
+    if "preference_loss" in cfg:  # the preference recipe: pairs as two rows, and maybe a frozen reference copy
+        kernels = preference_kernels(kernels, loss=cfg.preference_loss, adapters=bool(adapters),
+                                     precompute=bool(cfg.get("precompute_reference", False)))
+    teacher = None
+    if "teacher_model" in cfg:  # distillation: a frozen teacher laid out like the student, in every estimate
+        with torch.device("meta"):
+            teacher = instantiate(cfg.teacher_model)
+        teacher.requires_grad_(False)
+        kernels = dataclasses.replace(kernels, frozen_model=teacher)
+    return model, kernels, teacher
+
+
+# The keys a training recipe's plan reads: a config without them (generation, evaluation) has no plan to show.
+_PLANNED_KEYS = ("model", "optimizer", "batch_size", "micro_batch_size", "max_seq_len", "data_parallel")
+
+
+def resolved_plan(cfg: DictConfig, *, nproc_per_node: int | None, nnodes: int) -> list[str]:
+    """What ``tune validate`` shows of a training config, already checked: the run's header (the method, optimizer
+    and model code; processes, layout, micro batch and accumulation, steps) with the memory estimate per device and
+    the reason for each ``auto`` choice, planned as ``tune run`` would plan it, on the meta device (no weights, no
+    processes). Without ``nproc_per_node`` the processes are those ``tune run RECIPE_distributed`` starts here (one
+    per GPU, else up to 4 on the CPU), said in a line. A plan that cannot be resolved here is a line saying why, not
+    an error: the config passed its checks, and what the plan lacks may be the machine's (``auto`` sizes need the
+    memory of devices this one may not have; the run may go to other machines). Empty for a config that is not a
+    training run's (generation, evaluation).
+    """
+    if any(key not in cfg for key in _PLANNED_KEYS):
+        return []
+    lines = []
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    wants_gpu = cfg.get("device", "auto") == "cuda" or (cfg.get("device", "auto") == "auto" and gpus > 0)
+    nproc = nproc_per_node
+    if nproc is None:
+        nproc = gpus if wants_gpu and gpus else min(os.cpu_count() or 1, 4)
+        lines.append(f"assumed {nproc} process(es) per node, as `tune run <recipe>_distributed` starts here "
+                     "(--nproc_per_node N for another count)")
+    world = nproc * nnodes
+    device = torch.device("cuda" if wants_gpu and gpus else "cpu")
+    absent_gpus = wants_gpu and not gpus  # planned as tune plan plans them: their memory from the config
+    try:
+        kernels = StepKernels(
+            flex_attention=(cfg.get("flex_attention", "auto") is not False if absent_gpus
+                            else resolve_flex_attention(cfg.get("flex_attention", "auto"), device)),
+            loss_chunks=cfg.get("loss_chunks"), fused_loss=bool(cfg.get("fused_loss", True)),
+        )
+        model, kernels, _ = meta_model(cfg, kernels)
+        optimizer = optimizer_memory_model(str(cfg.optimizer.get("_component_"))) or "adamw"
+        in_backward = bool(cfg.get("optimizer_in_backward", False))
+        shape = {
+            "batch_size": cfg.batch_size, "max_seq_len": cfg.max_seq_len, "dtype": str(cfg.get("dtype", "bf16-mixed")),
+            "activation_checkpointing": cfg.get("activation_checkpointing", False),
+            "activation_offloading": bool(cfg.get("activation_offloading", False)),
+            "optimizer_in_backward": in_backward, "kernels": kernels, "shard_size": cfg.get("hsdp_shard_size"),
+            "optimizer": optimizer, "expert_parallel": cfg.get("expert_parallel", 1),
+        }
+        context_parallel = cfg.get("context_parallel", 1)
+        # What the checks ask of a given process count, asked here of an assumed one (which they did not see).
+        split = context_parallel * (cfg.get("tensor_parallel", 1) if cfg.get("tensor_parallel", 1) != "auto" else 1)
+        if world % split:
+            raise UserError(f"tensor_parallel x context_parallel ({split}) does not divide the {world} processes")
+        plan = plan_parallelism(
+            model=model, strategy=str(cfg.data_parallel), cpu_offload=bool(cfg.get("cpu_offload", False)),
+            micro_batch_size=cfg.micro_batch_size, device=device, device_memory_gb=cfg.get("device_memory_gb"),
+            world_size=world, local_world_size=nproc, offload_candidates=True if absent_gpus else None,
+            tensor_parallel=cfg.get("tensor_parallel", 1), context_parallel=context_parallel, **shape,
+        )
+    except UserError as error:
+        return [*lines, f"plan not resolved for {world} process(es) on {'cuda' if wants_gpu else 'cpu'}: {error}"]
+    dims = plan.dims
+    shape.pop("batch_size")
+    shape["max_seq_len"] = -(-cfg.max_seq_len // context_parallel)  # each process's positions of a row
+    try:
+        estimate = estimate_memory(
+            model, strategy=dims.strategy, cpu_offload=dims.cpu_offload, world_size=world // dims.tp,
+            num_nodes=nnodes, micro_batch_size=plan.micro_batch_size, tensor_parallel=dims.tp,
+            gradient_accumulation_steps=plan.accumulation_steps, **shape,
+        )
+        memory = f"about {format_bytes(estimate.total)} per device (estimated)"
+    except UserError as error:
+        backend = getattr(model, "hf_config", None) is not None  # its layers are transformers', not the memory model's
+        memory = f"memory not estimated ({'the transformers backend' if backend else error})"
+    n_params = parameter_count(model)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = f", {n_trainable / 1e6:.3f}M trainable" if n_trainable != n_params else ""
+    steps = (f"at most {cfg.max_steps} steps" if cfg.get("max_steps") is not None
+             else f"{cfg.get('epochs', 1)} epoch(s) of the data")
+    lines += header_lines(
+        f"{n_params / 1e6:.2f}M parameters{trainable}", method=describe_method(model),
+        optimizer=describe_optimizer(cfg.optimizer, in_backward=in_backward),
+        backend=describe_backend(model, cfg.model),
+        processes=world, device_type=device.type if not absent_gpus else "cuda", layout=dims.label,
+        precision=str(cfg.get("dtype", "bf16-mixed")), batch_size=cfg.batch_size,
+        batch_unit={None: "", "kto": "answers"}.get(cfg.get("preference_loss"), "pairs"), batch_ranks=dims.batch_ranks,
+        micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.accumulation_steps, steps=steps,
+        memory=memory,
+    )
+    return [*lines, *plan.reasons]
+
+
 def plan_command(argv: Sequence[str]) -> int:
     """Run ``tune plan`` with ``argv`` (the arguments after ``plan``): print the per-strategy memory table for a
     config and the strategy ``auto`` picks.
@@ -261,20 +396,7 @@ def plan_command(argv: Sequence[str]) -> int:
         fused_loss=bool(cfg.get("fused_loss", True)),
     )
 
-    with torch.device("meta"):  # shapes only: a 70B model costs nothing
-        model = instantiate(cfg.model)
-    adapters = get_adapter_params(model)
-    if adapters:  # what the LoRA recipe does: only the adapters train
-        set_trainable_params(model, adapters)
-    if "preference_loss" in cfg:  # the preference recipe: pairs as two rows, and maybe a frozen reference copy
-        kernels = preference_kernels(kernels, loss=cfg.preference_loss, adapters=bool(adapters),
-                                     precompute=bool(cfg.get("precompute_reference", False)))
-    teacher = None
-    if "teacher_model" in cfg:  # distillation: a frozen teacher laid out like the student, in every estimate
-        with torch.device("meta"):
-            teacher = instantiate(cfg.teacher_model)
-        teacher.requires_grad_(False)
-        kernels = dataclasses.replace(kernels, frozen_model=teacher)
+    model, kernels, teacher = meta_model(cfg, kernels)
     shard_size = cfg.get("hsdp_shard_size")  # hsdp's groups, as the run makes them
     # The tensor-parallel degrees to show: the configured one, or (none or auto) every degree that splits the model
     # within one node, as tensor_parallel: auto would try them.

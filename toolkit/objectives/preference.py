@@ -427,7 +427,8 @@ def precompute_reference_logps(
     out = torch.zeros(len(dataset), 2, dtype=torch.float64, device=device)
     start = sampler.start
     with scoring(reference.module):
-        for mb, real in batches_in_step(loader, device=device, idle=idle_batch(device, rows=2)):
+        for mb, real in batches_in_step(loader, device=device, idle=idle_batch(device, rows=2),
+                                        label="reference log-probabilities"):
             with autocast or contextlib.nullcontext():
                 logps = reference(mb["tokens"], **pair_inputs(mb, flex_attention=flex_attention)).double()
             if real:

@@ -3,10 +3,12 @@ progress bar on the terminal, and optional metric loggers (stdout, TensorBoard, 
 :mod:`toolkit.training.metric_loggers`)."""
 
 import json
+import math
 import os
 import resource
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,12 @@ class MetricsLogger:
     that plotting and comparison tools rely on: add fields freely, never rename these. The file is always written,
     whatever the loggers.
 
-    The loss lines (``step 20/200  loss 1.2345  lr 3.00e-04  grad_norm 0.81  tok/s 5120``, and ``step 100/200
-    val_loss 1.3021`` for a validation record) go to stdout, plain, so a log file or a pipe reads as well as the
-    terminal; a ``stdout`` metric logger, if configured, prints them instead. The bar goes to stderr, and only
+    The loss lines (``step 20/200  loss 1.2345  lr 3.00e-04  grad_norm 0.81  tok/s 5120  elapsed 1m02s  eta 9m18s
+    peak 3.1GiB``, and ``step 100/200  val_loss 1.3021`` for a validation record) go to stdout, plain, so a log file
+    or a pipe (a Slurm or nohup job, which never sees the bar) reads as well as the terminal; a ``stdout`` metric
+    logger, if configured, prints them instead. Their clock is the bar's: elapsed from the start of this attempt's
+    first step, the time left its remaining steps at their mean time so far (a resumed run counts only its own
+    steps); each training record gets that ``elapsed_s``. The bar goes to stderr, and only
     when stderr is a terminal with room for it: elsewhere its redrawn frames would pile up as ``\r``-joined text.
     It appears with the first training step, its clock started when that step did, so its rate and time left
     measure training alone (not the model load or an evaluation before it).
@@ -51,6 +56,7 @@ class MetricsLogger:
         loggers: more destinations for every record: a config's ``metric_loggers`` entries (``"tensorboard"``,
             ``{"type": "wandb", "mode": "offline"}``, ...), built on rank zero only, or loggers already built.
             Entries are checked on every rank, so a typo stops all ranks with the same message.
+        clock: seconds, monotonic, for the lines' elapsed time and time left (a test's fake clock).
     """
 
     def __init__(
@@ -63,6 +69,7 @@ class MetricsLogger:
         progress_bar: bool = True,
         log_every_n_steps: int = 1,
         loggers: Sequence[MetricLogger | MetricLoggerSpec] | None = (),
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
@@ -72,6 +79,9 @@ class MetricsLogger:
         self._show_bar = False
         self._print_lines = False
         self._loggers: list[MetricLogger] = []
+        self._clock = clock
+        self._train_start: float | None = None  # when this attempt's first step started
+        self._first_step = 0
         loggers = list(loggers or ())
         for spec in loggers:
             if isinstance(spec, (str, Mapping)):
@@ -95,18 +105,41 @@ class MetricsLogger:
         printed."""
         if not self.enabled:
             return
+        training = "loss" in metrics
+        if training:
+            metrics = {**metrics, "elapsed_s": self._elapsed(metrics)}
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()
         step = int(metrics["step"])
         for logger in self._loggers:
             logger.log(metrics, step=step)
-        training = "loss" in metrics
         if training and self._show_bar:
             self._advance_bar(metrics)
         if self._print_lines and (not training or step % self.log_every_n_steps == 0 or step == self.total_steps):
             line = _loss_line(metrics, total_steps=self.total_steps)
             if line is not None:
-                self.print(line)
+                self.print(line + (self._timing(metrics) if training else ""))
+
+    def _elapsed(self, metrics: Mapping[str, Any]) -> float:
+        """Seconds since this attempt's first step started: the first record moves the clock back by that step's
+        own time (its data wait and its step), as the bar does, so the model load before it is not counted."""
+        now = self._clock()
+        if self._train_start is None:
+            self._train_start = now - metrics.get("step_time_s", 0.0) - (metrics.get("data_wait_s") or 0.0)
+            self._first_step = int(metrics["step"])
+        return now - self._train_start
+
+    def _timing(self, metrics: Mapping[str, Any]) -> str:
+        """``  elapsed 1m02s  eta 9m18s  peak 3.1GiB`` for a training record: the time left is the remaining steps
+        at this attempt's mean step time; the peak memory the largest over ranks, which the records of the steps
+        whose line is printed gather (the recipes gather every ``log_every_n_steps`` steps and at the last)."""
+        step, elapsed = int(metrics["step"]), metrics["elapsed_s"]
+        mean = elapsed / (step - self._first_step + 1)
+        parts = [f"elapsed {format_duration(elapsed)}", f"eta {format_duration(mean * (self.total_steps - step))}"]
+        peak = metrics.get("rank_peak_memory_gib_max")
+        if peak is not None:
+            parts.append(f"peak {peak:.1f}GiB")
+        return "".join(f"  {part}" for part in parts)
 
     def _advance_bar(self, metrics: dict[str, Any]) -> None:
         if self._bar is None:
@@ -162,6 +195,10 @@ _LINE_FIELDS = (
     ("lr", "lr", ".2e"),
     ("grad_norm", "grad_norm", ".4g"),
     ("tokens_per_second", "tok/s", ".0f"),
+    ("reward_accuracy", "reward_acc", ".3f"),  # preference objectives: pairs whose chosen answer out-rewards
+    ("reward_margin", "margin", ".4f"),  # the rejected one, and the mean of their difference (KTO: of the means)
+    ("rewards_desirable", "r_desirable", ".4f"),  # KTO: the mean reward of each kind of answer
+    ("rewards_undesirable", "r_undesirable", ".4f"),
     ("val_loss", "val_loss", ".4f"),
 )
 
@@ -172,6 +209,76 @@ def _loss_line(metrics: Mapping[str, Any], *, total_steps: int) -> str | None:
     if not fields:
         return None
     return "  ".join([f"step {int(metrics['step'])}/{total_steps}", *fields])
+
+
+def format_duration(seconds: float) -> str:
+    """``0m21s``, ``9m18s``, ``2h05m``: compact, and never longer than 6 characters below 100 hours."""
+    seconds = max(0, round(seconds)) if math.isfinite(seconds) else 0
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Progress:
+    """Progress of a long pass on rank zero (generating held-out answers, scoring a held-out set): a tqdm bar on
+    stderr where that is a terminal, otherwise a plain line on stdout (``eval 40/200 answers, 0m21s``) as the count
+    crosses each tenth of the total or ``every_s`` seconds after the last line, whichever comes first, but never
+    sooner than ``min_gap_s`` after the start or the last line: a pass of a few seconds prints nothing, and no pass
+    floods a log. Close it when the pass ends (``contextlib.closing``); other ranks pass ``enabled=False``.
+
+    Args:
+        total: the pass's units (answers, batches).
+        label: what the pass is (``eval``).
+        unit: what it counts (``answers``).
+        enabled: True on rank zero.
+        every_s, min_gap_s: the longest and shortest time between plain lines.
+        clock: seconds, monotonic (a test's fake clock).
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        label: str,
+        unit: str,
+        enabled: bool = True,
+        every_s: float = 60.0,
+        min_gap_s: float = 10.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.total, self.label, self.unit = total, label, unit
+        self.done = 0
+        self.every_s, self.min_gap_s, self._clock = every_s, min_gap_s, clock
+        self.enabled = enabled and total > 0
+        self._start = self._last = clock()
+        self._tenths = 0
+        self._bar: tqdm | None = None
+        if self.enabled and _is_wide_terminal(sys.stderr):
+            self._bar = tqdm(total=total, desc=label, unit=f" {unit}", leave=False, dynamic_ncols=True,
+                             file=sys.stderr)
+
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` more units done (at most the total)."""
+        if not self.enabled:
+            return
+        n = min(n, self.total - self.done)
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        now = self._clock()
+        tenths = self.done * 10 // self.total
+        due = tenths > self._tenths or now - self._last >= self.every_s
+        if due and now - self._last >= self.min_gap_s and self.done < self.total:  # the caller reports the end
+            print(f"{self.label} {self.done}/{self.total} {self.unit}, {format_duration(now - self._start)}",
+                  flush=True)
+            self._last, self._tenths = now, tenths
+
+    def close(self) -> None:
+        """Clear the bar (the caller prints the pass's result)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _is_wide_terminal(stream: Any) -> bool:

@@ -22,6 +22,7 @@ from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX
 from toolkit.errors import UserError
 from toolkit.parallel.context_parallel import ContextParallel
 from toolkit.training.attention_backend import split_for_attention
+from toolkit.training.metrics import Progress
 from toolkit.parallel.distributed import all_reduce_sum
 from toolkit.parallel import unwrap
 from toolkit.training.step import iterate_loader
@@ -90,18 +91,23 @@ def idle_batch(device: torch.device, *, rows: int = 1, length: int = 1) -> dict[
 
 
 def batches_in_step(
-    loader: SizedBatches, *, device: torch.device, idle: dict[str, torch.Tensor]
+    loader: SizedBatches, *, device: torch.device, idle: dict[str, torch.Tensor], label: str = "validation"
 ) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
     """``(batch, True)`` for each of this rank's batches (moved to ``device``), then ``(idle, False)`` until the
     rank with the most batches is done: every rank makes the same number of forwards. A collective (the count is
-    agreed over all ranks); draws nothing from the training's RNG."""
+    agreed over all ranks); draws nothing from the training's RNG. Rank zero shows the pass's progress under
+    ``label`` (:class:`~toolkit.training.metrics.Progress`: a bar on a terminal, a line now and then in a log)."""
     batches = iterate_loader(loader)
-    for _ in range(max_over_ranks(len(loader), device=device)):
-        batch = next(batches, None)
-        if batch is None:
-            yield idle, False
-        else:
-            yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}, True
+    steps = max_over_ranks(len(loader), device=device)
+    rank_zero = not dist.is_initialized() or dist.get_rank() == 0
+    with contextlib.closing(Progress(steps, label=label, unit="batches", enabled=rank_zero)) as shown:
+        for _ in range(steps):
+            batch = next(batches, None)
+            if batch is None:
+                yield idle, False
+            else:
+                yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}, True
+            shown.update()
 
 
 @contextlib.contextmanager
