@@ -261,7 +261,7 @@ def test_the_summary_of_a_model_generate_does_not_ship_a_config_for_says_to_make
     assert lines[1].startswith(f"outputs in {out}: final/adapter/ (PEFT adapter), final/merged/ (merged model), ")
     assert lines[2:4] == [  # the merged model: nothing left to merge
         "next: tune cp generate/demo my_generate.yaml   # then set its model and tokenizer to this run's",
-        f"      tune run generate --config my_generate.yaml checkpoint_dir={out / 'final' / 'merged'}",
+        f"      tune run generate --config my_generate.yaml checkpointer.checkpoint_dir={out / 'final' / 'merged'}",
     ]
 
 

@@ -122,7 +122,7 @@ def test_sigkill_then_resume_is_bitwise_exact(single, teacher, tmp_path):
     done = next(line for line in lines if line.startswith("done: "))
     assert re.match(r"done: 5 steps in \dm\d\ds \(this attempt, resumed from step_2\)", done), done
     assert "next: tune cp generate/demo my_generate.yaml   # then set its model and tokenizer to this run's" in lines
-    assert f"      tune run generate --config my_generate.yaml checkpoint_dir={out / 'final'}" in lines
+    assert f"      tune run generate --config my_generate.yaml checkpointer.checkpoint_dir={out / 'final'}" in lines
     assert [r["loss"] for r in steps(out)] == [r["loss"] for r in steps(single["full"])]
     a, b = load_file(out / "final" / "model.safetensors"), load_file(single["full"] / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
