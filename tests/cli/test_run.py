@@ -51,7 +51,7 @@ def test_a_new_key_the_recipe_never_reads_is_refused_before_launch(tune, tree) -
 def test_user_error_in_single_device_recipe(tune_process) -> None:
     result = tune_process("run", "toy_single_device", "--config", "small", "fail_on=all")
     assert result.returncode == 2
-    assert one_line(result.stderr) == "error: bad value on rank none"
+    assert one_line(result.stderr) == "tune: error: bad value on rank none"
 
 
 def test_unknown_recipe(tune) -> None:
@@ -120,8 +120,8 @@ def test_distributed_user_error_is_one_line_exit_2(tune_process, fail_on: str) -
     assert result.returncode == 2
     # With "all", whichever rank fails first makes torchrun stop the other, possibly before it records its own
     # error: either rank's message may be the one shown, but exactly one is.
-    expected = {"error: bad value on rank 0", "error: bad value on rank 1"} if fail_on == "all" else {
-        "error: bad value on rank 1"
+    expected = {"tune: error: bad value on rank 0", "tune: error: bad value on rank 1"} if fail_on == "all" else {
+        "tune: error: bad value on rank 1"
     }
     assert one_line(result.stderr) in expected
 
@@ -183,7 +183,7 @@ def test_a_user_error_recorded_before_sigterm_is_shown(tmp_path, capsys) -> None
     stopped = _failure(tmp_path, 1, -signal.SIGTERM, "bad value")
     stopped.error_file_data[USER_ERROR_KEY] = "bad value on rank 1"
     assert _report_failure({0: _failure(tmp_path, 0, -signal.SIGTERM, None), 1: stopped}) == 2
-    assert one_line(capsys.readouterr().err) == "error: bad value on rank 1"
+    assert one_line(capsys.readouterr().err) == "tune: error: bad value on rank 1"
 
 
 def test_a_timed_out_collective_names_the_ranks_still_running(tmp_path, capsys) -> None:

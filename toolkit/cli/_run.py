@@ -22,7 +22,7 @@ from toolkit.cli._cluster_env import check_interface_names, worker_environment
 from toolkit.config import Schema, apply_overrides, load_config, recipe_keys, validate
 from toolkit.config._parse import split_config_arg
 from toolkit.config._recipe import LAUNCHER_REPORTS_ERRORS_ENV, USER_ERROR_KEY
-from toolkit.errors import UserError
+from toolkit.errors import UserError, print_error
 
 USAGE = "tune run [TORCHRUN FLAGS] RECIPE[_single_device|_distributed] --config CONFIG [key=value ...] [~key ...]"
 
@@ -189,8 +189,7 @@ def _report_failure(failures: dict[int, Any]) -> int:
     }
     if user_errors:
         # The recipe left its one-line message for us instead of printing it; show the lowest rank's, once.
-        for line in str(user_errors[min(user_errors)]).splitlines():
-            print(f"error: {line}", file=sys.stderr)
+        print_error(str(user_errors[min(user_errors)]))
         return 2
     # SIGTERM is how torchrun stops the ranks still running once one has failed: a rank it stopped is a cause only
     # if it had recorded an exception of its own first.
@@ -213,7 +212,7 @@ def _report_failure(failures: dict[int, Any]) -> int:
         ranks = ", ".join(map(str, stopped))
         details += (f"; a collective timed out: the rank it waited for is one of those still running when stopped "
                     f"(here: {ranks}) or on another node")
-    print(f"tune: error: {details}; see that rank's output above", file=sys.stderr)
+    print_error(f"{details}; see that rank's output above")
     return 1
 
 

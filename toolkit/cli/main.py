@@ -21,7 +21,7 @@ from toolkit.cli._catalog import (
 )
 from toolkit.cli._run import run_command
 from toolkit.config import apply_overrides, load_config, recipe_keys, validate
-from toolkit.errors import UserError
+from toolkit.errors import UserError, print_error
 from toolkit.paths import configs_dir, recipes_dir
 
 
@@ -187,8 +187,7 @@ def _parse(parser: argparse.ArgumentParser, args: list[str]) -> argparse.Namespa
 
 
 def _report(error: UserError) -> int:
-    for line in str(error).splitlines() or [""]:
-        print(f"tune: error: {line}", file=sys.stderr)
+    print_error(str(error))
     return 2
 
 
