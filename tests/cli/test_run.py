@@ -62,6 +62,22 @@ def test_unknown_recipe(tune) -> None:
     )
 
 
+def test_a_typo_suggests_the_closest_runnable_name_launch_suffix_included(tune, tree) -> None:
+    # A misspelt suffix: the distributed launch the user meant, not the bare recipe (which runs on one device).
+    assert one_line(tune("run", "toy_distribted", "--config", "small").stderr).startswith(
+        "tune: error: unknown recipe 'toy_distribted'; did you mean 'toy_distributed'?")
+    assert "did you mean 'toy_single_device'?" in tune("run", "toy_single_devic", "--config", "small").stderr
+    # A config's name where the recipe goes, and a recipe file that is not there.
+    assert one_line(tune("run", "small", "--config", "small").stderr) == (
+        "tune: error: 'small' is a config (of toy), not a recipe: give it after the recipe, e.g. "
+        "`tune run toy_distributed --config small`"
+    )
+    shutil.copy(tree.recipes / "toy.py", tree.work / "mine.py")
+    assert one_line(tune("run", "mien.py", "--config", "small").stderr) == (
+        "tune: error: no such recipe file 'mien.py'; did you mean 'mine.py'?"
+    )
+
+
 def test_unknown_config(tune) -> None:
     result = tune("run", "toy_single_device", "--config", "smal")
     assert result.returncode == 2

@@ -19,7 +19,7 @@ from typing import Any
 
 from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
 from toolkit.cli._cluster_env import check_interface_names, worker_environment
-from toolkit.config import Schema, apply_overrides, load_config, recipe_keys, validate
+from toolkit.config import Schema, apply_overrides, did_you_mean, load_config, recipe_keys, validate
 from toolkit.config._parse import split_config_arg
 from toolkit.config._recipe import LAUNCHER_REPORTS_ERRORS_ENV, USER_ERROR_KEY
 from toolkit.errors import UserError, print_error
@@ -579,7 +579,9 @@ def run_command(argv: Sequence[str]) -> int:
     if token.endswith(".py") or os.sep in token or "/" in token:
         path, recipe, suffix = Path(token), None, None  # a copied recipe: no configs of its own
         if not path.is_file():
-            raise UserError(f"no such recipe file '{token}'")
+            folder = path.parent
+            siblings = [str(folder / p.name) for p in folder.glob("*.py")] if folder.is_dir() else []
+            raise UserError(f"no such recipe file '{token}'{did_you_mean(token, siblings)}")
     else:
         path = recipe_path(token)
         recipe, suffix = split_launch_suffix(token)
