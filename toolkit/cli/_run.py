@@ -52,7 +52,7 @@ recorder, dumped to output_dir on a timeout (see docs/multi_node.md).
 
 examples:
   tune run full_finetune_single_device --config demo
-  tune run full_finetune_distributed --nproc_per_node 2 --config demo batch_size=8
+  tune run --nproc_per_node 2 full_finetune_distributed --config demo batch_size=8
   tune run --nnodes 2 --node_rank 0 --rdzv_endpoint host:29400 full_finetune_distributed --config demo
   tune run my_recipe.py --config my_demo.yaml     # files copied with tune cp (see tune cp --help)"""
 
