@@ -81,7 +81,7 @@ def test_a_bad_input_leaves_the_old_run_as_it_was(old, capfd, overrides, named):
 def test_a_tracker_that_is_not_installed_leaves_the_old_run_as_it_was(old, capfd, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now fails as if it were not installed
     before = tree(old)
-    assert_refused(*run(capfd, "full_finetune", old, "overwrite=true", "metric_loggers=[wandb]"), 'tunekit[wandb]"')
+    assert_refused(*run(capfd, "full_finetune", old, "overwrite=true", "metric_loggers=[wandb]"), '[wandb]"')
     assert tree(old) == before
 
 
