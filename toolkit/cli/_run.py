@@ -23,6 +23,7 @@ from toolkit.config import Schema, apply_overrides, did_you_mean, load_config, r
 from toolkit.config._parse import split_config_arg
 from toolkit.config._recipe import LAUNCHER_REPORTS_ERRORS_ENV, USER_ERROR_KEY
 from toolkit.errors import UserError, print_error
+from toolkit.quiet import verbose
 
 USAGE = "tune run [TORCHRUN FLAGS] RECIPE[_single_device|_distributed] --config CONFIG [key=value ...] [~key ...]"
 
@@ -41,7 +42,7 @@ before anything is launched.
 
 TORCHRUN FLAGS (before RECIPE) are passed to torchrun unchanged, e.g. --nproc_per_node, --nnodes,
 --node_rank, --rdzv_backend, --rdzv_endpoint, --rdzv_id, --master_addr, --master_port, --max_restarts,
---standalone; see `torchrun --help`. TUNE_VERBOSE=1 shows torchrun's own logs.
+--standalone; see `torchrun --help`. TUNE_VERBOSE=1 shows torchrun's own logs and third-party start-up messages.
 
 On one node without --master_port the processes meet on a free port. A port this node must listen on that is
 taken stops the launch at once. Several nodes wait for each other at most 300 s (--rdzv_conf
@@ -477,7 +478,7 @@ def _run_distributed(
     if rendezvous is not None and rendezvous.nodes > 1:
         print(f"tune: waiting up to {rendezvous.join_timeout_s} s for the {rendezvous.nodes} nodes to meet at "
               f"{rendezvous.host}:{rendezvous.port}", file=sys.stderr)
-    if os.environ.get("TUNE_VERBOSE") != "1":
+    if not verbose():
         # Failures are summarized in one line below; torchrun's banners and tables would bury it. Each
         # torchrun module sets its own logger's level, so setting the parents' is not enough.
         for name in list(logging.root.manager.loggerDict):
@@ -526,7 +527,7 @@ def _import_torch_quietly(argv: list[str]) -> None:
     the variable is removed again at once so the workers log as usual. A launch is recognized before parsing
     (the parser is torch's): flags before the recipe, or a ``_distributed`` recipe.
     """
-    if "torch" in sys.modules or os.environ.get("TUNE_VERBOSE") == "1" or "TORCH_CPP_LOG_LEVEL" in os.environ:
+    if "torch" in sys.modules or verbose() or "TORCH_CPP_LOG_LEVEL" in os.environ:
         return
     if not (argv[0].startswith("-") or any(arg.endswith("_distributed") for arg in argv)):
         return  # one device: the recipe runs in this process, which keeps torch's logs

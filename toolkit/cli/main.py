@@ -24,6 +24,7 @@ from toolkit.cli._run import run_command
 from toolkit.config import apply_overrides, did_you_mean, load_config, recipe_keys, validate
 from toolkit.errors import UserError, print_error
 from toolkit.paths import configs_dir, recipes_dir
+from toolkit.quiet import quiet_third_party_noise
 
 
 class _Parser(argparse.ArgumentParser):
@@ -236,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         the recipe's own code for ``tune run``.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    quiet_third_party_noise()
     try:
         if args[:1] == ["run"]:
             return run_command(args[1:])

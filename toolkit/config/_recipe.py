@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from toolkit.config._parse import parse_recipe_args
 from toolkit.config._schema import Schema
 from toolkit.errors import UserError, print_error
+from toolkit.quiet import quiet_third_party_noise
 
 T = TypeVar("T")
 
@@ -97,6 +98,7 @@ def recipe_main(fn: Callable[[DictConfig], T] | None = None, *, schema: Schema |
             if schema is not None:
                 schema.check(cfg, world_size=_world_size(), unknown_keys=False)
             return fn(cfg)
+        quiet_third_party_noise()
         try:
             # torchrun's `record` writes any other exception's traceback to the rank's error file, so the
             # launcher names the rank that failed and its exception. Imported inside the try: a Ctrl-C that lands
