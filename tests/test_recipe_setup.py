@@ -3,6 +3,7 @@ and the header line. (The recipes that use it run end to end in tests/recipes.)"
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,12 @@ from torch.utils.data import DataLoader
 
 from toolkit.checkpoint import StepCheckpointer, TrainingState
 from toolkit.data import GlobalBatchSampler
+from toolkit.config import apply_overrides, load_config
+from toolkit.data import demo_data_warning
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3_demo
 from toolkit.parallel import DistributedEnv, parallel_dims
+from toolkit.paths import configs_dir
 from toolkit.planning import ParallelPlan, StepKernels
 from toolkit.recipe_setup import (
     Data,
@@ -28,6 +32,7 @@ from toolkit.recipe_setup import (
     plan_layout,
     print_header,
     row_padding,
+    setup_run,
 )
 from toolkit.training import MetricsLogger, StepResult, precision_policy
 
@@ -208,3 +213,13 @@ def test_a_resumed_loop_runs_only_the_steps_left(tmp_path):
     loop = _loop(tmp_path, total_steps=4, step=3)
     assert _train(loop) == [4]
     assert _train(_loop(tmp_path, total_steps=4, step=4)) == []  # resumed at the end: nothing to run
+
+
+def test_setup_run_warns_once_on_rank_zero(tmp_path, caplog) -> None:
+    cfg = load_config(configs_dir() / "full_finetune/demo.yaml")
+    apply_overrides(cfg, ["model._component_=toolkit.models.llama3.llama3_2_1b", "device=cpu",
+                          "tokenizer={_component_: toolkit.tokenizers.from_pretrained, path: /models/llama}",
+                          f"output_dir={tmp_path / 'out'}"])
+    with caplog.at_level(logging.WARNING, logger="toolkit.recipe_setup"):
+        setup_run(cfg)
+    assert [r.getMessage() for r in caplog.records] == [demo_data_warning(cfg)]

@@ -25,6 +25,7 @@ recipes' order, which matters: everything that can fail on the user's input is b
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from toolkit.checkpoint import StepCheckpointer, TrainingState, claim_output_dir, start_run
 from toolkit.config import instantiate
-from toolkit.data import GlobalBatchSampler
+from toolkit.data import GlobalBatchSampler, demo_data_warning
 from toolkit.generation import report_exact_match
 from toolkit.optim import build_optimizer, check_optimizer_in_backward
 from toolkit.parallel import DistributedEnv, ParallelDims, init_distributed, on_rank_zero, unwrap
@@ -66,6 +67,8 @@ from toolkit.training import (
 )
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.watchdog import progress
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ def setup_run(cfg: DictConfig) -> Run:
             not a complete checkpoint, or an ``output_dir`` the run may not use.
     """
     env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
+    if env.rank == 0 and (warning := demo_data_warning(cfg)):
+        log.warning(warning)
     precision = precision_policy(cfg.dtype, device=env.device)
     output_dir = Path(cfg.output_dir).expanduser()
     base_checkpoint = cfg.checkpointer.get("checkpoint_dir")
