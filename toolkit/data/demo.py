@@ -227,8 +227,8 @@ def demo_data_warning(cfg: Any) -> str | None:
     tokenizer = str((cfg.get("tokenizer") or {}).get("_component_", ""))
     if not model or "demo" in model.rsplit(".", 1)[-1] or tokenizer.endswith(".byte_tokenizer"):
         return None
-    for key in ("dataset", "validation_dataset"):
-        node = cfg.get(key)
+    # Each key named as it is read, so that the recipes' readers of `cfg` (toolkit.config.recipe_keys) see them.
+    for key, node in (("dataset", cfg.get("dataset")), ("validation_dataset", cfg.get("validation_dataset"))):
         component = str(node.get("_component_", "")) if hasattr(node, "get") else ""
         if component.startswith("toolkit.") and component.rsplit(".", 1)[-1] in _DEMO_DATASETS:
             return (
