@@ -223,12 +223,13 @@ def demo_data_warning(cfg: Any) -> str | None:
     ``lora_llama3_demo``...), is the demo's own or a tiny one of its kind (a distillation student), trained from
     scratch or from the demo run: not warned about. A real model comes with its checkpoint's tokenizer.
     """
-    model = str((cfg.get("model") or {}).get("_component_", ""))
-    tokenizer = str((cfg.get("tokenizer") or {}).get("_component_", ""))
+    # Each key read by name, and the ones every training recipe requires as attributes, as the recipes read them, so
+    # that toolkit.config.recipe_keys (which reads this function too: recipe_setup hands it `cfg`) still finds them.
+    model = str((cfg.model or {}).get("_component_", ""))
+    tokenizer = str((cfg.tokenizer or {}).get("_component_", ""))
     if not model or "demo" in model.rsplit(".", 1)[-1] or tokenizer.endswith(".byte_tokenizer"):
         return None
-    # Each key named as it is read, so that the recipes' readers of `cfg` (toolkit.config.recipe_keys) see them.
-    for key, node in (("dataset", cfg.get("dataset")), ("validation_dataset", cfg.get("validation_dataset"))):
+    for key, node in (("dataset", cfg.dataset), ("validation_dataset", cfg.get("validation_dataset"))):
         component = str(node.get("_component_", "")) if hasattr(node, "get") else ""
         if component.startswith("toolkit.") and component.rsplit(".", 1)[-1] in _DEMO_DATASETS:
             return (
