@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from toolkit.cli._catalog import config_for_recipe, list_configs, recipe_path, recipe_schema, split_launch_suffix
 from toolkit.config import apply_overrides, instantiate, load_config, recipe_keys, validate
@@ -27,7 +28,14 @@ from toolkit.parallel.mesh import EXPERT_PARALLEL_STRATEGIES
 from toolkit.training.accumulation import gradient_accumulation_steps, micro_batch_within_share
 from toolkit.training.activations import checkpoint_interval
 from toolkit.objectives.preference import preference_kernels
-from toolkit.planning.memory import StepKernels, estimate_memory, format_bytes, format_table, optimizer_memory_model
+from toolkit.planning.memory import (
+    MemoryEstimate,
+    StepKernels,
+    estimate_memory,
+    format_bytes,
+    format_table,
+    optimizer_memory_model,
+)
 from toolkit.planning.layout import (
     ParallelPlan,
     candidate_strategies,
@@ -177,6 +185,74 @@ def _device_memory(args: argparse.Namespace, cfg: DictConfig) -> tuple[int, str]
     if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib <= 0:
         raise UserError(f"{source}: must be a positive number of GiB, got {gib!r}")
     return int(gib * _GIB), source
+
+
+def step_kernels(cfg: DictConfig, model: nn.Module) -> tuple[StepKernels, list[Any], nn.Module | None]:
+    """What the recipe's step holds besides the model, as the recipe sets it up: ``(kernels, adapters, teacher)``.
+
+    ``model`` (on the meta device) trains only its adapters where it has some, as the LoRA recipe makes it; a
+    preference config counts pairs and maybe a frozen reference copy; a distillation config's teacher is built on
+    the meta device, frozen, and counted in every estimate.
+    """
+    flex_setting = cfg.get("flex_attention", "auto")
+    if flex_setting not in (None, "auto", True, False):
+        raise UserError(f"flex_attention: expected auto, true or false, got {flex_setting!r}")
+    kernels = StepKernels(
+        flex_attention=flex_setting is not False,  # plans are for GPUs (with Triton): auto counts as on
+        loss_chunks=cfg.get("loss_chunks"),
+        fused_loss=bool(cfg.get("fused_loss", True)),
+    )
+    adapters = get_adapter_params(model)
+    if adapters:  # what the LoRA recipe does: only the adapters train
+        set_trainable_params(model, adapters)
+    if "preference_loss" in cfg:  # the preference recipe: pairs as two rows, and maybe a frozen reference copy
+        kernels = preference_kernels(kernels, loss=cfg.preference_loss, adapters=bool(adapters),
+                                     precompute=bool(cfg.get("precompute_reference", False)))
+    teacher = None
+    if "teacher_model" in cfg:  # distillation: a frozen teacher laid out like the student, in every estimate
+        with torch.device("meta"):
+            teacher = instantiate(cfg.teacher_model)
+        teacher.requires_grad_(False)
+        kernels = dataclasses.replace(kernels, frozen_model=teacher)
+    return kernels, adapters, teacher
+
+
+def configured_memory(
+    cfg: DictConfig, model: nn.Module, *, nproc: int, nnodes: int = 1, device_memory_gb: float, headroom: float = 0.9
+) -> tuple[MemoryEstimate, int]:
+    """What the config as it stands needs per device on ``nnodes x nproc`` devices of ``device_memory_gb`` GiB: its
+    layout as the recipe resolves it there (its ``auto`` values chosen as at start-up), estimated, and the bytes a
+    plan may use. What a config's header promises about hardware is checked with it (tests/test_recipe_configs.py).
+
+    Raises:
+        UserError: an ``auto`` value finds nothing that fits, or the config does not divide over the processes.
+    """
+    kernels, _, _ = step_kernels(cfg, model)
+    world = nproc * nnodes
+    optimizer, _ = _optimizer_name(cfg)
+    common = dict(
+        max_seq_len=_positive_int(cfg, "max_seq_len"), dtype=str(cfg.get("dtype", "bf16-mixed")),
+        activation_checkpointing=cfg.get("activation_checkpointing", False),
+        activation_offloading=bool(cfg.get("activation_offloading", False)),
+        optimizer_in_backward=bool(cfg.get("optimizer_in_backward", False)), kernels=kernels,
+        shard_size=cfg.get("hsdp_shard_size"), optimizer=optimizer, expert_parallel=cfg.get("expert_parallel", 1),
+    )
+    context_parallel = cfg.get("context_parallel", 1)
+    plan = plan_parallelism(
+        model=model, strategy=str(cfg.get("data_parallel", "auto")), cpu_offload=bool(cfg.get("cpu_offload", False)),
+        batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size, device=torch.device("cpu"),
+        device_memory_gb=device_memory_gb, world_size=world, local_world_size=nproc, headroom=headroom,
+        offload_candidates=True, tensor_parallel=cfg.get("tensor_parallel") or 1, context_parallel=context_parallel,
+        **common,
+    )
+    dims = plan.dims
+    common["max_seq_len"] = -(-common["max_seq_len"] // context_parallel)  # each process's positions of a row
+    estimate = estimate_memory(
+        model, strategy=dims.strategy, cpu_offload=dims.cpu_offload, world_size=world // dims.tp, num_nodes=nnodes,
+        micro_batch_size=plan.micro_batch_size, gradient_accumulation_steps=plan.accumulation_steps,
+        tensor_parallel=dims.tp, **common,
+    )
+    return estimate, int(headroom * device_memory_gb * _GIB)
 
 
 def longest_fitting_sequence(total, usable: int, *, multiple: int = 1024, ceiling: int = 1 << 22) -> int:
@@ -349,29 +425,9 @@ def plan_command(argv: Sequence[str]) -> int:
     memory, memory_source = _device_memory(args, cfg)
     optimizer, optimizer_note = _optimizer_name(cfg)
     optimizer_in_backward = bool(cfg.get("optimizer_in_backward", False))
-    flex_setting = cfg.get("flex_attention", "auto")
-    if flex_setting not in (None, "auto", True, False):
-        raise UserError(f"flex_attention: expected auto, true or false, got {flex_setting!r}")
-    kernels = StepKernels(
-        flex_attention=flex_setting is not False,  # plans are for GPUs (with Triton): auto counts as on
-        loss_chunks=cfg.get("loss_chunks"),
-        fused_loss=bool(cfg.get("fused_loss", True)),
-    )
-
     with torch.device("meta"):  # shapes only: a 70B model costs nothing
         model = instantiate(cfg.model)
-    adapters = get_adapter_params(model)
-    if adapters:  # what the LoRA recipe does: only the adapters train
-        set_trainable_params(model, adapters)
-    if "preference_loss" in cfg:  # the preference recipe: pairs as two rows, and maybe a frozen reference copy
-        kernels = preference_kernels(kernels, loss=cfg.preference_loss, adapters=bool(adapters),
-                                     precompute=bool(cfg.get("precompute_reference", False)))
-    teacher = None
-    if "teacher_model" in cfg:  # distillation: a frozen teacher laid out like the student, in every estimate
-        with torch.device("meta"):
-            teacher = instantiate(cfg.teacher_model)
-        teacher.requires_grad_(False)
-        kernels = dataclasses.replace(kernels, frozen_model=teacher)
+    kernels, adapters, teacher = step_kernels(cfg, model)
     shard_size = cfg.get("hsdp_shard_size")  # hsdp's groups, as the run makes them
     # The tensor-parallel degrees to show: the configured one, or (none or auto) every degree that splits the model
     # within one node, as tensor_parallel: auto would try them.
