@@ -19,6 +19,7 @@ from typing import Any
 
 from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
 from toolkit.cli._cluster_env import check_interface_names, worker_environment
+from toolkit.cli._threads import choose_threads, usable_cores
 from toolkit.config import Schema, apply_overrides, did_you_mean, load_config, recipe_keys, validate
 from toolkit.config._parse import split_config_arg
 from toolkit.config._recipe import LAUNCHER_REPORTS_ERRORS_ENV, USER_ERROR_KEY
@@ -141,6 +142,22 @@ def _run_single_device(path: Path, recipe_args: list[str]) -> int:
     return 0
 
 
+def _run_single_cpu_process(path: Path, recipe_args: list[str]) -> int:
+    """One CPU process, this one, with the idle cores' threads (toolkit/cli/_threads.py); the count is restored
+    afterwards, so a later run in this process (a test, a notebook) keeps its own."""
+    import torch
+
+    choice = choose_threads(1)
+    if choice.busy_machine:
+        print(f"tune: a busy machine: {choice.describe()}", file=sys.stderr)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(choice.threads)
+    try:
+        return _run_single_device(path, recipe_args)
+    finally:
+        torch.set_num_threads(saved)
+
+
 # What a rank's exception says when it failed only because another rank died under it: its collective lost
 # the connection. Such a rank is a consequence, named after the ranks whose failure was their own.
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "gloo/transport/",
@@ -247,7 +264,7 @@ def _world_size(launch: argparse.Namespace) -> int | None:
         if torch.cuda.is_available():
             launch.nproc_per_node = str(torch.cuda.device_count())
         else:
-            count = min(os.cpu_count() or 1, 4)
+            count = min(usable_cores(), 4)
             launch.nproc_per_node = str(count)
             message = f"no GPU found: {count} CPU processes on gloo (set --nproc_per_node to change)"
             print(f"tune: {message}", file=sys.stderr)
@@ -473,6 +490,11 @@ def _run_distributed(
     # NCCL and gloo set up for the cluster, where the user left them unset (none on one node of CPU processes).
     several = (rendezvous.host, rendezvous.port) if rendezvous is not None and rendezvous.nodes > 1 else None
     chosen = worker_environment(rendezvous=several, uses_gpus=uses_gpus, output_dir=output_dir, environ=os.environ)
+    if not uses_gpus and "OMP_NUM_THREADS" not in os.environ:  # CPU processes: share out the idle cores
+        from torch.distributed.run import determine_local_world_size
+
+        threads = choose_threads(determine_local_world_size(launch.nproc_per_node))
+        chosen.append(({"OMP_NUM_THREADS": str(threads.threads)}, threads.describe()))
     for _, line in chosen:
         print(f"tune: {line}", file=sys.stderr)
     if rendezvous is not None and rendezvous.nodes > 1:
@@ -615,4 +637,6 @@ def run_command(argv: Sequence[str]) -> int:
         return _run_distributed(
             launch, path, recipe_argv, uses_gpus=uses_gpus, output_dir=None if output_dir is None else str(output_dir)
         )
+    if not _uses_gpus(str(cfg.get("device", "auto"))) and "OMP_NUM_THREADS" not in os.environ:
+        return _run_single_cpu_process(path, recipe_argv)
     return _run_single_device(path, recipe_argv)
