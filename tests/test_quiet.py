@@ -20,7 +20,7 @@ _NOISY = ("Failed to load", "is an Enum subclass")
 
 def _validate(**env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if k != "TUNE_VERBOSE"}
-    return subprocess.run(_COMMAND, capture_output=True, text=True, timeout=120, cwd=REPO,
+    return subprocess.run(_COMMAND, capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
                           env={**environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env})
 
 

@@ -15,9 +15,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.data import DataLoader
 
 from toolkit.checkpoint import StepCheckpointer, TrainingState
-from toolkit.data import GlobalBatchSampler
 from toolkit.config import apply_overrides, load_config
-from toolkit.data import demo_data_warning
+from toolkit.data import GlobalBatchSampler, demo_data_warning
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3_demo
 from toolkit.parallel import DistributedEnv, parallel_dims

@@ -49,7 +49,7 @@ def recipe_path(name: str) -> Path:
     Raises:
         UserError: No such recipe; the message lists the available ones with a did-you-mean.
     """
-    base, suffix = split_launch_suffix(name)
+    base = split_launch_suffix(name)[0]
     recipes = list_recipes()
     if base in recipes:
         return recipes_dir() / f"{base}.py"

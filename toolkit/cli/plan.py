@@ -230,13 +230,14 @@ def configured_memory(
     kernels, _, _ = step_kernels(cfg, model)
     world = nproc * nnodes
     optimizer, _ = _optimizer_name(cfg)
-    common = dict(
-        max_seq_len=_positive_int(cfg, "max_seq_len"), dtype=str(cfg.get("dtype", "bf16-mixed")),
-        activation_checkpointing=cfg.get("activation_checkpointing", False),
-        activation_offloading=bool(cfg.get("activation_offloading", False)),
-        optimizer_in_backward=bool(cfg.get("optimizer_in_backward", False)), kernels=kernels,
-        shard_size=cfg.get("hsdp_shard_size"), optimizer=optimizer, expert_parallel=cfg.get("expert_parallel", 1),
-    )
+    common = {
+        "max_seq_len": _positive_int(cfg, "max_seq_len"), "dtype": str(cfg.get("dtype", "bf16-mixed")),
+        "activation_checkpointing": cfg.get("activation_checkpointing", False),
+        "activation_offloading": bool(cfg.get("activation_offloading", False)),
+        "optimizer_in_backward": bool(cfg.get("optimizer_in_backward", False)), "kernels": kernels,
+        "shard_size": cfg.get("hsdp_shard_size"), "optimizer": optimizer,
+        "expert_parallel": cfg.get("expert_parallel", 1),
+    }
     context_parallel = cfg.get("context_parallel", 1)
     plan = plan_parallelism(
         model=model, strategy=str(cfg.get("data_parallel", "auto")), cpu_offload=bool(cfg.get("cpu_offload", False)),
@@ -628,7 +629,7 @@ def _recommendation_line(cfg: DictConfig, args: argparse.Namespace, *, nproc: in
     """``recommended: tune run ...``, or what fits nothing and the nearest job that would fit."""
     if "batch_size" not in cfg:
         return "recommended: (no batch_size in the config: nothing to lay out a training run for)"
-    shape = dict(nproc=nproc, nnodes=nnodes, memory=memory, plan_for=plan_for)
+    shape = {"nproc": nproc, "nnodes": nnodes, "memory": memory, "plan_for": plan_for}
     found = recommend(cfg, **shape)
     command = functools.partial(recommended_command, cfg, recipe=args.recipe, config=args.config,
                                 overrides=args.overrides)

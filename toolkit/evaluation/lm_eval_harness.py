@@ -17,8 +17,9 @@ from torch import nn
 
 from toolkit.config import did_you_mean
 from toolkit.errors import UserError
-from toolkit.paths import install_command
 from toolkit.evaluation.chat_template import ChatTemplate
+from toolkit.paths import install_command
+
 
 @dataclass(frozen=True)
 class LMEvalTasks:

@@ -38,8 +38,8 @@ from tqdm import tqdm
 
 from toolkit.config import did_you_mean
 from toolkit.errors import UserError
-from toolkit.paths import install_command
 from toolkit.parallel.distributed import on_rank_zero
+from toolkit.paths import install_command
 
 
 @runtime_checkable
