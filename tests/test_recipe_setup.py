@@ -28,10 +28,10 @@ from toolkit.recipe_setup import (
     Run,
     TrainingLoop,
     build_data,
+    claim_output,
     plan_layout,
     print_header,
     row_padding,
-    setup_run,
 )
 from toolkit.training import MetricsLogger, StepResult, precision_policy
 
@@ -214,11 +214,13 @@ def test_a_resumed_loop_runs_only_the_steps_left(tmp_path):
     assert _train(_loop(tmp_path, total_steps=4, step=4)) == []  # resumed at the end: nothing to run
 
 
-def test_setup_run_warns_once_on_rank_zero(tmp_path, caplog) -> None:
+def test_a_real_model_on_the_demo_data_is_warned_about_once_the_output_is_claimed(tmp_path, caplog) -> None:
     cfg = load_config(configs_dir() / "full_finetune/demo.yaml")
-    apply_overrides(cfg, ["model._component_=toolkit.models.llama3.llama3_2_1b", "device=cpu",
-                          "tokenizer={_component_: toolkit.tokenizers.from_pretrained, path: /models/llama}",
-                          f"output_dir={tmp_path / 'out'}"])
+    apply_overrides(cfg, ["model._component_=toolkit.models.llama3.llama3_2_1b", "progress_bar=false",
+                          "tokenizer={_component_: toolkit.tokenizers.from_pretrained, path: /models/llama}"])
+    env = DistributedEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU, backend=None)
+    run = Run(env, precision_policy("fp32", device=CPU), tmp_path / "out", resume=None, base_checkpoint=None)
     with caplog.at_level(logging.WARNING, logger="toolkit.recipe_setup"):
-        setup_run(cfg)
+        claim_output(cfg, run=run, step=0, total_steps=1).close()
+    # The last set-up step that can fail on the user's input: a bad input shows its one error line and nothing else.
     assert [r.getMessage() for r in caplog.records] == [demo_data_warning(cfg)]

@@ -68,7 +68,7 @@ from toolkit.training import (
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.watchdog import progress
 
-log = logging.getLogger(__name__)
+_logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,6 @@ def setup_run(cfg: DictConfig) -> Run:
             not a complete checkpoint, or an ``output_dir`` the run may not use.
     """
     env = init_distributed(device=cfg.device, timeout_s=cfg.dist_timeout_s)
-    if env.rank == 0 and (warning := demo_data_warning(cfg)):
-        log.warning(warning)
     precision = precision_policy(cfg.dtype, device=env.device)
     output_dir = Path(cfg.output_dir).expanduser()
     base_checkpoint = cfg.checkpointer.get("checkpoint_dir")
@@ -564,6 +562,9 @@ def claim_output(cfg: DictConfig, *, run: Run, step: int, total_steps: int) -> M
     log.log_config(cfg)
     if run.env.is_rank_zero:
         OmegaConf.save(cfg, run.output_dir / "config.yaml")
+        # Once the inputs are known good (a bad one ends with its one error line, and nothing more), before step 1.
+        if warning := demo_data_warning(cfg):
+            _logger.warning(warning)
     return log
 
 
