@@ -50,6 +50,8 @@ def test_only_the_named_messages_are_dropped(caplog: pytest.LogCaptureFixture, m
         torchao.warning("Failed to load /x/_C_mxfp8.so: Could not load this library: /x/_C_mxfp8.so")
         pytree.warning("%s is an Enum subclass and is now natively supported by torch.compile as an opaque value",
                        "<enum 'KernelPreference'>")
+        logging.getLogger("torchao.kernel.intmm").warning("Warning: Detected no triton, on systems without Triton "
+                                                          "certain kernels will not work")
         torchao.warning("NF4 quantization of this layer lost precision")  # the same logger, another message
         logging.getLogger("toolkit").warning("Failed to load x.so")  # ours: never hidden
     assert [r.getMessage() for r in caplog.records] == [

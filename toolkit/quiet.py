@@ -20,6 +20,8 @@ VERBOSE_ENV = "TUNE_VERBOSE"
 NOISE = {
     # torchao's prebuilt kernels for GPUs or torch builds other than this one's; the Python paths still work.
     "torchao": re.compile(r"Failed to load .*\.so\b|Skipping import of cpp extensions"),
+    # torchao's int8 matmul kernels on a machine without Triton (a CPU one); toolkit says itself where Triton is needed.
+    "torchao.kernel.intmm": re.compile(r"Warning: Detected no triton"),
     # torch >= 2.12 on torchao registering its enums the older way (torchao's to change, not the user's).
     "torch.utils._pytree": re.compile(r".* is an Enum subclass and is now natively supported by torch\.compile"),
 }
