@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -57,6 +58,17 @@ def test_only_the_named_messages_are_dropped(caplog: pytest.LogCaptureFixture, m
     assert [r.getMessage() for r in caplog.records] == [
         "NF4 quantization of this layer lost precision", "Failed to load x.so",
     ]
+
+
+def test_the_named_python_warning_is_dropped_and_others_are_not(monkeypatch) -> None:
+    monkeypatch.delenv("TUNE_VERBOSE", raising=False)
+    with warnings.catch_warnings(record=True) as caught:  # the filters are restored on leaving
+        warnings.simplefilter("always")
+        quiet_third_party_noise()
+        warnings.warn("OptimState8bit does not implement _stable_hash_for_caching. For PT2-compatible ...",
+                      UserWarning, stacklevel=1)
+        warnings.warn("lr_scheduler: 10 warmup steps of 5 in all", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["lr_scheduler: 10 warmup steps of 5 in all"]
 
 
 def test_verbose_adds_no_filter(monkeypatch) -> None:

@@ -3,7 +3,7 @@
 Importing torchao (for QLoRA, 8-bit optimizers, float8, or through peft) logs a line for each of its C++ extensions
 that this machine's torch or GPU cannot load, and torch's pytree logs a deprecation for each enum torchao registers:
 a dozen lines a user can do nothing about, printed before the first line of their run. Only these named messages of
-these named loggers are dropped, by a filter on the logger, so everything else they log, every warning of ours and
+these named loggers (and one named Python warning) are dropped, by a filter on the logger, so everything else they log, every warning of ours and
 every error still shows; ``TUNE_VERBOSE=1`` (which also shows torchrun's own logs) keeps them too.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
 from collections.abc import Mapping
 
 VERBOSE_ENV = "TUNE_VERBOSE"
@@ -25,6 +26,10 @@ NOISE = {
     # torch >= 2.12 on torchao registering its enums the older way (torchao's to change, not the user's).
     "torch.utils._pytree": re.compile(r".* is an Enum subclass and is now natively supported by torch\.compile"),
 }
+
+# Python warnings that are noise, by message: torch asking torchao's tensor subclasses (the 8-bit optimizers' state)
+# for a method of theirs, once per process, when the optimizer step is compiled.
+WARNING_NOISE = (r".* does not implement _stable_hash_for_caching",)
 
 
 class _DropNoise(logging.Filter):
@@ -52,3 +57,5 @@ def quiet_third_party_noise(environ: Mapping[str, str] | None = None) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
             logger.addFilter(_DropNoise(pattern))
+    for message in WARNING_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
