@@ -36,8 +36,8 @@ from toolkit.cli.main import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "docs/guide.md", "docs/checkpoints.md", "docs/multi_node.md", "docs/performance.md"]
-# Every subcommand but `ls` shows examples in its --help.
-SUBCOMMANDS = ["run", "plan", "cp", "cat", "validate", "export", "merge", "plot", "download", "doctor"]
+# Every subcommand shows examples in its --help.
+SUBCOMMANDS = ["ls", "run", "plan", "cp", "cat", "validate", "export", "merge", "plot", "download", "doctor"]
 # What a clone holds that the commands name by path (recipes/full_finetune.py, scripts/slurm/...).
 CLONE = ["recipes", "recipe_configs", "scripts", "benchmarks"]
 

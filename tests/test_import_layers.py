@@ -13,7 +13,7 @@ TOOLKIT = Path(__file__).resolve().parents[1] / "toolkit"
 # import each other either: the order among them is only the order of the line.) A new room gets its line here and
 # in docs/design.md, and a move that breaks the order fails below, naming the import.
 FLOORS = (
-    ("errors", "versions", "paths"),
+    ("errors", "versions", "paths", "quiet"),
     ("config",),
     ("tokenizers", "modules"),  # model blocks and their masks know nothing of data, training or checkpoints
     ("models", "data"),

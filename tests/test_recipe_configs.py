@@ -1,12 +1,15 @@
-"""Every shipped config validates, and its model builds (on the meta device, so 70B costs nothing)."""
+"""Every shipped config validates, its model builds (on the meta device, so 70B costs nothing), and it fits the
+hardware its header names by the planner's estimate."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from toolkit.cli._catalog import recipe_schema
+from toolkit.cli.plan import configured_memory
 from toolkit.config import instantiate, load_config, recipe_keys, validate
 from toolkit.paths import configs_dir, recipes_dir
 
@@ -39,6 +42,42 @@ def test_config_validates_and_model_builds(path: Path, tmp_path: Path):
         with torch.device("meta"):
             model = instantiate(cfg.model)
         assert sum(p.numel() for p in model.parameters()) > 0
+        if "build_from_hf" not in cfg.model._component_:  # (a claim about any checkpoint is about none in particular)
+            _check_hardware_claims(path, cfg, model)
+
+
+# What a header promises: "Sized for 8 80 GB GPUs", "one 24 GB GPU is enough", "2 nodes of 8 80 GB GPUs".
+HARDWARE_CLAIM = re.compile(r"(?:\b(\d+|one) nodes? of )?\b(\d+|one) (\d+) GB GPUs?\b")
+
+
+def hardware_claims(header: str) -> list[tuple[int, int, int]]:
+    """``(nodes, processes per node, GB per GPU)`` for each claim in a config's header comment."""
+    text = " ".join(line.lstrip("#").strip() for line in header.splitlines())
+    number = {"one": 1}
+    return [(number.get(nodes, 0) or int(nodes or 1), number.get(gpus, 0) or int(gpus), int(gb))
+            for nodes, gpus, gb in HARDWARE_CLAIM.findall(text)]
+
+
+def test_hardware_claims_are_read_as_written():
+    assert hardware_claims("# Sized for 8 80 GB GPUs in bf16") == [(1, 8, 80)]
+    assert hardware_claims("# one 24 GB GPU is enough, and more GPUs\n# on 2 nodes of 8 80 GB\n# GPUs (16)") == [
+        (1, 1, 24), (2, 8, 80)]
+    assert hardware_claims("# Memory: one node of 8 141 GB GPUs (H200)") == [(1, 8, 141)]
+    assert hardware_claims("# fewer or smaller GPUs: lower micro_batch_size; ~36 GiB per GPU") == []
+
+
+def _check_hardware_claims(path: Path, cfg, model) -> None:
+    """The config, as shipped, fits the hardware its header names, by the planner's estimate (`tune plan`): a claim
+    and the planner cannot drift apart."""
+    header = re.match(r"(#.*\n)*", path.read_text()).group(0)
+    for nodes, gpus, gb in hardware_claims(header):
+        estimate, usable = configured_memory(cfg, model, nproc=gpus, nnodes=nodes, device_memory_gb=gb)
+        assert estimate.total <= usable, (
+            f"{path.parent.name}/{path.stem}: the header names {nodes} node(s) x {gpus} {gb} GB GPU(s), where "
+            f"{estimate.label} needs {estimate.total / 2**30:.1f} GiB of {usable / 2**30:.1f} usable per GPU; "
+            f"see `tune plan {path.parent.name} --config {path.stem} --nproc_per_node {gpus} --nnodes {nodes} "
+            f"--device-memory-gb {gb}`"
+        )
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.py")))

@@ -3,6 +3,7 @@ and the header line. (The recipes that use it run end to end in tests/recipes.)"
 
 import contextlib
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -15,10 +16,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.data import DataLoader
 
 from toolkit.checkpoint import StepCheckpointer, TrainingState
-from toolkit.data import GlobalBatchSampler
+from toolkit.config import apply_overrides, load_config
+from toolkit.data import GlobalBatchSampler, demo_data_warning
 from toolkit.errors import UserError
 from toolkit.models.llama3 import llama3_demo, lora_llama3_demo
 from toolkit.parallel import DistributedEnv, parallel_dims
+from toolkit.paths import configs_dir
 from toolkit.planning import ParallelPlan, StepKernels
 from toolkit.recipe_setup import (
     Data,
@@ -29,6 +32,7 @@ from toolkit.recipe_setup import (
     describe_backend,
     describe_method,
     describe_optimizer,
+    claim_output,
     plan_layout,
     print_header,
     print_summary,
@@ -320,3 +324,15 @@ def test_a_resumed_loop_runs_only_the_steps_left(tmp_path):
     loop = _loop(tmp_path, total_steps=4, step=3)
     assert _train(loop) == [4]
     assert _train(_loop(tmp_path, total_steps=4, step=4)) == []  # resumed at the end: nothing to run
+
+
+def test_a_real_model_on_the_demo_data_is_warned_about_once_the_output_is_claimed(tmp_path, caplog) -> None:
+    cfg = load_config(configs_dir() / "full_finetune/demo.yaml")
+    apply_overrides(cfg, ["model._component_=toolkit.models.llama3.llama3_2_1b", "progress_bar=false",
+                          "tokenizer={_component_: toolkit.tokenizers.from_pretrained, path: /models/llama}"])
+    env = DistributedEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=CPU, backend=None)
+    run = Run(env, precision_policy("fp32", device=CPU), tmp_path / "out", resume=None, base_checkpoint=None)
+    with caplog.at_level(logging.WARNING, logger="toolkit.recipe_setup"):
+        claim_output(cfg, run=run, step=0, total_steps=1).close()
+    # The last set-up step that can fail on the user's input: a bad input shows its one error line and nothing else.
+    assert [r.getMessage() for r in caplog.records] == [demo_data_warning(cfg)]

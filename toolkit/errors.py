@@ -6,8 +6,13 @@ Programming errors stay ordinary exceptions so that their traceback reaches the 
 """
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+# What starts every line of a user error, from `tune` and from a recipe run directly or under torchrun alike, so a
+# user (or a script reading stderr) looks for one prefix.
+ERROR_PREFIX = "tune: error: "
 
 
 class UserError(Exception):
@@ -30,6 +35,12 @@ class ArgumentError(UserError):
 class NothingToDo(Exception):
     """The command has nothing to do (a run resumed after its last step): its one-line message is printed and it
     exits with 0, having changed nothing."""
+
+
+def print_error(message: str) -> None:
+    """Print ``message`` to stderr, each of its lines behind :data:`ERROR_PREFIX` (the one place that writes it)."""
+    for line in message.splitlines() or [""]:
+        print(f"{ERROR_PREFIX}{line}", file=sys.stderr)
 
 
 def read_json(path: Path) -> Any:

@@ -1,7 +1,11 @@
-"""Where the recipes and their configs live, in a source checkout and in an installed wheel."""
+"""Where the recipes and their configs live, in a source checkout and in an installed wheel, and how to install an
+extra into the copy that runs."""
 
+import importlib.metadata
+import json
 import os
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -27,3 +31,25 @@ def configs_dir() -> Path:
     """The folder holding ``<recipe>/<config>.yaml`` (``$TUNE_CONFIGS_DIR`` if set)."""
     override = os.environ.get("TUNE_CONFIGS_DIR")
     return Path(override) if override else _locate("recipe_configs", "_recipe_configs")
+
+
+def install_command(extra: str) -> str:
+    """The pip command that adds the optional dependencies ``extra`` (pyproject's ``[project.optional-dependencies]``)
+    to this installation, as it was installed: ``pip install "tunekit[plot]"`` for a wheel from an index, but
+    ``pip install -e ".[plot]"`` for an editable install of a clone (run in the clone; elsewhere its path), whose
+    package an index install would replace. pip records a local install's folder in ``direct_url.json`` (PEP 610).
+    """
+    try:
+        recorded = importlib.metadata.distribution("tunekit").read_text("direct_url.json")
+        origin = json.loads(recorded) if recorded else {}
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        origin = {}
+    if "vcs_info" in origin:  # from a repository's URL: the same source, not the index's release
+        return f'pip install "tunekit[{extra}] @ {origin["url"]}"'
+    url = urlparse(str(origin.get("url", "")))
+    if url.scheme != "file" or "dir_info" not in origin:
+        return f'pip install "tunekit[{extra}]"'
+    folder = Path(unquote(url.path))
+    where = "." if Path.cwd().resolve() == folder.resolve() else str(folder)
+    editable = "-e " if origin["dir_info"].get("editable") else ""
+    return f'pip install {editable}"{where}[{extra}]"'

@@ -27,6 +27,7 @@ recipes' order, which matters: everything that can fail on the user's input is b
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,7 +46,7 @@ from toolkit.checkpoint import StepCheckpointer, TrainingState, claim_output_dir
 from toolkit.checkpoint.step_files import CHECKPOINTS_DIR
 from toolkit.checkpoint.step_reader import resume_step
 from toolkit.config import instantiate
-from toolkit.data import GlobalBatchSampler
+from toolkit.data import GlobalBatchSampler, demo_data_warning
 from toolkit.errors import NothingToDo, UserError
 from toolkit.generation import report_exact_match
 from toolkit.models import read_hf_config
@@ -76,6 +77,8 @@ from toolkit.training import (
 from toolkit.training.metric_loggers import build_metric_loggers_on_rank_zero
 from toolkit.training.metrics import format_duration
 from toolkit.training.watchdog import progress
+
+_logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -632,6 +635,9 @@ def claim_output(cfg: DictConfig, *, run: Run, step: int, total_steps: int) -> M
     log.log_config(cfg)
     if run.env.is_rank_zero:
         OmegaConf.save(cfg, run.output_dir / "config.yaml")
+        # Once the inputs are known good (a bad one ends with its one error line, and nothing more), before step 1.
+        if warning := demo_data_warning(cfg):
+            _logger.warning(warning)
     return log
 
 

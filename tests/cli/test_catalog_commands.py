@@ -8,10 +8,20 @@ from tests.cli.conftest import TOY_RECIPE, one_line
 def test_help(tune_process) -> None:
     result = tune_process("--help")  # also proves `python -m toolkit.cli.main` is the command
     assert result.returncode == 0
+    # A quickstart first: the demo, asking the trained model, where the docs are.
+    first = result.stdout.splitlines()[:4]
+    assert first[0] == "quickstart:" and "--config demo" in first[1] and "tune run generate" in first[2], first
+    assert "docs/guide.md" in first[3]
     for command in ("ls", "cp", "cat", "validate", "run"):
         assert command in result.stdout
     result = tune_process("run", "--help")
     assert result.returncode == 0 and "--nproc_per_node" in result.stdout and "_distributed" in result.stdout
+    # Its examples follow its own rule: torchrun flags before the recipe.
+    examples = result.stdout.split("\nexamples:\n", 1)[1].splitlines()
+    for example in examples:
+        words = example.split("#")[0].split()
+        recipe = next(i for i, word in enumerate(words) if word.endswith(("_single_device", "_distributed", ".py")))
+        assert not any(word.startswith("--") and word != "--config" for word in words[recipe:]), example
 
 
 def test_bad_subcommand_is_one_line(tune) -> None:
@@ -26,6 +36,22 @@ def test_ls_discovers_recipes_and_configs(tune) -> None:
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()]
     assert rows[:4] == [["RECIPE", "CONFIG"], ["other", "demo"], ["toy", "demo"], ["small"]]
     assert "_shared" not in result.stdout
+
+
+def test_ls_filters_by_recipe_or_config_name(tune) -> None:
+    def rows(*args: str) -> list[list[str]]:
+        result = tune("ls", *args)
+        assert result.returncode == 0, result.stderr
+        return [line.split() for line in result.stdout.splitlines()[1:] if line.strip() and "run one" not in line]
+
+    assert rows("toy") == [["toy", "demo"], ["small"]]  # a recipe: all its configs
+    assert rows("SMA") == [["toy", "small"]]  # a config's name, in any case
+    assert rows("demo") == [["other", "demo"], ["toy", "demo"]]
+    result = tune("ls", "smal1")
+    assert result.returncode == 2
+    assert one_line(result.stderr) == (
+        "tune: error: no recipe or config matches 'smal1'; did you mean 'small'? (see `tune ls`)"
+    )
 
 
 def test_cp_recipe_adds_suffix_and_refuses_to_overwrite(tune, tree) -> None:

@@ -49,6 +49,8 @@ def test_plan_demo_prints_the_table_and_the_choice(plan) -> None:
     assert "24.00 GiB each (--device-memory-gb), 21.60 GiB usable" in out
     assert "auto picks: data_parallel=ddp (ddp needs" in out
     assert "config: data_parallel=ddp needs" in out  # the demo config names ddp
+    # The last line: what to run, on this one process, with the micro batch auto picks (the whole batch of 32).
+    assert out.splitlines()[-1] == "recommended: tune run full_finetune_single_device --config demo micro_batch_size=32"
     if not torch.cuda.is_available():
         assert "no GPU here, so one process per node" in out
 
@@ -77,6 +79,11 @@ def test_plan_8b_on_two_24gb_gpus_offloads(plan) -> None:
     assert result.returncode == 0, result.stderr
     assert "auto picks: data_parallel=zero3 with cpu_offload: true (zero3+offload needs" in result.stdout
     assert _row(result.stdout, "fits") == ["no", "no", "no", "no", "no", "yes"]
+    # The same choice, as a command: the user's overrides but the data_parallel=auto it replaces, then its own.
+    recommended = result.stdout.splitlines()[-1]
+    assert recommended.startswith("recommended: tune run --nproc_per_node 2 full_finetune_distributed --config demo ")
+    assert recommended.endswith(" max_seq_len=4096 data_parallel=zero3 cpu_offload=true"), recommended
+    assert "data_parallel=auto" not in recommended
 
 
 def test_plan_70b_that_fits_nowhere_prints_the_table_then_one_error(plan) -> None:
@@ -85,6 +92,27 @@ def test_plan_70b_that_fits_nowhere_prints_the_table_then_one_error(plan) -> Non
     assert "no" in _row(result.stdout, "fits") and "yes" not in _row(result.stdout, "fits")
     (line,) = result.stderr.splitlines()
     assert line.startswith("tune: error: no data-parallel strategy fits 2 device(s)") and "LoRA/QLoRA" in line
+    # stdout ends with the nearest job that fits, as a command to run.
+    recommended = result.stdout.splitlines()[-1]
+    assert recommended.startswith("recommended: nothing fits 2 process(es) of 24.00 GiB, even with activation "
+                                  "checkpointing and offloading; it fits on "), recommended
+    assert "activation_checkpointing=true" in recommended and recommended.endswith("; or LoRA/QLoRA")
+
+
+def test_the_recommended_command_is_what_auto_picks_and_planning_it_changes_nothing(plan) -> None:
+    first = plan("full_finetune", "--config", "llama3_1_8b", "--nproc_per_node", "8", "--device-memory-gb", "80")
+    assert first.returncode == 0, first.stderr
+    recommended = first.stdout.splitlines()[-1]
+    prefix = "recommended: tune run --nproc_per_node 8 full_finetune_distributed --config llama3_1_8b "
+    assert recommended.startswith(prefix), recommended
+    overrides = recommended[len(prefix):].split()
+    assert {o.split("=")[0] for o in overrides} >= {"data_parallel", "micro_batch_size"}, overrides
+    # Planned again with those overrides, the config is what auto picks: nothing more to change.
+    again = plan("full_finetune", "--config", "llama3_1_8b", "--nproc_per_node", "8", "--device-memory-gb", "80",
+                 *overrides)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[-1] == recommended
+    assert "fits" in next(line for line in again.stdout.splitlines() if line.startswith("config: "))
 
 
 def test_device_memory_from_the_config(plan) -> None:
@@ -387,7 +415,8 @@ def test_plan_shows_qwen3_235b_fits_only_with_offloading_on_8_or_16_gpus(plan, n
     assert all("yes" not in _without_offload(table, "fits") for table in tables.values())
     assert tables[1]["fits"][-1] == "yes"  # zero3 with cpu_offload
     assert "config: data_parallel=zero3 needs" in result.stdout and "does NOT fit" in result.stdout
-    assert "with cpu_offload: true" in result.stdout.splitlines()[-1]  # what data_parallel: auto picks
+    assert "with cpu_offload: true" in result.stdout.splitlines()[-2]  # what data_parallel: auto picks
+    assert " cpu_offload=true " in result.stdout.splitlines()[-1]  # and so what to run
 
 
 def test_plan_with_a_given_expert_parallel_degree_shows_only_it(plan) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from toolkit.cli.main import main
 from toolkit.cli.plot import plot_runs, read_metrics
+from toolkit.paths import install_command
 from tests.cli.conftest import one_line
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -97,7 +98,7 @@ def test_without_matplotlib_it_prints_a_summary_and_how_to_get_the_png(tmp_path,
         "run_a: 6 steps (1-6); loss first 3.0000 last 0.5000 min 0.5000 (step 6); mean tokens/s 1004; "
         "val_loss last 0.6000 (step 6)",
         "run_b: 4 steps (1-4); loss first 2.0000 last 0.5000 min 0.5000 (step 4); mean tokens/s 1002",
-        'for the PNG, install matplotlib: pip install "tunekit[plot]"',
+        f"for the PNG, install matplotlib: {install_command('plot')}",
     ]
     assert not output.exists()
 

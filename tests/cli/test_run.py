@@ -51,7 +51,7 @@ def test_a_new_key_the_recipe_never_reads_is_refused_before_launch(tune, tree) -
 def test_user_error_in_single_device_recipe(tune_process) -> None:
     result = tune_process("run", "toy_single_device", "--config", "small", "fail_on=all")
     assert result.returncode == 2
-    assert one_line(result.stderr) == "error: bad value on rank none"
+    assert one_line(result.stderr) == "tune: error: bad value on rank none"
 
 
 def test_unknown_recipe(tune) -> None:
@@ -59,6 +59,22 @@ def test_unknown_recipe(tune) -> None:
     assert result.returncode == 2
     assert one_line(result.stderr) == (
         "tune: error: unknown recipe 'tyo_distributed'; did you mean 'toy_distributed'? (recipes: other, toy)"
+    )
+
+
+def test_a_typo_suggests_the_closest_runnable_name_launch_suffix_included(tune, tree) -> None:
+    # A misspelt suffix: the distributed launch the user meant, not the bare recipe (which runs on one device).
+    assert one_line(tune("run", "toy_distribted", "--config", "small").stderr).startswith(
+        "tune: error: unknown recipe 'toy_distribted'; did you mean 'toy_distributed'?")
+    assert "did you mean 'toy_single_device'?" in tune("run", "toy_single_devic", "--config", "small").stderr
+    # A config's name where the recipe goes, and a recipe file that is not there.
+    assert one_line(tune("run", "small", "--config", "small").stderr) == (
+        "tune: error: 'small' is a config (of toy), not a recipe: give it after the recipe, e.g. "
+        "`tune run toy_distributed --config small`"
+    )
+    shutil.copy(tree.recipes / "toy.py", tree.work / "mine.py")
+    assert one_line(tune("run", "mien.py", "--config", "small").stderr) == (
+        "tune: error: no such recipe file 'mien.py'; did you mean 'mine.py'?"
     )
 
 
@@ -120,8 +136,8 @@ def test_distributed_user_error_is_one_line_exit_2(tune_process, fail_on: str) -
     assert result.returncode == 2
     # With "all", whichever rank fails first makes torchrun stop the other, possibly before it records its own
     # error: either rank's message may be the one shown, but exactly one is.
-    expected = {"error: bad value on rank 0", "error: bad value on rank 1"} if fail_on == "all" else {
-        "error: bad value on rank 1"
+    expected = {"tune: error: bad value on rank 0", "tune: error: bad value on rank 1"} if fail_on == "all" else {
+        "tune: error: bad value on rank 1"
     }
     assert one_line(result.stderr) in expected
 
@@ -183,7 +199,7 @@ def test_a_user_error_recorded_before_sigterm_is_shown(tmp_path, capsys) -> None
     stopped = _failure(tmp_path, 1, -signal.SIGTERM, "bad value")
     stopped.error_file_data[USER_ERROR_KEY] = "bad value on rank 1"
     assert _report_failure({0: _failure(tmp_path, 0, -signal.SIGTERM, None), 1: stopped}) == 2
-    assert one_line(capsys.readouterr().err) == "error: bad value on rank 1"
+    assert one_line(capsys.readouterr().err) == "tune: error: bad value on rank 1"
 
 
 def test_a_timed_out_collective_names_the_ranks_still_running(tmp_path, capsys) -> None:

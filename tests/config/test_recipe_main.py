@@ -64,13 +64,13 @@ def test_runs_with_overrides(tmp_path: Path) -> None:
 def test_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     result = _run(tmp_path, "action=user_error")
     assert result.returncode == 2
-    assert result.stderr == "error: batch_size 7 is not divisible by 2 processes\n"
+    assert result.stderr == "tune: error: batch_size 7 is not divisible by 2 processes\n"
 
 
 def test_config_error_is_one_line(tmp_path: Path) -> None:
     result = _run(tmp_path, "~nope")
     assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: override '~nope': no key 'nope'")
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("tune: error: override '~nope': no key 'nope'")
 
 
 def test_a_run_without_tune_refuses_a_key_the_recipe_never_reads(tmp_path: Path) -> None:
@@ -78,7 +78,7 @@ def test_a_run_without_tune_refuses_a_key_the_recipe_never_reads(tmp_path: Path)
     result = _run(tmp_path, "valu=42")
     assert result.returncode == 2
     assert result.stderr == (
-        "error: override 'valu=42': no key 'valu' in the config, and recipe recipe does not read one; "
+        "tune: error: override 'valu=42': no key 'valu' in the config, and recipe recipe does not read one; "
         "did you mean 'value'?\n"
     )
 
@@ -123,7 +123,7 @@ def test_a_full_disk_is_one_line_and_other_os_errors_keep_their_traceback(tmp_pa
     result = _run(tmp_path, "action=disk_full")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: out/metrics.jsonl: cannot write (ENOSPC: No space left on device)"
+        "tune: error: out/metrics.jsonl: cannot write (ENOSPC: No space left on device)"
     ]
     result = _run(tmp_path, "action=missing_file")
     assert result.returncode == 1 and "Traceback" in result.stderr and "FileNotFoundError" in result.stderr

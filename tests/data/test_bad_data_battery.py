@@ -468,8 +468,8 @@ def test_a_long_row_is_cut_or_skipped_as_configured(tmp_path):
     "content,line",
     [
         (INSTRUCT + b"\n" + rb'{"input": "\ud800 x", "output": "y"}' + b"\n",
-         "error: {path}, line 2: column 'input' has a lone UTF-16 surrogate '\\ud800' at character 1"),
-        (b"\n\n", "error: the dataset has no rows: {path} has only blank lines"),
+         "tune: error: {path}, line 2: column 'input' has a lone UTF-16 surrogate '\\ud800' at character 1"),
+        (b"\n\n", "tune: error: the dataset has no rows: {path} has only blank lines"),
     ],
     ids=["surrogate", "blank lines"],
 )

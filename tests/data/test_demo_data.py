@@ -1,7 +1,16 @@
 import pytest
 
-from toolkit.data import CROSS_ENTROPY_IGNORE_INDEX, ChatDataset, demo_dataset, demo_tasks, shifted_labels
+from toolkit.config import apply_overrides, load_config
+from toolkit.data import (
+    CROSS_ENTROPY_IGNORE_INDEX,
+    ChatDataset,
+    demo_data_warning,
+    demo_dataset,
+    demo_tasks,
+    shifted_labels,
+)
 from toolkit.errors import UserError
+from toolkit.paths import configs_dir
 from toolkit.tokenizers import byte_tokenizer
 
 ALL_TASKS = ["reverse", "upper", "sort", "repeat"]
@@ -146,3 +155,32 @@ def test_label_noise_makes_a_share_of_answers_another_tasks_on_the_same_prompts(
     for bad in (1.0, -0.1):
         with pytest.raises(UserError, match="label_noise"):
             demo_tasks(num_samples=5, label_noise=bad)
+
+
+_CHAT = "dataset={_component_: toolkit.data.chat_dataset, source: x.jsonl}"
+
+
+@pytest.mark.parametrize(("config", "overrides", "warned"), [
+    ("full_finetune/llama3_1_8b", [], "dataset"),
+    ("preference_finetune/llama3_1_8b_dpo", [], "dataset"),
+    ("distill/llama3_2_1b_from_llama3_1_8b", [], "dataset"),
+    # Real data: no warning; real data but the demo's held-out set: that one named.
+    ("full_finetune/llama3_1_8b", [_CHAT], None),
+    ("full_finetune/llama3_1_8b", [_CHAT, "validation_dataset={_component_: toolkit.data.demo_dataset}"],
+     "validation_dataset"),
+    # The demo's own model, from scratch or trained by the full demo (LoRA on it): its data is the point.
+    ("full_finetune/demo", [], None),
+    ("lora_finetune/demo", ["checkpointer.checkpoint_dir=outputs/full_finetune_demo/final"], None),
+    ("distill/demo", [], None),
+])
+def test_a_real_model_on_the_demo_data_is_warned_about_in_one_line(config, overrides, warned) -> None:
+    cfg = load_config(configs_dir() / f"{config}.yaml")
+    apply_overrides(cfg, overrides)
+    warning = demo_data_warning(cfg)
+    if warned is None:
+        assert warning is None
+        return
+    assert warning is not None and "\n" not in warning
+    assert warning.startswith(f"{warned}: toolkit.data.demo") and cfg.model._component_ in warning
+    assert "toolkit.data.chat_dataset" in warning  # what to write instead
+

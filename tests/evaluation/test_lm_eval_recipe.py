@@ -15,6 +15,7 @@ import torch
 from tests.launch import RecipeRun, run_recipe_here, run_recipes
 from toolkit.errors import UserError
 from toolkit.generation import generate
+from toolkit.paths import install_command
 from toolkit.tokenizers import byte_tokenizer
 from toolkit.training import HFCheckpointer
 
@@ -172,8 +173,7 @@ def test_without_lm_eval_the_error_says_what_to_install(tmp_path, monkeypatch):
     with pytest.raises(UserError) as error:
         run_eval(tmp_path, "checkpointer.checkpoint_dir=null", "lm_eval.tasks=[arc_easy]")
     assert str(error.value) == (
-        "lm_eval.tasks needs lm-evaluation-harness (no module named 'lm_eval'): "
-        'pip install "tunekit[eval]" (from a clone: pip install -e ".[eval]")'
+        f"lm_eval.tasks needs lm-evaluation-harness (no module named 'lm_eval'): {install_command('eval')}"
     )
     assert not (tmp_path / "eval.json").exists()
 

@@ -392,7 +392,7 @@ def test_tensor_parallel_auto_that_fits_nowhere_is_one_line_and_touches_no_folde
     )
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("error: tensor_parallel: auto: no layout of 1 process(es) fits 0.9 MiB usable"), line
+    assert line.startswith("tune: error: tensor_parallel: auto: no layout of 1 process(es) fits 0.9 MiB usable"), line
     assert not (tmp_path / "run").exists()
 
 

@@ -130,13 +130,13 @@ def test_sigkill_then_resume_is_bitwise_exact(single, teacher, tmp_path):
 
 @pytest.mark.parametrize(("override", "message"), [
     ("teacher_model.vocab_size=256",
-     "error: teacher_model: its vocabulary has 256 tokens and the student's 384; distillation compares their "
+     "tune: error: teacher_model: its vocabulary has 256 tokens and the student's 384; distillation compares their "
      "distributions token by token, so both need the same tokenizer"),
     ("teacher_checkpointer.checkpoint_dir=null",
-     "error: teacher_checkpointer.checkpoint_dir: a teacher needs its trained weights; give its folder"),
+     "tune: error: teacher_checkpointer.checkpoint_dir: a teacher needs its trained weights; give its folder"),
     # The checkpointer's own check, named by the key of the node it was built from (not the student's).
     ("teacher_checkpointer.checkpoint_dir={tmp}/gone",
-     "error: teacher_checkpointer.checkpoint_dir: {tmp}/gone is not a folder"),
+     "tune: error: teacher_checkpointer.checkpoint_dir: {tmp}/gone is not a folder"),
 ])
 def test_a_teacher_that_cannot_teach_is_refused_in_one_line(override, message, teacher, tmp_path):
     out = tmp_path / "run"

@@ -291,7 +291,7 @@ def test_expert_adapters_on_a_model_without_experts_are_refused_in_one_line(key,
                   f"model.{key}=true", "max_steps=1")
     assert result.returncode == 2
     line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"error: {key}: ") and line.endswith("has no mixture-of-experts layers; set it false")
+    assert line.startswith(f"tune: error: {key}: ") and line.endswith("has no mixture-of-experts layers; set it false")
     assert not (tmp_path / "out").exists()
 
 
@@ -324,12 +324,12 @@ def test_the_checkpoint_loads_into_the_family_builder_spelled_out(moe_folder, on
 
 @pytest.mark.parametrize(("changed", "says"), [
     # Fewer experts than the checkpoint has: its experts 4-7 have nowhere to go.
-    (dict(num_experts=4), r"error: .*tiny_qwen3_moe\d*: the checkpoint has 8 experts per layer but the model has 4 "
-                          r"\(counted from 'model.layers.0.mlp.experts.7.down_proj.weight'\); is it a checkpoint of "
+    (dict(num_experts=4), r"tune: error: .*tiny_qwen3_moe\d*: the checkpoint has 8 experts per layer but the model "
+                          r"has 4 \(counted from 'model.layers.0.mlp.experts.7.down_proj.weight'\); is it a checkpoint of "
                           r"this model\?"),
     # The same weights, another top-k: only config.json can tell.
-    (dict(num_experts_per_tok=3), r"error: .*tiny_qwen3_moe\d*: the checkpoint's config.json routes each token to "
-                                  r"num_experts_per_tok=2 experts but the model to 3; is it a checkpoint of this model\?"),
+    (dict(num_experts_per_tok=3), r"tune: error: .*tiny_qwen3_moe\d*: the checkpoint's config.json routes each "
+                                  r"token to num_experts_per_tok=2 experts but the model to 3; is it a checkpoint of this model\?"),
 ], ids=["num_experts", "num_experts_per_tok"])
 def test_a_checkpoint_with_another_expert_count_or_top_k_is_refused_in_one_line(moe_folder, changed, says, tmp_path):
     import re
@@ -409,7 +409,7 @@ def test_trained_routers_are_refused_by_the_preference_recipe_in_one_line(moe_fo
                   f"output_dir={tmp_path / 'out'}", *_overrides(moe_folder, "model.train_router=true"))
     assert result.returncode == 2
     line, = result.stderr.strip().splitlines()
-    assert line.startswith("error: model.train_router: ")
+    assert line.startswith("tune: error: model.train_router: ")
     assert not (tmp_path / "out").exists()
 
 

@@ -243,7 +243,7 @@ def test_a_dataset_without_pairs_is_refused_in_one_line(tmp_path):
                            *FAST, "dataset._component_=toolkit.data.demo_dataset")
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
-        "error: dataset: the dataset yields no chosen/rejected pairs; give a preference dataset such as "
+        "tune: error: dataset: the dataset yields no chosen/rejected pairs; give a preference dataset such as "
         "toolkit.data.preference_dataset"
     ]
     assert not out.exists()
@@ -251,10 +251,10 @@ def test_a_dataset_without_pairs_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ("dataset._component_=toolkit.data.demo_preference_dataset",
-     "error: dataset: the dataset yields no answers labelled desirable or not; give a KTO dataset such as "
+     "tune: error: dataset: the dataset yields no answers labelled desirable or not; give a KTO dataset such as "
      "toolkit.data.kto_dataset"),
     ("validation_dataset._component_=toolkit.data.demo_unpaired_dataset",
-     "error: validation_dataset: the dataset yields no chosen/rejected pairs; give a preference dataset such as "
+     "tune: error: validation_dataset: the dataset yields no chosen/rejected pairs; give a preference dataset such as "
      "toolkit.data.preference_dataset (kto too is validated on held-out pairs)"),
 ])
 def test_kto_on_the_wrong_kind_of_data_is_refused_in_one_line(override, message, tmp_path):

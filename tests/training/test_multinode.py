@@ -332,10 +332,10 @@ def test_nodes_with_different_torch_versions_are_refused_in_one_line(tmp_path):
     results = launch_nodes(outs, tmp_path / "logs", 1, "data_parallel=ddp", check=False, stop_others=False,
                            node_env=[{}, {"TUNE_TEST_FAKE_TORCH_VERSION": "2.0.0"}])
     assert [r.returncode for r in results] == [2, 2], [r.stderr[-2000:] for r in results]
-    expected = (f"error: the nodes run different torch versions (torch {torch.__version__} on {host}; "
+    expected = (f"tune: error: the nodes run different torch versions (torch {torch.__version__} on {host}; "
                 f"torch 2.0.0 on {host}): install the same on every node")
     for r in results:
-        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        errors = [line for line in r.stderr.splitlines() if line.startswith("tune: error:")]
         assert errors in ([expected], [expected.replace(f"torch {torch.__version__} on {host}; torch 2.0.0 on {host}",
                                                         f"torch 2.0.0 on {host}; torch {torch.__version__} on {host}")])
         assert "Traceback" not in r.stderr

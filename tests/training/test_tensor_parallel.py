@@ -474,7 +474,7 @@ def test_a_tensor_parallel_checkpoint_of_the_other_recipe_is_refused_in_one_line
     )
     assert result.returncode == 2
     line, = result.stderr.strip().splitlines()
-    assert line.startswith("error: ") and "model._component_" in line and f"llama3.{wanted}'" in line
+    assert line.startswith("tune: error: ") and "model._component_" in line and f"llama3.{wanted}'" in line
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

@@ -49,13 +49,26 @@ def recipe_path(name: str) -> Path:
     Raises:
         UserError: No such recipe; the message lists the available ones with a did-you-mean.
     """
-    base, suffix = split_launch_suffix(name)
+    base = split_launch_suffix(name)[0]
     recipes = list_recipes()
     if base in recipes:
         return recipes_dir() / f"{base}.py"
-    # Suggest the name as the user would type it again, launch suffix included.
-    hint = did_you_mean(name, [recipe + (suffix or "") for recipe in recipes])
+    # A config's name where the recipe goes: say where it goes instead of suggesting a recipe that looks like it.
+    owners = [qualified.split("/", 1)[0] for qualified in _configs_named(name.removesuffix(".yaml"))]
+    if owners:
+        raise UserError(
+            f"'{name}' is a config (of {', '.join(owners)}), not a recipe: give it after the recipe, e.g. "
+            f"`tune run {owners[0]}_distributed --config {name}`"
+        )
+    # Every name that runs, launch suffixes included, so a typo in the suffix (full_finetune_distribted) suggests
+    # the launch the user meant rather than the bare recipe, which runs on one device.
+    hint = did_you_mean(name, runnable_names())
     raise UserError(f"unknown recipe '{name}'{hint} (recipes: {', '.join(recipes) or f'none in {recipes_dir()}'})")
+
+
+def runnable_names() -> list[str]:
+    """What ``tune run`` takes as a recipe name: every recipe bare (one device) and with each launch suffix."""
+    return [recipe + suffix for recipe in list_recipes() for suffix in ("", *LAUNCH_SUFFIXES)]
 
 
 def _qualified_config(name: str) -> Path | None:

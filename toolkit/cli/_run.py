@@ -20,10 +20,11 @@ from typing import Any
 from toolkit.cli._catalog import config_for_recipe, recipe_path, recipe_schema, split_launch_suffix
 from toolkit.cli._cluster_env import check_interface_names, worker_environment
 from toolkit.cli._threads import choose_threads, usable_cores
-from toolkit.config import Schema, apply_overrides, load_config, recipe_keys, validate
+from toolkit.config import Schema, apply_overrides, did_you_mean, load_config, recipe_keys, validate
 from toolkit.config._parse import split_config_arg
 from toolkit.config._recipe import LAUNCHER_REPORTS_ERRORS_ENV, USER_ERROR_KEY
-from toolkit.errors import UserError
+from toolkit.errors import UserError, print_error
+from toolkit.quiet import verbose
 
 USAGE = "tune run [TORCHRUN FLAGS] RECIPE[_single_device|_distributed] --config CONFIG [key=value ...] [~key ...]"
 
@@ -42,7 +43,7 @@ before anything is launched.
 
 TORCHRUN FLAGS (before RECIPE) are passed to torchrun unchanged, e.g. --nproc_per_node, --nnodes,
 --node_rank, --rdzv_backend, --rdzv_endpoint, --rdzv_id, --master_addr, --master_port, --max_restarts,
---standalone; see `torchrun --help`. TUNE_VERBOSE=1 shows torchrun's own logs.
+--standalone; see `torchrun --help`. TUNE_VERBOSE=1 shows torchrun's own logs and third-party start-up messages.
 
 On one node without --master_port the processes meet on a free port. A port this node must listen on that is
 taken stops the launch at once. Several nodes wait for each other at most 300 s (--rdzv_conf
@@ -53,7 +54,7 @@ recorder, dumped to output_dir on a timeout (see docs/multi_node.md).
 
 examples:
   tune run full_finetune_single_device --config demo
-  tune run full_finetune_distributed --nproc_per_node 2 --config demo batch_size=8
+  tune run --nproc_per_node 2 full_finetune_distributed --config demo batch_size=8
   tune run --nnodes 2 --node_rank 0 --rdzv_endpoint host:29400 full_finetune_distributed --config demo
   tune run my_recipe.py --config my_demo.yaml     # files copied with tune cp (see tune cp --help)"""
 
@@ -206,8 +207,7 @@ def _report_failure(failures: dict[int, Any]) -> int:
     }
     if user_errors:
         # The recipe left its one-line message for us instead of printing it; show the lowest rank's, once.
-        for line in str(user_errors[min(user_errors)]).splitlines():
-            print(f"error: {line}", file=sys.stderr)
+        print_error(str(user_errors[min(user_errors)]))
         return 2
     # SIGTERM is how torchrun stops the ranks still running once one has failed: a rank it stopped is a cause only
     # if it had recorded an exception of its own first.
@@ -230,7 +230,7 @@ def _report_failure(failures: dict[int, Any]) -> int:
         ranks = ", ".join(map(str, stopped))
         details += (f"; a collective timed out: the rank it waited for is one of those still running when stopped "
                     f"(here: {ranks}) or on another node")
-    print(f"tune: error: {details}; see that rank's output above", file=sys.stderr)
+    print_error(f"{details}; see that rank's output above")
     return 1
 
 
@@ -500,7 +500,7 @@ def _run_distributed(
     if rendezvous is not None and rendezvous.nodes > 1:
         print(f"tune: waiting up to {rendezvous.join_timeout_s} s for the {rendezvous.nodes} nodes to meet at "
               f"{rendezvous.host}:{rendezvous.port}", file=sys.stderr)
-    if os.environ.get("TUNE_VERBOSE") != "1":
+    if not verbose():
         # Failures are summarized in one line below; torchrun's banners and tables would bury it. Each
         # torchrun module sets its own logger's level, so setting the parents' is not enough.
         for name in list(logging.root.manager.loggerDict):
@@ -549,7 +549,7 @@ def _import_torch_quietly(argv: list[str]) -> None:
     the variable is removed again at once so the workers log as usual. A launch is recognized before parsing
     (the parser is torch's): flags before the recipe, or a ``_distributed`` recipe.
     """
-    if "torch" in sys.modules or os.environ.get("TUNE_VERBOSE") == "1" or "TORCH_CPP_LOG_LEVEL" in os.environ:
+    if "torch" in sys.modules or verbose() or "TORCH_CPP_LOG_LEVEL" in os.environ:
         return
     if not (argv[0].startswith("-") or any(arg.endswith("_distributed") for arg in argv)):
         return  # one device: the recipe runs in this process, which keeps torch's logs
@@ -602,7 +602,9 @@ def run_command(argv: Sequence[str]) -> int:
     if token.endswith(".py") or os.sep in token or "/" in token:
         path, recipe, suffix = Path(token), None, None  # a copied recipe: no configs of its own
         if not path.is_file():
-            raise UserError(f"no such recipe file '{token}'")
+            folder = path.parent
+            siblings = [str(folder / p.name) for p in folder.glob("*.py")] if folder.is_dir() else []
+            raise UserError(f"no such recipe file '{token}'{did_you_mean(token, siblings)}")
     else:
         path = recipe_path(token)
         recipe, suffix = split_launch_suffix(token)

@@ -27,7 +27,7 @@ from toolkit.cli._cluster_env import (
     _names_no_interface,
     interface_addresses,
 )
-from toolkit.errors import UserError
+from toolkit.errors import UserError, print_error
 from toolkit.versions import torch_version
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -433,7 +433,7 @@ def _launch(args: argparse.Namespace) -> int:
         if code != 0:
             return code
         if not verdict.is_file():
-            print("tune: error: the workers ended without a verdict; see their output above", file=sys.stderr)
+            print_error("the workers ended without a verdict; see their output above")
             return 1
         return int(verdict.read_text().strip() or 1)
 

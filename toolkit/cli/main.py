@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -20,9 +21,10 @@ from toolkit.cli._catalog import (
     recipe_schema,
 )
 from toolkit.cli._run import run_command
-from toolkit.config import apply_overrides, load_config, recipe_keys, validate
-from toolkit.errors import UserError
+from toolkit.config import apply_overrides, did_you_mean, load_config, recipe_keys, validate
+from toolkit.errors import UserError, print_error
 from toolkit.paths import configs_dir, recipes_dir
+from toolkit.quiet import quiet_third_party_noise
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,15 +34,42 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{message}; see `{self.prog} --help`")
 
 
+# What `tune --help` shows first: the three commands of a user's first minutes.
+QUICKSTART = """\
+quickstart:
+  tune run full_finetune_distributed --config demo        # train the demo (a tiny Llama, about 2 min on CPU)
+  tune run generate --config demo prompt="reverse: lamp"  # ask the model it trained
+  docs: README.md and docs/guide.md in the tunekit repository; `tune COMMAND --help` for each command
+"""
+
+
+class _TopParser(_Parser):
+    """The ``tune`` parser, whose help starts with :data:`QUICKSTART`."""
+
+    def format_help(self) -> str:
+        return f"{QUICKSTART}\n{super().format_help()}"
+
+
 def _ls(args: argparse.Namespace) -> int:
     recipes = list_recipes()
     if not recipes:
         print(f"no recipes in {recipes_dir()}")
         return 0
+    word = (args.filter or "").lower()
+    # A recipe that matches shows every config; otherwise only its configs that match (`tune ls qwen`).
+    listing = {
+        recipe: configs if word in recipe.lower() else [c for c in configs if word in c.lower()]
+        for recipe, configs in ((recipe, list_configs(recipe)) for recipe in recipes)
+    }
+    listing = {recipe: configs for recipe, configs in listing.items() if configs or word in recipe.lower()}
+    if not listing:
+        names = {*recipes, *(c for recipe in recipes for c in list_configs(recipe))}
+        families = {match.group(0) for name in names if (match := re.match(r"[a-z]+\d*", name))}
+        hint = did_you_mean(word, sorted(names | families | {f.rstrip("0123456789") for f in families}))
+        raise UserError(f"no recipe or config matches '{args.filter}'{hint} (see `tune ls`)")
     rows = [("RECIPE", "CONFIG")]
-    for recipe in recipes:
-        configs = list_configs(recipe) or ["-"]
-        rows += [(recipe if i == 0 else "", config) for i, config in enumerate(configs)]
+    for recipe, configs in listing.items():
+        rows += [(recipe if i == 0 else "", config) for i, config in enumerate(configs or ["-"])]
     width = max(len(recipe) for recipe, _ in rows) + 3
     for recipe, config in rows:
         print(f"{recipe:<{width}}{config}")
@@ -114,14 +143,23 @@ def _validate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``tune`` argument parser (``run`` is parsed by torchrun's parser, see ``_run.py``)."""
-    parser = _Parser(
+    parser = _TopParser(
         prog="tune",
         description="Fine-tune LLMs with recipes: plain Python files you run as they are or copy and edit.",
         epilog="`tune run --help` explains launching on one device, every GPU, or several nodes.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    ls = commands.add_parser("ls", help="list recipes and their configs", description="List recipes and configs.")
+    ls = commands.add_parser(
+        "ls", help="list recipes and their configs", description="List recipes and configs.",
+        epilog="examples:\n  tune ls\n  tune ls lora      # the LoRA recipe's configs, and every config named lora\n"
+        "  tune ls qwen3     # one model family's configs",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ls.add_argument(
+        "filter", nargs="?", metavar="FILTER",
+        help="show only a recipe (all its configs) or the configs whose name contains FILTER, e.g. a model family",
+    )
     ls.set_defaults(handler=_ls)
 
     cp = commands.add_parser(
@@ -195,8 +233,7 @@ def _parse(parser: argparse.ArgumentParser, args: list[str]) -> argparse.Namespa
 
 
 def _report(error: UserError) -> int:
-    for line in str(error).splitlines() or [""]:
-        print(f"tune: error: {line}", file=sys.stderr)
+    print_error(str(error))
     return 2
 
 
@@ -208,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         the recipe's own code for ``tune run``.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    quiet_third_party_noise()
     try:
         if args[:1] == ["run"]:
             return run_command(args[1:])

@@ -10,33 +10,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
-from toolkit.cli._catalog import (
-    config_for_recipe,
-    recipe_path,
-    recipe_schema,
-    split_launch_suffix,
-)
-from toolkit.config import (
-    apply_overrides,
-    instantiate,
-    load_config,
-    recipe_keys,
-    validate,
-)
+from toolkit.cli._catalog import config_for_recipe, list_configs, recipe_path, recipe_schema, split_launch_suffix
+from toolkit.cli._threads import usable_cores
+from toolkit.config import apply_overrides, instantiate, load_config, recipe_keys, validate
 from toolkit.errors import UserError
 from toolkit.modules.moe import MoEFeedForward, active_parameter_count, parameter_count
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.objectives.preference import preference_kernels
 from toolkit.parallel.mesh import EXPERT_PARALLEL_STRATEGIES
+from toolkit.planning.memory import (
+    MemoryEstimate,
+    StepKernels,
+    estimate_memory,
+    format_bytes,
+    format_table,
+    optimizer_memory_model,
+)
 from toolkit.planning.layout import (
+    ParallelPlan,
     candidate_strategies,
     choose_layout,
     choose_strategy,
@@ -44,13 +44,6 @@ from toolkit.planning.layout import (
     expert_parallel_degrees,
     plan_parallelism,
     tensor_parallel_degrees,
-)
-from toolkit.planning.memory import (
-    StepKernels,
-    estimate_memory,
-    format_bytes,
-    format_table,
-    optimizer_memory_model,
 )
 from toolkit.recipe_setup import (
     describe_backend,
@@ -70,6 +63,10 @@ _GIB = 1024**3
 DESCRIPTION = """\
 Estimate per-device memory (parameters, gradients, optimizer state, activations, logits, gathered parameters)
 for every data-parallel strategy, and show the one `data_parallel: auto` picks: the cheapest that fits.
+The last line is the `tune run` command to use (recommended: ...): the layout and micro batch that the recipes'
+auto settings pick (tensor_parallel, data_parallel and micro_batch_size auto, with activation checkpointing and
+offloading turned on where nothing fits without them); where nothing fits, the nearest job that does (more
+processes or nodes, a bigger device), or LoRA/QLoRA.
 
 With tensor parallelism: a further table for each degree that splits the model's heads, key/value heads, MLP
 width and vocabulary and divides the processes of one node (each process's shards, its heads' activations, its
@@ -201,6 +198,75 @@ def _device_memory(args: argparse.Namespace, cfg: DictConfig) -> tuple[int, str]
     return int(gib * _GIB), source
 
 
+def step_kernels(cfg: DictConfig, model: nn.Module) -> tuple[StepKernels, list[Any], nn.Module | None]:
+    """What the recipe's step holds besides the model, as the recipe sets it up: ``(kernels, adapters, teacher)``.
+
+    ``model`` (on the meta device) trains only its adapters where it has some, as the LoRA recipe makes it; a
+    preference config counts pairs and maybe a frozen reference copy; a distillation config's teacher is built on
+    the meta device, frozen, and counted in every estimate.
+    """
+    flex_setting = cfg.get("flex_attention", "auto")
+    if flex_setting not in (None, "auto", True, False):
+        raise UserError(f"flex_attention: expected auto, true or false, got {flex_setting!r}")
+    kernels = StepKernels(
+        flex_attention=flex_setting is not False,  # plans are for GPUs (with Triton): auto counts as on
+        loss_chunks=cfg.get("loss_chunks"),
+        fused_loss=bool(cfg.get("fused_loss", True)),
+    )
+    adapters = get_adapter_params(model)
+    if adapters:  # what the LoRA recipe does: only the adapters train
+        set_trainable_params(model, adapters)
+    if "preference_loss" in cfg:  # the preference recipe: pairs as two rows, and maybe a frozen reference copy
+        kernels = preference_kernels(kernels, loss=cfg.preference_loss, adapters=bool(adapters),
+                                     precompute=bool(cfg.get("precompute_reference", False)))
+    teacher = None
+    if "teacher_model" in cfg:  # distillation: a frozen teacher laid out like the student, in every estimate
+        with torch.device("meta"):
+            teacher = instantiate(cfg.teacher_model)
+        teacher.requires_grad_(False)
+        kernels = dataclasses.replace(kernels, frozen_model=teacher)
+    return kernels, adapters, teacher
+
+
+def configured_memory(
+    cfg: DictConfig, model: nn.Module, *, nproc: int, nnodes: int = 1, device_memory_gb: float, headroom: float = 0.9
+) -> tuple[MemoryEstimate, int]:
+    """What the config as it stands needs per device on ``nnodes x nproc`` devices of ``device_memory_gb`` GiB: its
+    layout as the recipe resolves it there (its ``auto`` values chosen as at start-up), estimated, and the bytes a
+    plan may use. What a config's header promises about hardware is checked with it (tests/test_recipe_configs.py).
+
+    Raises:
+        UserError: an ``auto`` value finds nothing that fits, or the config does not divide over the processes.
+    """
+    kernels, _, _ = step_kernels(cfg, model)
+    world = nproc * nnodes
+    optimizer, _ = _optimizer_name(cfg)
+    common = {
+        "max_seq_len": _positive_int(cfg, "max_seq_len"), "dtype": str(cfg.get("dtype", "bf16-mixed")),
+        "activation_checkpointing": cfg.get("activation_checkpointing", False),
+        "activation_offloading": bool(cfg.get("activation_offloading", False)),
+        "optimizer_in_backward": bool(cfg.get("optimizer_in_backward", False)), "kernels": kernels,
+        "shard_size": cfg.get("hsdp_shard_size"), "optimizer": optimizer,
+        "expert_parallel": cfg.get("expert_parallel", 1),
+    }
+    context_parallel = cfg.get("context_parallel", 1)
+    plan = plan_parallelism(
+        model=model, strategy=str(cfg.get("data_parallel", "auto")), cpu_offload=bool(cfg.get("cpu_offload", False)),
+        batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size, device=torch.device("cpu"),
+        device_memory_gb=device_memory_gb, world_size=world, local_world_size=nproc, headroom=headroom,
+        offload_candidates=True, tensor_parallel=cfg.get("tensor_parallel") or 1, context_parallel=context_parallel,
+        **common,
+    )
+    dims = plan.dims
+    common["max_seq_len"] = -(-common["max_seq_len"] // context_parallel)  # each process's positions of a row
+    estimate = estimate_memory(
+        model, strategy=dims.strategy, cpu_offload=dims.cpu_offload, world_size=world // dims.tp, num_nodes=nnodes,
+        micro_batch_size=plan.micro_batch_size, gradient_accumulation_steps=plan.accumulation_steps,
+        tensor_parallel=dims.tp, **common,
+    )
+    return estimate, int(headroom * device_memory_gb * _GIB)
+
+
 def longest_fitting_sequence(total, usable: int, *, multiple: int = 1024, ceiling: int = 1 << 22) -> int:
     """The largest multiple of ``multiple`` up to ``ceiling`` whose ``total(seq_len)`` bytes fit ``usable`` (0 for
     none). The estimates grow with the sequence, linearly where attention's memory is (flash kernels, FlexAttention):
@@ -254,26 +320,6 @@ def print_longest_sequences(model, *, degrees, world_size: int, nnodes: int, usa
     print()
 
 
-def meta_model(cfg: DictConfig, kernels: StepKernels) -> tuple[torch.nn.Module, StepKernels, torch.nn.Module | None]:
-    """The config's model on the meta device (shapes only: a 70B model costs nothing), with what trains set as its
-    recipe sets it, and the step's kernels with what the recipe adds to a step: ``(model, kernels, teacher)``."""
-    with torch.device("meta"):
-        model = instantiate(cfg.model)
-    adapters = get_adapter_params(model)
-    if adapters:  # what the LoRA recipe does: only the adapters train
-        set_trainable_params(model, adapters)
-    if "preference_loss" in cfg:  # the preference recipe: pairs as two rows, and maybe a frozen reference copy
-        kernels = preference_kernels(kernels, loss=cfg.preference_loss, adapters=bool(adapters),
-                                     precompute=bool(cfg.get("precompute_reference", False)))
-    teacher = None
-    if "teacher_model" in cfg:  # distillation: a frozen teacher laid out like the student, in every estimate
-        with torch.device("meta"):
-            teacher = instantiate(cfg.teacher_model)
-        teacher.requires_grad_(False)
-        kernels = dataclasses.replace(kernels, frozen_model=teacher)
-    return model, kernels, teacher
-
-
 # The keys a training recipe's plan reads: a config without them (generation, evaluation) has no plan to show.
 _PLANNED_KEYS = ("model", "optimizer", "batch_size", "micro_batch_size", "max_seq_len", "data_parallel")
 
@@ -295,19 +341,20 @@ def resolved_plan(cfg: DictConfig, *, nproc_per_node: int | None, nnodes: int) -
     wants_gpu = cfg.get("device", "auto") == "cuda" or (cfg.get("device", "auto") == "auto" and gpus > 0)
     nproc = nproc_per_node
     if nproc is None:
-        nproc = gpus if wants_gpu and gpus else min(os.cpu_count() or 1, 4)
+        nproc = gpus if wants_gpu and gpus else min(usable_cores(), 4)
         lines.append(f"assumed {nproc} process(es) per node, as `tune run <recipe>_distributed` starts here "
                      "(--nproc_per_node N for another count)")
     world = nproc * nnodes
     device = torch.device("cuda" if wants_gpu and gpus else "cpu")
     absent_gpus = wants_gpu and not gpus  # planned as tune plan plans them: their memory from the config
     try:
-        kernels = StepKernels(
-            flex_attention=(cfg.get("flex_attention", "auto") is not False if absent_gpus
-                            else resolve_flex_attention(cfg.get("flex_attention", "auto"), device)),
-            loss_chunks=cfg.get("loss_chunks"), fused_loss=bool(cfg.get("fused_loss", True)),
-        )
-        model, kernels, _ = meta_model(cfg, kernels)
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+        kernels, _, _ = step_kernels(cfg, model)
+        if not absent_gpus:  # the device the run would have: its own FlexAttention choice
+            kernels = dataclasses.replace(
+                kernels, flex_attention=resolve_flex_attention(cfg.get("flex_attention", "auto"), device)
+            )
         optimizer = optimizer_memory_model(str(cfg.optimizer.get("_component_"))) or "adamw"
         in_backward = bool(cfg.get("optimizer_in_backward", False))
         shape = {
@@ -359,6 +406,95 @@ def resolved_plan(cfg: DictConfig, *, nproc_per_node: int | None, nnodes: int) -
         memory=memory,
     )
     return [*lines, *plan.reasons]
+# Device sizes (GiB) a plan that fits nowhere tries, for "a bigger device": the common accelerators' memory.
+_DEVICE_SIZES_GIB = (24, 40, 48, 80, 96, 141, 192, 288)
+# Processes per node tried for "more processes" (up to a node of 8 GPUs), then nodes, at most this many.
+_MAX_NODES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """What ``tune plan`` recommends: the layout ``auto`` picks, with the switches it needed, for a job shape."""
+
+    plan: ParallelPlan
+    nproc: int
+    nnodes: int
+    switches: dict[str, Any]  # activation memory switches turned on to fit (activation_checkpointing=true...)
+
+
+def recommend(cfg: DictConfig, *, nproc: int, nnodes: int, memory: int, plan_for) -> Recommendation | None:
+    """The layout the recipes' ``auto`` settings pick for this config on ``nnodes x nproc`` devices of ``memory``
+    bytes (``tensor_parallel``, ``data_parallel`` and ``micro_batch_size`` all ``auto``, as far as the config allows
+    them: context parallelism and Muon keep the given degree), first as configured, then with activation
+    checkpointing on every layer, then with activation offloading too.
+
+    Args:
+        plan_for: ``plan_for(world_size, local_world_size, memory, switches)`` runs
+            :func:`~toolkit.planning.plan_parallelism` for the config with ``switches`` applied.
+
+    Returns:
+        None when nothing fits.
+    """
+    checkpointing = checkpoint_interval(cfg.get("activation_checkpointing", False)) == 1
+    tries: list[dict[str, Any]] = [{}]
+    if not checkpointing:
+        tries.append({"activation_checkpointing": True})
+    if not cfg.get("activation_offloading", False):
+        tries.append({**tries[-1], "activation_offloading": True})
+    for switches in tries:
+        try:
+            return Recommendation(plan_for(nproc * nnodes, nproc, memory, switches), nproc, nnodes, switches)
+        except UserError:
+            continue
+    return None
+
+
+def _smallest_fix(
+    cfg: DictConfig, *, nproc: int, nnodes: int, memory: int, plan_for
+) -> tuple[str, Recommendation | None]:
+    """When nothing fits: the nearest job that does (more processes on a node of up to 8, then more nodes; else a
+    bigger device), as words and its recommendation (None where none of these fits)."""
+    shapes = [(p, 1) for p in (2, 4, 8) if nnodes == 1 and nproc < p]
+    per_node = max(nproc, 8)
+    shapes += [(per_node, n) for n in (2, 4, 8, 16, 32, _MAX_NODES) if n > nnodes]
+    for p, n in shapes:
+        found = recommend(cfg, nproc=p, nnodes=n, memory=memory, plan_for=plan_for)
+        if found is not None:
+            return f"it fits on {n * p} processes ({n} node(s) x {p})", found
+    for gib in (g for g in _DEVICE_SIZES_GIB if g * _GIB > memory):
+        found = recommend(cfg, nproc=nproc, nnodes=nnodes, memory=gib * _GIB, plan_for=plan_for)
+        if found is not None:
+            return f"it fits on devices of {gib} GiB", found
+    largest = _DEVICE_SIZES_GIB[-1]
+    return f"not on up to {_MAX_NODES} nodes of {per_node} processes, nor on devices of {largest} GiB", None
+
+
+def recommended_command(cfg: DictConfig, found: Recommendation, *, recipe: str, config: str,
+                        overrides: Sequence[str]) -> str:
+    """``tune run`` with the launch and the overrides that make the run what ``found`` planned: the user's own
+    overrides, then each planned value that differs from the config's."""
+    dims = found.plan.dims
+    planned = {
+        "data_parallel": dims.strategy,
+        "cpu_offload": dims.cpu_offload,
+        "tensor_parallel": dims.tp,
+        "micro_batch_size": found.plan.micro_batch_size,
+        **found.switches,
+    }
+    defaults = {"cpu_offload": False, "tensor_parallel": 1, "activation_checkpointing": False,
+                "activation_offloading": False}
+    changed = {key: value for key, value in planned.items() if cfg.get(key, defaults.get(key)) != value}
+    mine = [o for o in overrides if o.split("=", 1)[0].lstrip("~") not in changed]
+    words = [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in changed.items()]
+    world = found.nproc * found.nnodes
+    if recipe.endswith(".py"):
+        launch = [recipe]
+    else:
+        launch = [f"{split_launch_suffix(recipe)[0]}{'_distributed' if world > 1 else '_single_device'}"]
+    if world > 1:
+        launch = [*(["--nnodes", str(found.nnodes)] if found.nnodes > 1 else []), "--nproc_per_node",
+                  str(found.nproc), *launch]
+    return shlex.join(["tune", "run", *launch, "--config", config, *mine, *words])
 
 
 def plan_command(argv: Sequence[str]) -> int:
@@ -387,16 +523,9 @@ def plan_command(argv: Sequence[str]) -> int:
     memory, memory_source = _device_memory(args, cfg)
     optimizer, optimizer_note = _optimizer_name(cfg)
     optimizer_in_backward = bool(cfg.get("optimizer_in_backward", False))
-    flex_setting = cfg.get("flex_attention", "auto")
-    if flex_setting not in (None, "auto", True, False):
-        raise UserError(f"flex_attention: expected auto, true or false, got {flex_setting!r}")
-    kernels = StepKernels(
-        flex_attention=flex_setting is not False,  # plans are for GPUs (with Triton): auto counts as on
-        loss_chunks=cfg.get("loss_chunks"),
-        fused_loss=bool(cfg.get("fused_loss", True)),
-    )
-
-    model, kernels, teacher = meta_model(cfg, kernels)
+    with torch.device("meta"):  # shapes only: a 70B model costs nothing
+        model = instantiate(cfg.model)
+    kernels, adapters, teacher = step_kernels(cfg, model)
     shard_size = cfg.get("hsdp_shard_size")  # hsdp's groups, as the run makes them
     # The tensor-parallel degrees to show: the configured one, or (none or auto) every degree that splits the model
     # within one node, as tensor_parallel: auto would try them.
@@ -558,14 +687,57 @@ def plan_command(argv: Sequence[str]) -> int:
             layout_error = error
             if configured_tp != "auto":
                 print(f"tensor_parallel auto picks nothing: {error}")
-    if configured_tp == "auto":
-        if layout_error is not None:
-            raise layout_error
-        return 0
-    strategy, estimate, reason = choose_strategy(
-        model, device_memory_bytes=memory, headroom=args.headroom, **common(run_tp, run_ep)
-    )
-    offload = " with cpu_offload: true" if estimate.cpu_offload else ""
-    degree = f" x tensor_parallel {run_tp}" if run_tp > 1 else f" x expert_parallel {run_ep}" if run_ep > 1 else ""
-    print(f"auto picks: data_parallel={strategy}{offload}{degree} ({reason})")
+    nothing_fits = layout_error if configured_tp == "auto" else None
+    if configured_tp != "auto":
+        try:
+            strategy, estimate, reason = choose_strategy(
+                model, device_memory_bytes=memory, headroom=args.headroom, **common(run_tp, run_ep)
+            )
+            offload = " with cpu_offload: true" if estimate.cpu_offload else ""
+            degree = (f" x tensor_parallel {run_tp}" if run_tp > 1 else
+                      f" x expert_parallel {run_ep}" if run_ep > 1 else "")
+            print(f"auto picks: data_parallel={strategy}{offload}{degree} ({reason})")
+        except UserError as error:
+            nothing_fits = error
+
+    def plan_for(world: int, local: int, device_memory: int, switches: dict[str, Any]) -> ParallelPlan:
+        """What the recipes' auto settings make of this config on ``world`` processes of ``device_memory`` bytes."""
+        fixed = run_cp > 1 or optimizer == "muon"  # layouts auto cannot choose: the given degree and micro batch
+        return plan_parallelism(
+            model=model, strategy="auto", cpu_offload=False, batch_size=cfg.batch_size,
+            micro_batch_size=cfg.micro_batch_size if fixed else "auto", device=torch.device("cpu"),
+            device_memory_gb=device_memory / _GIB, world_size=world, local_world_size=local, max_seq_len=max_seq_len,
+            dtype=dtype, activation_checkpointing=switches.get("activation_checkpointing", activation_checkpointing),
+            activation_offloading=switches.get("activation_offloading", activation_offloading),
+            optimizer_in_backward=optimizer_in_backward, headroom=args.headroom, kernels=kernels,
+            shard_size=shard_size, optimizer=optimizer, offload_candidates=True,
+            tensor_parallel=run_tp if fixed or run_ep > 1 else "auto", expert_parallel=run_ep, context_parallel=run_cp,
+        )
+
+    print(_recommendation_line(cfg, args, nproc=nproc, nnodes=nnodes, memory=memory, adapters=bool(adapters),
+                               plan_for=plan_for))
+    if nothing_fits is not None:
+        raise nothing_fits
     return 0
+
+
+def _recommendation_line(cfg: DictConfig, args: argparse.Namespace, *, nproc: int, nnodes: int, memory: int,
+                         adapters: bool, plan_for) -> str:
+    """``recommended: tune run ...``, or what fits nothing and the nearest job that would fit."""
+    if "batch_size" not in cfg:
+        return "recommended: (no batch_size in the config: nothing to lay out a training run for)"
+    shape = {"nproc": nproc, "nnodes": nnodes, "memory": memory, "plan_for": plan_for}
+    found = recommend(cfg, **shape)
+    command = functools.partial(recommended_command, cfg, recipe=args.recipe, config=args.config,
+                                overrides=args.overrides)
+    if found is not None:
+        return f"recommended: {command(found)}"
+    where, nearer = _smallest_fix(cfg, **shape)
+    tail = f": {command(nearer)}" if nearer is not None else ""
+    lora = ""
+    if not adapters:  # a full fine-tune: adapters hold a fraction of the gradients and optimizer state
+        shipped = [c for c in (f"{Path(args.config).stem}_lora", f"{Path(args.config).stem}_qlora")
+                   if c in list_configs("lora_finetune")]
+        lora = f"; or LoRA/QLoRA: tune plan lora_finetune --config {shipped[0]}" if shipped else "; or LoRA/QLoRA"
+    return (f"recommended: nothing fits {nnodes * nproc} process(es) of {memory / _GIB:.2f} GiB, even with "
+            f"activation checkpointing and offloading; {where}{tail}{lora}")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toolkit.errors import UserError
+from toolkit.paths import install_command
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -32,8 +33,6 @@ _TITLES = {
     "reward_accuracy": "reward accuracy (chosen over rejected)",
     "reward_margin": "reward margin (chosen - rejected)",
 }
-
-_INSTALL_HINT = 'for the PNG, install matplotlib: pip install "tunekit[plot]"'
 
 
 def metrics_file(run: Path) -> Path:
@@ -196,7 +195,7 @@ def plot(args: argparse.Namespace) -> int:
     try:
         importlib.import_module("matplotlib")  # here, not at the top: the other commands do not need it
     except ImportError:
-        print(_INSTALL_HINT)
+        print(f"for the PNG, install matplotlib: {install_command('plot')}")
         return 0
     output = _output_path(args.output, run_dirs)
     # The suffix names the format (runs.svg, runs.pdf); a name without one is a PNG at exactly that path, where

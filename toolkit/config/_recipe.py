@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 
 from toolkit.config._parse import parse_recipe_args
 from toolkit.config._schema import Schema
-from toolkit.errors import NothingToDo, UserError
+from toolkit.errors import NothingToDo, UserError, print_error
+from toolkit.quiet import quiet_third_party_noise
 
 T = TypeVar("T")
 
@@ -52,14 +53,13 @@ def _record_for_launcher(message: str) -> None:
 
 
 def report_user_error(error: UserError) -> None:
-    """Print ``error: <message>`` to stderr on rank 0 (every line prefixed), and leave it for the launcher."""
+    """Print ``tune: error: <message>`` to stderr on rank 0 (every line prefixed), and leave it for the launcher."""
     message = str(error)
     _record_for_launcher(message)
     if _rank() != 0 or os.environ.get(LAUNCHER_REPORTS_ERRORS_ENV) == "1":
         return
     sys.stdout.flush()
-    for line in message.splitlines() or [""]:
-        print(f"error: {line}", file=sys.stderr)
+    print_error(message)
     sys.stderr.flush()
 
 
@@ -84,7 +84,7 @@ def recipe_main(fn: Callable[[DictConfig], T] | None = None, *, schema: Schema |
 
     Called without arguments, the wrapper builds the config with
     ``parse_recipe_args(sys.argv[1:])`` and calls ``fn(cfg)``. A :class:`~toolkit.errors.UserError` (such as
-    a :class:`ConfigError`) is printed as one ``error: ...`` line by rank 0 (``RANK``, default 0) and exits
+    a :class:`ConfigError`) is printed as one ``tune: error: ...`` line by rank 0 (``RANK``, default 0) and exits
     with code 2; a :class:`~toolkit.errors.NothingToDo` is printed by rank 0 and exits with 0; Ctrl-C exits with
     130 quietly; any other exception keeps its traceback. Called with a
     config, the wrapper checks it against the schema (its top-level keys are not checked: a config built in code
@@ -99,6 +99,7 @@ def recipe_main(fn: Callable[[DictConfig], T] | None = None, *, schema: Schema |
             if schema is not None:
                 schema.check(cfg, world_size=_world_size(), unknown_keys=False)
             return fn(cfg)
+        quiet_third_party_noise()
         try:
             # torchrun's `record` writes any other exception's traceback to the rank's error file, so the
             # launcher names the rank that failed and its exception. Imported inside the try: a Ctrl-C that lands

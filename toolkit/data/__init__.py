@@ -36,7 +36,13 @@ from toolkit.data.datasets import (
     preference_dataset,
     text_completion_dataset,
 )
-from toolkit.data.demo import demo_dataset, demo_preference_dataset, demo_tasks, demo_unpaired_dataset
+from toolkit.data.demo import (
+    demo_data_warning,
+    demo_dataset,
+    demo_preference_dataset,
+    demo_tasks,
+    demo_unpaired_dataset,
+)
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX, shifted_labels
 from toolkit.data.packing import document_ids, pack_documents, packed_attention_mask
 from toolkit.data.sampler import GlobalBatchSampler
@@ -50,6 +56,7 @@ __all__ = [
     "TokenizedDataset",
     "UnpairedDataset",
     "chat_dataset",
+    "demo_data_warning",
     "demo_dataset",
     "demo_preference_dataset",
     "demo_tasks",

@@ -9,7 +9,7 @@ same for every seed and task, so a held-out prompt never shares its word with an
 import hashlib
 import random
 import string
-from typing import Callable
+from typing import Any, Callable
 
 from torch.utils.data import Dataset
 
@@ -208,3 +208,33 @@ def demo_unpaired_dataset(
     conversations = [_exchange(s["prompt"], answer) for s, answer in zip(samples, answers)]
     return UnpairedDataset(ChatDataset(conversations, tokenizer, train_on="last_turn"), desirable,
                            max_seq_len=tokenizer.max_seq_len, seed=seed)
+
+
+# The data sets above, which a config names as its `dataset` (any module path that ends in one of them).
+_DEMO_DATASETS = ("demo_dataset", "demo_preference_dataset", "demo_unpaired_dataset")
+
+
+def demo_data_warning(cfg: Any) -> str | None:
+    """The line a run prints when it trains a real model on these synthetic tasks, or None.
+
+    The shipped configs of real models start from the demo's data so that they run as they are; a user who forgets
+    to point ``dataset`` at their own data would otherwise spend GPU hours teaching, say, Llama 3.1 8B to reverse
+    four-letter words. A model read with the byte tokenizer, or built by a demo builder (``llama3_demo``,
+    ``lora_llama3_demo``...), is the demo's own or a tiny one of its kind (a distillation student), trained from
+    scratch or from the demo run: not warned about. A real model comes with its checkpoint's tokenizer.
+    """
+    # Each key read by name, and the ones every training recipe requires as attributes, as the recipes read them, so
+    # that toolkit.config.recipe_keys (which reads this function too: recipe_setup hands it `cfg`) still finds them.
+    model = str((cfg.model or {}).get("_component_", ""))
+    tokenizer = str((cfg.tokenizer or {}).get("_component_", ""))
+    if not model or "demo" in model.rsplit(".", 1)[-1] or tokenizer.endswith(".byte_tokenizer"):
+        return None
+    for key, node in (("dataset", cfg.dataset), ("validation_dataset", cfg.get("validation_dataset"))):
+        component = str(node.get("_component_", "")) if hasattr(node, "get") else ""
+        if component.startswith("toolkit.") and component.rsplit(".", 1)[-1] in _DEMO_DATASETS:
+            return (
+                f"{key}: {component} is the demo's synthetic string tasks ('reverse: lamp' -> 'pmal'), not data to "
+                f"fine-tune {model} on; point it at yours, e.g. {key}: {{_component_: toolkit.data.chat_dataset, "
+                f"source: path/to/conversations.jsonl}}"
+            )
+    return None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, NamedTuple
 
 from toolkit.errors import UserError
+from toolkit.paths import install_command
 
 # Local formats by file extension. ``text`` is one document per line; ``text_files`` one document per file.
 EXTENSIONS: dict[str, str] = {
@@ -392,7 +393,8 @@ def _read_parquet(path: str) -> RowIterator:
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError(
-            f"reading {path} needs the pyarrow package: pip install pyarrow (or the tunekit[data] extra)"
+            f"reading {path} needs the pyarrow package: pip install pyarrow (or the data extra: "
+            f"{install_command('data')})"
         ) from None
     from pyarrow import ArrowException
 
@@ -459,7 +461,7 @@ def _hub_source(
     except ImportError:
         raise UserError(
             f"dataset source {source!r} is not a local file, so it is loaded from the Hugging Face hub, which "
-            f"needs the datasets package: pip install datasets (or the tunekit[data] extra){local}"
+            f"needs the datasets package: pip install datasets (or the data extra: {install_command('data')}){local}"
         ) from None
     _check_hub_reachable(source, revision=revision, local=local)
     try:

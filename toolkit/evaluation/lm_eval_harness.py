@@ -18,8 +18,7 @@ from torch import nn
 from toolkit.config import did_you_mean
 from toolkit.errors import UserError
 from toolkit.evaluation.chat_template import ChatTemplate
-
-INSTALL_HINT = 'pip install "tunekit[eval]" (from a clone: pip install -e ".[eval]")'
+from toolkit.paths import install_command
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,8 @@ def load_lm_eval_tasks(
         from lm_eval.tasks import TaskManager
     except ModuleNotFoundError as e:
         missing = (e.name or "lm_eval").partition(".")[0]  # lm_eval itself, or one of its dependencies
-        raise UserError(f"lm_eval.tasks needs lm-evaluation-harness (no module named {missing!r}): {INSTALL_HINT}") from None
+        raise UserError(f"lm_eval.tasks needs lm-evaluation-harness (no module named {missing!r}): "
+                        f"{install_command('eval')}") from None
     names = [tasks] if isinstance(tasks, str) else [str(name) for name in tasks]
     if not names:
         raise UserError("lm_eval.tasks: no task named (null turns lm-evaluation-harness off)")

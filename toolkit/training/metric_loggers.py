@@ -39,6 +39,7 @@ from tqdm import tqdm
 from toolkit.config import did_you_mean
 from toolkit.errors import UserError
 from toolkit.parallel.distributed import on_rank_zero
+from toolkit.paths import install_command
 
 
 @runtime_checkable
@@ -67,7 +68,7 @@ def _import_extra(module: str, extra: str) -> ModuleType:
     except ImportError as e:
         raise UserError(
             f"the {extra} metric logger needs the `{extra}` package ({e}); install it with "
-            f'pip install "tunekit[{extra}]"'
+            f"{install_command(extra)}"
         ) from e
 
 
