@@ -570,7 +570,7 @@ def test_validate_says_which_process_count_it_assumed_and_what_the_plan_lacks(va
     # No GPU and 3 cores: `tune run ..._distributed` would start 3 CPU processes, over which the batch of 32 does
     # not split. Assumed, the count is a line (the config itself is fine); given, it is the error a run would meet.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("os.cpu_count", lambda: 3)
+    monkeypatch.setattr("toolkit.cli.plan.usable_cores", lambda: 3)
     result = validate("full_finetune/demo")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[:2] == [
