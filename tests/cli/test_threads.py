@@ -20,7 +20,8 @@ from toolkit.cli._threads import choose_threads, usable_cores
         (1, 2, 1.2, 1, 1),  # another process holds a core: one thread, not two spinning for it
         (1, 2, 9.0, 1, 1),  # however busy: at least one thread
         (4, 2, 0.0, 1, 0),  # more processes than cores: one each
-        (2, 16, 3.6, 6, 4),  # 12 idle cores for 2 processes
+        (2, 16, 3.6, 6, 3),  # 13 idle cores for 2 processes
+        (2, 2, 0.9, 1, 0),  # the load a finished run leaves behind for a minute: no core busy
     ],
 )
 def test_each_process_gets_an_even_share_of_the_idle_cores(processes, cores, load, threads, busy) -> None:

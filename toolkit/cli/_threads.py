@@ -61,7 +61,7 @@ def choose_threads(processes: int, *, cores: int | None = None, load: float | No
     Args:
         processes: the processes that will run on this machine.
         cores: the usable cores (default: :func:`usable_cores`).
-        load: the 1-minute load average (default: the system's), whose rounded value counts the busy cores.
+        load: the 1-minute load average (default: the system's), whose whole part counts the busy cores.
     """
     cores = usable_cores() if cores is None else cores
     if load is None:
@@ -69,6 +69,6 @@ def choose_threads(processes: int, *, cores: int | None = None, load: float | No
             load = os.getloadavg()[0]
         except OSError:  # not available on this system
             load = 0.0
-    busy = min(cores - 1, max(0, round(load)))
+    busy = min(cores - 1, max(0, math.floor(load)))  # a core's worth of load, not the tail of a finished run
     return ThreadChoice(threads=max(1, (cores - busy) // max(1, processes)), cores=cores, busy=busy,
                         processes=processes)
