@@ -3,8 +3,9 @@
 Importing torchao (for QLoRA, 8-bit optimizers, float8, or through peft) logs a line for each of its C++ extensions
 that this machine's torch or GPU cannot load, and torch's pytree logs a deprecation for each enum torchao registers:
 a dozen lines a user can do nothing about, printed before the first line of their run. Only these named messages of
-these named loggers (and one named Python warning) are dropped, by a filter on the logger, so everything else they log, every warning of ours and
-every error still shows; ``TUNE_VERBOSE=1`` (which also shows torchrun's own logs) keeps them too.
+these named loggers (and one named Python warning) are dropped, by a filter on the logger, so everything else they
+log, every warning of ours and every error still shows; ``TUNE_VERBOSE=1`` (which also shows torchrun's own logs)
+keeps them too.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def test_generate_answers_from_the_checkpoint(single_run):
             f"tune: error: override 'checkpoint_dir={single_run / 'final'}': checkpoint_dir: moved: this recipe reads "
             "it as checkpointer.checkpoint_dir now; set checkpointer.checkpoint_dir instead")),
         (f"checkpointer.checkpoint_dir={single_run / 'gone'}",
-         f"error: checkpointer.checkpoint_dir: {single_run / 'gone'} is not a folder"),
+         f"tune: error: checkpointer.checkpoint_dir: {single_run / 'gone'} is not a folder"),
     ]:
         result = tune_here("run", "generate", "--config", "demo", override)
         assert result.returncode == 2 and result.stderr.strip().splitlines() == [refusal], result.stderr

@@ -226,8 +226,8 @@ def test_resuming_a_finished_run_past_its_steps_or_with_another_method(single, t
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == files, "nothing changed"
     step_4 = out / "checkpoints" / "step_4"
     for overrides, refusal in [
-        ([*LORA, "max_steps=3"], f"error: resume_from: {step_4} is at step 4, past this run's last step, 3"),
-        ([], (f"error: {step_4 / 'trainer_state.json'}: written by the preference_finetune recipe (lora), but this "
+        ([*LORA, "max_steps=3"], f"tune: error: resume_from: {step_4} is at step 4, past this run's last step, 3"),
+        ([], (f"tune: error: {step_4 / 'trainer_state.json'}: written by the preference_finetune recipe (lora), but this "
               "run is the preference_finetune recipe (full): another method's checkpoint does not resume here")),
     ]:
         result = run_tune_here("run", "preference_finetune_single_device", "--config", "demo",

@@ -403,7 +403,7 @@ def test_a_checkpoint_past_max_steps_is_refused_naming_its_step_and_max_steps(re
     # from step 6 would never reach step 4. Every training recipe resumes through recipe_setup.resume_point.
     stderr = refused(tmp_path, reference_single / "checkpoints" / "step_6", "max_steps=4")
     assert stderr.strip() == (
-        f"error: resume_from: {reference_single / 'checkpoints' / 'step_6'} is at step 6, past this run's last step, "
+        f"tune: error: resume_from: {reference_single / 'checkpoints' / 'step_6'} is at step 6, past this run's last step, "
         "4 (max_steps=4); raise it to train on from there, or export that checkpoint (tune export)"
     )
 
@@ -430,7 +430,7 @@ def test_a_checkpoint_resumes_only_under_the_recipe_and_method_that_wrote_it(ref
     # A full fine-tune's checkpoint fits a full preference run's model: only the record tells them apart.
     stderr = refused(tmp_path, step, "preference_loss=dpo", recipe="preference_finetune")
     assert stderr.strip() == (
-        f"error: {step / 'trainer_state.json'}: written by the full_finetune recipe (full), but this run is the "
+        f"tune: error: {step / 'trainer_state.json'}: written by the full_finetune recipe (full), but this run is the "
         "preference_finetune recipe (full): another recipe's checkpoint does not resume here; resume it with "
         "full_finetune (full), or start a new run"
     )
@@ -439,7 +439,7 @@ def test_a_checkpoint_resumes_only_under_the_recipe_and_method_that_wrote_it(ref
     shutil.copytree(reference_single, other)
     auto = run_here(other, "preference_loss=dpo", "resume_from=auto", recipe="preference_finetune")
     assert auto.returncode == 2 and auto.stderr.strip().splitlines() == [(
-        f"error: {other / 'checkpoints' / 'step_8' / 'trainer_state.json'}: written by the full_finetune recipe "
+        f"tune: error: {other / 'checkpoints' / 'step_8' / 'trainer_state.json'}: written by the full_finetune recipe "
         "(full), but this run is the preference_finetune recipe (full): another recipe's checkpoint does not resume "
         "here; resume it with full_finetune (full), or start a new run"
     )]

@@ -37,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 # What `tune --help` shows first: the three commands of a user's first minutes.
 QUICKSTART = """\
 quickstart:
-  tune run full_finetune_distributed --config demo        # train the demo (a tiny Llama, about 2 min on CPU)
+  tune run full_finetune_distributed --config demo        # train the demo (a tiny Llama, 1.5 min on 2 CPUs)
   tune run generate --config demo prompt="reverse: lamp"  # ask the model it trained
   docs: README.md and docs/guide.md in the tunekit repository; `tune COMMAND --help` for each command
 """
