@@ -147,11 +147,8 @@ def _run_single_cpu_process(path: Path, recipe_args: list[str]) -> int:
     afterwards, so a later run in this process (a test, a notebook) keeps its own."""
     import torch
 
-    choice = choose_threads(1)
-    if choice.busy_machine:
-        print(f"tune: a busy machine: {choice.describe()}", file=sys.stderr)
     saved = torch.get_num_threads()
-    torch.set_num_threads(choice.threads)
+    torch.set_num_threads(choose_threads(1).threads)
     try:
         return _run_single_device(path, recipe_args)
     finally:
@@ -490,13 +487,14 @@ def _run_distributed(
     # NCCL and gloo set up for the cluster, where the user left them unset (none on one node of CPU processes).
     several = (rendezvous.host, rendezvous.port) if rendezvous is not None and rendezvous.nodes > 1 else None
     chosen = worker_environment(rendezvous=several, uses_gpus=uses_gpus, output_dir=output_dir, environ=os.environ)
-    if not uses_gpus and "OMP_NUM_THREADS" not in os.environ:  # CPU processes: share out the idle cores
-        from torch.distributed.run import determine_local_world_size
-
-        threads = choose_threads(determine_local_world_size(launch.nproc_per_node))
-        chosen.append(({"OMP_NUM_THREADS": str(threads.threads)}, threads.describe()))
     for _, line in chosen:
         print(f"tune: {line}", file=sys.stderr)
+    if not uses_gpus and "OMP_NUM_THREADS" not in os.environ:
+        # CPU processes share out the idle cores (the run's header says how many threads each has).
+        from torch.distributed.run import determine_local_world_size
+
+        threads = choose_threads(determine_local_world_size(launch.nproc_per_node)).threads
+        chosen.append(({"OMP_NUM_THREADS": str(threads)}, ""))
     if rendezvous is not None and rendezvous.nodes > 1:
         print(f"tune: waiting up to {rendezvous.join_timeout_s} s for the {rendezvous.nodes} nodes to meet at "
               f"{rendezvous.host}:{rendezvous.port}", file=sys.stderr)

@@ -5,8 +5,9 @@ go wrong on a CPU run: two processes of two threads on two cores, or one process
 whose other processes already hold a core, leave threads spinning for cores others hold (a demo evaluation took
 113 s instead of 18 s). So the cores this process may use (its CPU affinity, and a container's CPU quota) that are
 idle (less the 1-minute load average) are shared out evenly between the processes started here. A user's
-``OMP_NUM_THREADS`` is kept. The count does not change the arithmetic of a step that matters here: the demo
-model's losses and gradients are bitwise equal on one and two threads (checked in the tests).
+``OMP_NUM_THREADS`` is kept. The run's header says the count; the launch itself stays quiet. The count does not
+change the arithmetic of a step that matters here: the demo model's losses and gradients are bitwise equal on one
+and two threads (checked in the tests).
 """
 
 from __future__ import annotations
@@ -43,16 +44,6 @@ class ThreadChoice:
     cores: int
     busy: int  # cores the load average says other processes hold
     processes: int
-
-    @property
-    def busy_machine(self) -> bool:
-        """Whether the load lowered the count below an even share of the cores."""
-        return self.threads < max(1, self.cores // self.processes)
-
-    def describe(self) -> str:
-        per = f"{self.threads} thread{'s' if self.threads > 1 else ''} per process"
-        load = f"{self.busy} of {self.cores} cores busy" if self.busy else f"{self.cores} idle cores"
-        return f"{per} ({load}, {self.processes} process{'es' if self.processes > 1 else ''}; OMP_NUM_THREADS sets it)"
 
 
 def choose_threads(processes: int, *, cores: int | None = None, load: float | None = None) -> ThreadChoice:
