@@ -67,11 +67,23 @@ def test_the_thread_count_leaves_the_demo_models_arithmetic_alone() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def test_a_cpu_run_in_this_process_uses_the_idle_cores_and_gives_the_count_back(tune, tree, monkeypatch) -> None:
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(threads_module, "usable_cores", lambda: 4)
-    monkeypatch.setattr(os, "getloadavg", lambda: (2.2, 0.0, 0.0))
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """A machine without GPUs of ``cores`` usable cores at a 1-minute ``load``, OMP_NUM_THREADS unset."""
+
+    def make(*, cores: int, load: float) -> None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(threads_module, "usable_cores", lambda: cores)
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+
+    return make
+
+
+def test_a_cpu_run_in_this_process_uses_the_idle_cores_and_gives_the_count_back(
+    tune, tree, monkeypatch, cpu_machine
+) -> None:
+    cpu_machine(cores=4, load=2.2)
     seen = []
     monkeypatch.setattr(run_module, "_run_single_device", lambda path, argv: seen.append(torch.get_num_threads()) or 0)
     before = torch.get_num_threads()
@@ -86,13 +98,10 @@ def test_a_cpu_run_in_this_process_uses_the_idle_cores_and_gives_the_count_back(
     assert seen == [before]
 
 
-def test_cpu_workers_inherit_the_count(tune, tree, monkeypatch) -> None:
+def test_cpu_workers_inherit_the_count(tune, tree, monkeypatch, cpu_machine) -> None:
     import torch.distributed.run
 
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(threads_module, "usable_cores", lambda: 8)
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.0, 0.0))
+    cpu_machine(cores=8, load=0.3)
     seen = []
     monkeypatch.setattr(torch.distributed.run, "run", lambda launch: seen.append(os.environ.get("OMP_NUM_THREADS")))
     result = tune("run", "--nproc_per_node", "2", "toy_distributed", "--config", "small")
