@@ -85,7 +85,8 @@ class GroupedQueryAttention(nn.Module):
                 causal (or, with a KV cache, causal over the cached positions). A FlexAttention ``BlockMask``
                 (from :class:`DocumentMasks`, this layer's sliding window already in it) computes the attention
                 with ``flex_attention`` instead of SDPA; not with a KV cache.
-            input_pos: positions of ``x``'s tokens (``[s]`` or ``[b, s]``); required with a KV cache.
+            input_pos: positions of ``x``'s tokens (``[s]`` or ``[b, s]``); required with a KV cache, where they are
+                also the cache slots written (per row with ``[b, s]``).
         """
         b, s, _ = x.shape
         # The head counts are the projections' output widths over head_dim, not num_heads: under tensor
@@ -114,7 +115,7 @@ class GroupedQueryAttention(nn.Module):
             if mask is None:
                 # Query at position p sees cached positions 0..p; later slots hold zeros or stale values.
                 cache_pos = torch.arange(self.kv_cache.max_seq_len, device=x.device)
-                mask = cache_pos[None, :] <= input_pos.reshape(-1, 1)  # [s, max_seq_len]
+                mask = cache_pos <= input_pos[..., None]  # [s, max_seq_len], or [b, s, max_seq_len] per row
         out = self.attend(q, k, v, mask=mask, input_pos=input_pos)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -43,9 +43,17 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=self._dtype, device=self._device), persistent=False)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k, v`` (``[b, n_kv, s, h_d]``) at positions ``input_pos`` (``[s]``); return the full caches."""
+        """Store ``k, v`` (``[b, n_kv, s, h_d]``) at positions ``input_pos``: ``[s]``, the same slots in every row, or
+        ``[b, s]``, each row its own (rows of a batch decoded together from prompts of different lengths); return the
+        full caches."""
         if self.k_cache is None:
             self._allocate(k.shape[1])
-        self.k_cache[:, :, input_pos] = k
-        self.v_cache[:, :, input_pos] = v
+        if input_pos.dim() == 2:
+            rows = torch.arange(k.shape[0], device=input_pos.device)[:, None].expand_as(input_pos)
+            # (Advanced indices around a slice put their dimensions first: [b, s, n_kv, h_d].)
+            self.k_cache[rows, :, input_pos] = k.transpose(1, 2)
+            self.v_cache[rows, :, input_pos] = v.transpose(1, 2)
+        else:
+            self.k_cache[:, :, input_pos] = k
+            self.v_cache[:, :, input_pos] = v
         return self.k_cache, self.v_cache

@@ -68,6 +68,8 @@ class ExactMatch:
         case_sensitive: False compares case-folded text (``"Yes"`` matches ``"yes"``).
     """
 
+    verifier = True  # judges right or wrong: the run's accuracy is the share of completions it scores 1
+
     def __init__(self, field: str = "answer", strip: bool = True, case_sensitive: bool = True) -> None:
         _check_field_name(field)
         self.field, self.strip, self.case_sensitive = field, strip, case_sensitive
@@ -94,6 +96,8 @@ class MathAnswer:
         field: the column holding the reference answer.
         rel_tol: numbers within this relative distance count as equal; 0 (the default) asks for exact equality.
     """
+
+    verifier = True  # judges right or wrong: the run's accuracy is the share of completions it scores 1
 
     def __init__(self, field: str = "answer", rel_tol: float = 0.0) -> None:
         _check_field_name(field)

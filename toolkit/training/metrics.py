@@ -199,7 +199,13 @@ _LINE_FIELDS = (
     ("reward_margin", "margin", ".4f"),  # the rejected one, and the mean of their difference (KTO: of the means)
     ("rewards_desirable", "r_desirable", ".4f"),  # KTO: the mean reward of each kind of answer
     ("rewards_undesirable", "r_undesirable", ".4f"),
+    ("reward_mean", "reward", ".3f"),  # online RL: the completions' mean reward, the verifier's share of right ones,
+    ("accuracy", "acc", ".3f"),  # their mean length and the rollouts' generation speed
+    ("completion_len_mean", "len", ".1f"),
+    ("generation_tokens_per_second", "gen tok/s", ".0f"),
     ("val_loss", "val_loss", ".4f"),
+    ("val_reward_mean", "val_reward", ".3f"),
+    ("val_accuracy", "val_acc", ".3f"),
 )
 
 
