@@ -24,6 +24,7 @@ FLOORS = (
     ("checkpoint",),  # step checkpoints, formats, export and merge
     ("objectives",),  # preference, KTO, distillation: built on the step
     ("pretrained", "generation"),
+    ("rl",),  # online RL: rewards, prompts' rollouts
     ("evaluation",),
     ("recipe_setup",),  # the training recipes' shared set-up: the run, the layout, the data, the optimizer, the loop
     ("cli",),
