@@ -51,6 +51,13 @@ MATH_CASES = [
     ("\\boxed{(1, 2)}", "(2,1)", 0.0),
     ("\\boxed{(1, 2)}", "[1,2]", 0.0),
     ("\\boxed{\\text{east}}", "east", 1.0),
+    ("The answer is \\(\\frac{3}{5}\\).", "0.6", 1.0),
+    ("\\boxed{1\\frac{1}{2}}", "3/2", 1.0),  # a mixed number
+    ("\\boxed{1\\frac{1}{2}}", "1/2", 0.0),
+    ("\\boxed{-2\\frac{1}{4}}", "-9/4", 1.0),
+    ("The answer is \u22125", "-5", 1.0),  # the typographic minus
+    ("\\boxed{10\\%}", "10", 1.0),
+    ("\\boxed{3.0}", "3", 1.0),
     ("\\boxed{0.33}", "1/3", 0.0),
     ("\\boxed{41}", "42", 0.0),
     ("I do not know.", "42", 0.0),  # no answer at all
@@ -65,6 +72,9 @@ SYMBOLIC_CASES = [
     ("\\boxed{\\frac{\\pi}{2}}", "\\pi/2", 1.0),
     ("\\boxed{2x}", "x*2", 1.0),
     ("\\boxed{\\sqrt[3]{27}}", "3", 1.0),
+    ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt2}{2}", 1.0),
+    ("\\boxed{x^{1/2}}", "\\sqrt{x}", 1.0),
+    ("\\boxed{\\left(3, \\frac{\\pi}{2}\\right)}", "(3,\\pi/2)", 1.0),
     ("\\boxed{x^2}", "x^3", 0.0),
     ("\\boxed{((((10^64)^64)^64)^64)^64}", "1", 0.0),  # refused before it is computed
     ("\\boxed{9^{99999}}", "1", 0.0),
@@ -235,7 +245,9 @@ def test_reward_set_builds_classes_and_functions_with_weights_and_names() -> Non
     ({"_component_": f"{HERE}.wrong_signature"},
      (f"rewards[1]._component_: {HERE}.wrong_signature takes (completion, **fields); a reward takes (prompt, "
      "completion, **fields)")),
-    ({"_component_": f"{HERE}.HERE"}, f"rewards[1]._component_: {HERE}.HERE is a str, not callable"),
+    ({"_component_": f"{HERE}.HERE"}, f"rewards[1]._component_: {HERE}.HERE is not callable (a str)"),
+    ({"_component_": "collections.OrderedDict"},
+     "rewards[1]._component_: an instance of collections.OrderedDict is not callable (a OrderedDict)"),
     ({"_component_": f"{HERE}.needs_answer", "scael": 2}, f"rewards[1].scael: not an option of {HERE}.needs_answer"),
     ({"_component_": f"{HERE}.length_reward", "completion": "x"}, "rewards[1].completion: not an option"),
     ({"_component_": "toolkit.rl.FormatReward", "pattern": "("}, "rewards[1].pattern: '(' is not a valid regular"),

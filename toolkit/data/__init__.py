@@ -19,6 +19,10 @@ on disk keyed by a fingerprint of source, tokenizer and options, and with ``pack
 sequences of ``max_seq_len`` whose ``input_pos`` restart per document; :func:`padded_collate` turns those into
 the block-diagonal causal ``mask`` the model takes, so no attention or loss crosses a document boundary.
 
+Prompts for online RL: :func:`prompt_dataset` (and :func:`demo_prompt_dataset`) read every row once into memory
+with the chat template applied, keeping the row's other columns as the fields rewards read; :func:`rl_collate`
+leaves a micro-batch a list of prompts.
+
 Sampling: :class:`GlobalBatchSampler` fixes the global sample order by seed and epoch, independent of the number
 of processes, and resumes mid-epoch from its ``state_dict``.
 """
@@ -40,11 +44,13 @@ from toolkit.data.demo import (
     demo_data_warning,
     demo_dataset,
     demo_preference_dataset,
+    demo_prompt_dataset,
     demo_tasks,
     demo_unpaired_dataset,
 )
 from toolkit.data.labels import CROSS_ENTROPY_IGNORE_INDEX, shifted_labels
 from toolkit.data.packing import document_ids, pack_documents, packed_attention_mask
+from toolkit.data.prompts import PromptDataset, prompt_dataset, rl_collate
 from toolkit.data.sampler import GlobalBatchSampler
 
 __all__ = [
@@ -53,12 +59,14 @@ __all__ = [
     "GlobalBatchSampler",
     "PackedDataset",
     "PreferenceDataset",
+    "PromptDataset",
     "TokenizedDataset",
     "UnpairedDataset",
     "chat_dataset",
     "demo_data_warning",
     "demo_dataset",
     "demo_preference_dataset",
+    "demo_prompt_dataset",
     "demo_tasks",
     "demo_unpaired_dataset",
     "document_ids",
@@ -70,6 +78,8 @@ __all__ = [
     "padded_collate",
     "preference_collate",
     "preference_dataset",
+    "prompt_dataset",
+    "rl_collate",
     "shifted_labels",
     "text_completion_dataset",
 ]

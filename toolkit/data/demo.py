@@ -15,6 +15,8 @@ from torch.utils.data import Dataset
 
 from toolkit.data.chat import ChatDataset
 from toolkit.data.datasets import UnpairedDataset
+from toolkit.data.formats import PromptFormat
+from toolkit.data.prompts import PromptDataset, prompt_item
 from toolkit.errors import UserError
 from toolkit.tokenizers import ChatTokenizer
 
@@ -210,8 +212,30 @@ def demo_unpaired_dataset(
                            max_seq_len=tokenizer.max_seq_len, seed=seed)
 
 
+def demo_prompt_dataset(
+    tokenizer: ChatTokenizer,
+    *,
+    split: str = "train",
+    num_samples: int = 1000,
+    seed: int = 0,
+    tasks: list[str] | None = None,
+    word_len: tuple[int, int] = DEFAULT_WORD_LEN,
+    system_prompt: str | None = None,
+) -> PromptDataset:
+    """The demo tasks as prompts for online RL (items as :func:`~toolkit.data.prompt_dataset`'s), each with its
+    ``answer`` and ``task`` as fields, for an exact-match reward; ``where`` is ``demo <split> row <N>`` (1-based).
+    Other arguments as :func:`demo_dataset`'s; ``system_prompt`` as :func:`~toolkit.data.prompt_dataset`'s.
+    """
+    fmt = PromptFormat(column="prompt", system_prompt=system_prompt)
+    samples = demo_tasks(split=split, num_samples=num_samples, seed=seed, tasks=tasks, word_len=word_len)
+    return PromptDataset([
+        prompt_item(i, tokenizer, fmt.messages(sample), fmt.fields(sample), f"demo {split} row {i + 1}")
+        for i, sample in enumerate(samples)
+    ])
+
+
 # The data sets above, which a config names as its `dataset` (any module path that ends in one of them).
-_DEMO_DATASETS = ("demo_dataset", "demo_preference_dataset", "demo_unpaired_dataset")
+_DEMO_DATASETS = ("demo_dataset", "demo_preference_dataset", "demo_unpaired_dataset", "demo_prompt_dataset")
 
 
 def demo_data_warning(cfg: Any) -> str | None:
@@ -232,9 +256,12 @@ def demo_data_warning(cfg: Any) -> str | None:
     for key, node in (("dataset", cfg.dataset), ("validation_dataset", cfg.get("validation_dataset"))):
         component = str(node.get("_component_", "")) if hasattr(node, "get") else ""
         if component.startswith("toolkit.") and component.rsplit(".", 1)[-1] in _DEMO_DATASETS:
+            # RL reads prompts with their answers; the others read conversations.
+            prompts = component.endswith(".demo_prompt_dataset")
+            builder, example = ("prompt_dataset", "prompts") if prompts else ("chat_dataset", "conversations")
             return (
                 f"{key}: {component} is the demo's synthetic string tasks ('reverse: lamp' -> 'pmal'), not data to "
-                f"fine-tune {model} on; point it at yours, e.g. {key}: {{_component_: toolkit.data.chat_dataset, "
-                f"source: path/to/conversations.jsonl}}"
+                f"fine-tune {model} on; point it at yours, e.g. {key}: {{_component_: toolkit.data.{builder}, "
+                f"source: path/to/{example}.jsonl}}"
             )
     return None

@@ -386,3 +386,46 @@ class UnpairedFormat(PreferenceFormat):
             return value.strip().lower() == "true"
         raise BadRowError(f"column {name!r} must be true (a desirable answer) or false, got {_type_name(value)} "
                           f"{value!r:.40}")
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """A prompt to answer, for online RL: a string (one user message) or messages ending with the user's turn; the
+    row's other columns are its fields (what rewards compare with, an ``answer``).
+
+    Attributes:
+        column: the prompt's column.
+        system_prompt: prepended as a system message to prompts that do not start with one.
+    """
+
+    column: str
+    system_prompt: str | None
+
+    def __post_init__(self) -> None:
+        _check_text_option(self.system_prompt, "system_prompt")
+        if not isinstance(self.column, str) or not self.column:
+            raise UserError(f"prompt_column must be a column name, got {self.column!r}")
+
+    def messages(self, row: Any) -> list[dict[str, str]]:
+        """The conversation the model answers next, ending with the user's message."""
+        value = column(row, self.column)
+        if isinstance(value, str):
+            if problem := _not_text(value):
+                raise BadRowError(f"column {self.column!r} {problem}")
+            messages = [{"role": "user", "content": value}]
+        elif isinstance(value, list):
+            messages = normalize_messages(value, name=self.column)
+            if messages[-1]["role"] != "user":
+                raise BadRowError(
+                    f"column {self.column!r} must end with a user message (the prompt to answer); its last message "
+                    f"is the {messages[-1]['role']}'s"
+                )
+        else:
+            raise BadRowError(f"column {self.column!r} must be a string or a list of messages, got {_type_name(value)}")
+        if not messages[-1]["content"].strip():
+            raise BadRowError(f"column {self.column!r} has an empty prompt")
+        return _with_system(messages, self.system_prompt)
+
+    def fields(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The row's columns other than the prompt."""
+        return {key: value for key, value in row.items() if key != self.column}

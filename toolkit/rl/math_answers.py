@@ -44,6 +44,8 @@ _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _PLAIN_NUMBER = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
 _FRACTION = re.compile(r"^([-+]?)\(?([-+]?(?:\d+\.?\d*|\.\d+))\)?/\(?([-+]?(?:\d+\.?\d*|\.\d+))\)?$")
 _LATEX_FRACTION = re.compile(r"^([-+]?)\\frac(?:\{([^{}]+)\}|(\d))(?:\{([^{}]+)\}|(\d))$")
+# "1\\frac{1}{2}": one and a half, as MATH writes mixed numbers.
+_MIXED_NUMBER = re.compile(r"^([-+]?)(\d+)\\frac\{(\d+)\}\{(\d+)\}$")
 _SCIENTIFIC = re.compile(r"^([-+]?(?:\d+\.?\d*|\.\d+))(?:\\times|\\cdot|\*|x)10\^\{?([-+]?\d+)\}?$")
 _LHS = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?=(?!=)")
 _TEXT_COMMANDS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\{([^{}]*)\}")
@@ -105,7 +107,7 @@ def reference_answer(reference: str) -> str:
 def normalize(answer: str) -> str:
     """``answer`` without what does not change its value: math delimiters, spacing commands, ``\\text{}`` wrappers,
     ``\\dfrac``, degree signs, a leading ``x =``, a trailing period, and all whitespace."""
-    text = answer.strip()
+    text = answer.strip().rstrip(".").rstrip()  # "\\(x\\)." ends a sentence
     for opening, closing in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if text.startswith(opening) and text.endswith(closing) and len(text) >= len(opening) + len(closing):
             text = text[len(opening) : len(text) - len(closing)].strip()
@@ -117,7 +119,7 @@ def normalize(answer: str) -> str:
     for dropped in _DROPPED:
         text = text.replace(dropped, "")
     text = _TEXT_COMMANDS.sub(r"\1", text)
-    text = "".join(text.split())
+    text = "".join(text.split()).replace("\u2212", "-")  # the typographic minus sign
     text = text.replace("{,}", ",").replace("\\$", "$").replace("\\%", "%")
     text = _LHS.sub("", text)
     while text and text[-1] in ".$%":
@@ -144,6 +146,9 @@ def as_number(answer: str) -> Fraction | None:
         if match := _FRACTION.match(text):
             sign, numerator, denominator = match.groups()
             value = _fraction(numerator) / _fraction(denominator)
+        elif match := _MIXED_NUMBER.match(text):
+            sign, whole, numerator, denominator = match.groups()
+            value = int(whole) + Fraction(int(numerator), int(denominator))
         elif match := _LATEX_FRACTION.match(text):
             sign = match.group(1)
             numerator, denominator = (as_number(match.group(i) or match.group(i + 1)) for i in (2, 4))
@@ -299,6 +304,8 @@ class _Parser:
                 value = value / divisor
             elif token is not None and (token[0].isalnum() or token in ("(", "\\frac", "\\sqrt", "\\pi", "\\infty")
                                         or token[1:] in _GREEK):
+                if token == "\\frac" and self.tokens[self.at - 1][0].isdigit():
+                    raise _Unreadable  # 2\frac{1}{3}: a mixed number (as_number reads it), not a product
                 value = value * self.factor()  # implicit: 2x, 2\pi, x(x+1)
             else:
                 return value

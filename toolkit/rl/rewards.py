@@ -217,7 +217,7 @@ def _signature_problem(function: RewardFunction) -> tuple[str | None, frozenset[
     """Why ``function`` cannot be called as ``function(prompt, completion, **fields)`` (None if it can), and the
     field names it takes by keyword (None: any, it has ``**kwargs``)."""
     if not callable(function):
-        return f"is a {type(function).__name__}, not callable", None
+        return f"is not callable (a {type(function).__name__})", None
     sig = signature(function)
     if sig is None:
         return None, None  # a builtin without a signature: trusted, and checked by the call itself
