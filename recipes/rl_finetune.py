@@ -46,7 +46,15 @@ from toolkit.recipe_setup import (
     start_training,
 )
 from toolkit.rl import RL_SCHEMA, RewardSet, SamplingSettings, check_prompts, clip_range, rl_kernels, verifier_index
-from toolkit.rl.collect import global_counts, reward_validation, rollout_metrics, sample_groups, training_batches
+from toolkit.rl.collect import (
+    global_counts,
+    record_rollouts,
+    reward_validation,
+    rollout_metrics,
+    sample_groups,
+    training_batches,
+    truncate_rollouts,
+)
 from toolkit.rl.warmup import supervised_warmup
 from toolkit.training import init_weights, optimizer_step, sdpa_preference, set_seed
 from toolkit.training.watchdog import rank_watchdog
@@ -124,7 +132,8 @@ def train(cfg: DictConfig) -> None:
     # --- Optimizer, schedule, step checkpoints, then the output folder ----------------------------------------------
     loop = start_training(cfg, recipe="rl_finetune", run=run, layout=layout, model=model, data=data,
                           base_checkpoint=checkpointer.checkpoint_dir, trainable_only=bool(adapters),
-                          validate=validate if val_rows else None)
+                          validate=validate if val_rows else None, tokenizer=tokenizer,
+                          eval_tasks=instantiate(cfg.eval_tasks) if cfg.get("eval_tasks") else None)
     log = loop.log
     n_params = sum(p.numel() for p in unwrap(model).parameters())
     print_header(log, f"{rl.loss} with G={G}, {len(rewards.names)} reward(s) ({', '.join(rewards.names)}); "
@@ -141,8 +150,7 @@ def train(cfg: DictConfig) -> None:
                           log=log.print)
         log.print(f"saved the warm-up model to {checkpointer.export(model, warm)}")
     if rl.kl_coef and not adapters:  # the starting point: the warm-up's result, else the base checkpoint
-        start = type(checkpointer)(checkpoint_dir=str(warm), model_family=checkpointer.model_family) \
-            if sft_steps else checkpointer
+        start = instantiate(cfg.checkpointer, checkpoint_dir=str(warm)) if sft_steps else checkpointer
         reference = model_reference(frozen_reference(
             build, dims=dims, mesh=layout.mesh, device=env.device, dtype=run.precision.compute_dtype,
             fill=start.load if start.checkpoint_dir is not None else fill_base))
@@ -151,6 +159,9 @@ def train(cfg: DictConfig) -> None:
         log.print(f"held-out {_score(before)} before RL ({before['val_prompts']} prompts)")
 
     # --- Training loop: sample, score, then update the policy on its own samples -------------------------------------
+    rollouts_file = run.output_dir / "rollouts.jsonl"  # with save_rollouts: every completion, its tokens and reward
+    if cfg.get("save_rollouts") and env.is_rank_zero:
+        truncate_rollouts(rollouts_file, step=loop.step)
     batches = loop.global_batches()
     for epoch, micro_batches in batches:
         started = time.perf_counter()
@@ -161,6 +172,9 @@ def train(cfg: DictConfig) -> None:
             groups += found
             generated += tokens
         generation_s = time.perf_counter() - started
+        if cfg.get("save_rollouts"):
+            record_rollouts(rollouts_file, groups, step=loop.step + 1, tokenizer=tokenizer, group=layout.dp_group,
+                            write=env.is_rank_zero)
         metrics = rollout_metrics(groups, names=rewards.names, verifier=verifier, generated_tokens=generated,
                                   generation_s=generation_s, group=layout.dp_group, device=env.device)
         if cfg.get("dynamic_sampling"):  # DAPO: groups of equal rewards dropped, the batch refilled from next prompts

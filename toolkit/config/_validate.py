@@ -25,6 +25,9 @@ from toolkit.config._tree import child_path, config_source, container_keys, inte
 # Arguments recipes pass themselves when they instantiate a node (`instantiate(cfg.optimizer, model.parameters())`,
 # `instantiate(cfg.lr_scheduler, optimizer, total_steps=...)`), so a config never sets them.
 RUNTIME_ARGS: frozenset[str] = frozenset({"tokenizer", "params", "optimizer", "model", "total_steps"})
+# Keys an item of a list of components carries for the recipe that reads the list, not for its callable: the RL
+# recipe's `rewards` each weigh their function (toolkit.rl.RewardSet.from_config takes the weight off first).
+LIST_ITEM_KEYS: frozenset[str] = frozenset({"weight"})
 
 
 def _repeats(node: DictConfig, key: Any, wrong: Collection[str]) -> bool:
@@ -50,7 +53,8 @@ def _component_problems(
     if sig is None:
         return []
     names, takes_kwargs = keyword_names(sig)
-    given = [key for key in node.keys() if key != COMPONENT_KEY]
+    in_list = path.endswith("]")
+    given = [key for key in node.keys() if key != COMPONENT_KEY and not (in_list and key in LIST_ITEM_KEYS)]
     problems = [
         (child_path(path, key), f"not an argument of {dotted}{did_you_mean(str(key), names)}")
         for key in given

@@ -201,3 +201,34 @@ def reward_validation(
         out["val_accuracy"] = correct / max(n, 1)
     return out
 
+
+
+def record_rollouts(path, groups: list[Group], *, step: int, tokenizer, group: dist.ProcessGroup | None,
+                    write: bool) -> None:
+    """Append the global batch's completions of ``step`` to ``path`` (JSON lines: ``step``, ``prompt_index``,
+    ``sample``, ``tokens``, ``completion``, ``reward``), in prompt and sample order, whatever the layout: each
+    data-parallel rank's are gathered (a collective) and the process with ``write`` writes them."""
+    import json
+
+    mine = [(g.row["index"], j, c.tokens, r) for g in groups for j, (c, r) in enumerate(zip(g.completions, g.rewards))]
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    if not write:
+        return
+    with open(path, "a") as f:
+        for index, sample, tokens, reward in sorted(item for part in everyone for item in part):
+            f.write(json.dumps({"step": step, "prompt_index": index, "sample": sample, "tokens": tokens,
+                                "completion": tokenizer.decode(tokens), "reward": reward}) + "\n")
+
+
+def truncate_rollouts(path, *, step: int) -> None:
+    """Keep the lines of ``path`` up to ``step`` (a resumed run records the steps after its checkpoint again)."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))

@@ -75,6 +75,7 @@ RL_KEYS = {
     "sft_warmup_lr": Float(gt=0, null=True, required=False),
     "sft_warmup_batch_size": Int(ge=1, null=True, required=False),
     "save_merged": Bool(required=False),
+    "save_rollouts": Bool(required=False),  # every completion of every step in output_dir/rollouts.jsonl
 }
 
 RL_SCHEMA = TRAINING_SCHEMA.without(
