@@ -142,6 +142,27 @@ GENERATE_CASES = [
     ("dtype=fp64", "dtype"),
 ]
 
+RL_CASES = [
+    ("num_generations=1", "num_generations"),
+    ("num_generations=0", "num_generations"),
+    ("temperature=0", "temperature"),  # greedy: every completion of a group the same
+    ("temperature=-1", "temperature"),
+    ("max_new_tokens=64", "max_new_tokens"),  # no room left for a prompt within max_seq_len
+    ("loss=ppo", "loss"),
+    ("loss=dapo|kl_coef=0.1", "kl_coef"),  # an objective's key given to another objective
+    ("dynamic_sampling=true", "dynamic_sampling"),
+    ("overlong_filter=true", "overlong_filter"),
+    ("clip_low=1.5", "clip_low"),
+    ("top_p=0", "top_p"),
+    ("updates_per_rollout=0", "updates_per_rollout"),
+    ("rewards=[]", "rewards"),
+    ("rewards.0._component_=toolkit.rl.NoSuchReward", "rewards[0]._component_"),
+    ("rewards.0.weight=heavy", "rewards[0].weight"),
+    ("rewards.0._component_=toolkit.rl.rollout.completion_seed|~rewards.0.field", "rewards[0]._component_"),
+    ("rewards.0.field=3", "rewards[0].field"),
+    ("sft_warmup_lr=null", "sft_warmup_lr"),
+]
+
 EVAL_CASES = [
     ("micro_batch_size=0", "micro_batch_size"),
     ("micro_batch_size=auto", "micro_batch_size"),
@@ -157,6 +178,7 @@ CASES = (
     + [("lora_finetune", override, key) for override, key in LORA_CASES]
     + [("preference_finetune", override, key) for override, key in PREFERENCE_CASES]
     + [("distill", override, key) for override, key in DISTILL_CASES]
+    + [("rl_finetune", override, key) for override, key in RL_CASES]
     + [("generate", override, key) for override, key in GENERATE_CASES]
     + [("eval", override, key) for override, key in EVAL_CASES]
 )
@@ -187,6 +209,7 @@ RUN_CASES = [
     ("preference_finetune_distributed", "beta=0", "beta"),
     ("generate", "temperature=-1", "temperature"),
     ("eval_distributed", "micro_batch_size=0", "micro_batch_size"),
+    ("rl_finetune_distributed", "num_generations=1", "num_generations"),
 ]
 
 

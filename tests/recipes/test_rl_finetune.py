@@ -157,3 +157,13 @@ def test_a_run_killed_mid_way_resumes_with_the_same_completions_and_weights(sing
     wa, wb = weights(single["warm"]), weights(out)
     for key in wa:
         assert torch.equal(wa[key], wb[key]), key
+
+
+def test_a_prompt_longer_than_the_context_left_is_named_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    result = run_tune_here("run", "rl_finetune_single_device", "--config", "demo", f"output_dir={out}", *FAST,
+                           "max_seq_len=20", "max_new_tokens=12")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "dataset: demo train row" in lines[0] and "max_seq_len - max_new_tokens" in lines[0]
+    assert not out.exists()

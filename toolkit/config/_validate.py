@@ -25,9 +25,10 @@ from toolkit.config._tree import child_path, config_source, container_keys, inte
 # Arguments recipes pass themselves when they instantiate a node (`instantiate(cfg.optimizer, model.parameters())`,
 # `instantiate(cfg.lr_scheduler, optimizer, total_steps=...)`), so a config never sets them.
 RUNTIME_ARGS: frozenset[str] = frozenset({"tokenizer", "params", "optimizer", "model", "total_steps"})
-# Keys an item of a list of components carries for the recipe that reads the list, not for its callable: the RL
-# recipe's `rewards` each weigh their function (toolkit.rl.RewardSet.from_config takes the weight off first).
-LIST_ITEM_KEYS: frozenset[str] = frozenset({"weight"})
+# Top-level keys whose `_component_` nodes are not called with their keys as arguments, and which the recipe's own
+# schema rule checks instead: the RL recipe's `rewards` name functions used as they are (or classes built with
+# their options) and carry a `weight` each (toolkit.rl.RewardSet.from_config, the rule toolkit.rl.keys.rewards_build).
+READER_CHECKED_KEYS: frozenset[str] = frozenset({"rewards"})
 
 
 def _repeats(node: DictConfig, key: Any, wrong: Collection[str]) -> bool:
@@ -53,8 +54,7 @@ def _component_problems(
     if sig is None:
         return []
     names, takes_kwargs = keyword_names(sig)
-    in_list = path.endswith("]")
-    given = [key for key in node.keys() if key != COMPONENT_KEY and not (in_list and key in LIST_ITEM_KEYS)]
+    given = [key for key in node.keys() if key != COMPONENT_KEY]
     problems = [
         (child_path(path, key), f"not an argument of {dotted}{did_you_mean(str(key), names)}")
         for key in given
@@ -88,6 +88,8 @@ def _visit(
     if isinstance(node, DictConfig) and node._get_node(COMPONENT_KEY) is not None:
         problems += _component_problems(node, path, runtime_args, wrong)
     for key in container_keys(node):
+        if not path and key in READER_CHECKED_KEYS:
+            continue
         child = node._get_node(key)
         # Only real sections: interpolated ones are checked where they live, broken ones by the
         # interpolation check.

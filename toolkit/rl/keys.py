@@ -2,12 +2,13 @@
 its prompts before anything is written."""
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 from toolkit.config._schema import Bool, Choice, Component, Context, Float, Int, ListOf, rule
 from toolkit.errors import UserError
 from toolkit.objectives.rl import RL_LOSSES
 from toolkit.planning import StepKernels
+from toolkit.rl.rewards import RewardSet
 from toolkit.training.recipe_keys import TRAINING_SCHEMA
 
 # Objective-specific keys, refused with another objective rather than silently unused.
@@ -54,6 +55,21 @@ def warmup_is_whole(ctx: Context) -> Iterator[tuple[str, str]]:
                 yield key, "sft_warmup_steps needs it"
 
 
+@rule("rewards")
+def rewards_build(ctx: Context) -> Iterator[tuple[str, str]]:
+    """Every reward imports, takes its options and scores ``(prompt, completion, **fields)`` (built here, before
+    any process starts, as the recipe builds them)."""
+    nodes = ctx.get("rewards")
+    if not isinstance(nodes, Sequence) or isinstance(nodes, str) or not all(isinstance(n, Mapping) for n in nodes):
+        return
+    plain = [{str(k): v for k, v in node.items()} for node in nodes]  # (messages then name no file: the check does)
+    try:
+        RewardSet.from_config(plain, key="rewards")
+    except UserError as e:
+        key, _, problem = str(e).partition(": ")
+        yield key, problem
+
+
 RL_KEYS = {
     "loss": Choice(*RL_LOSSES),
     "num_generations": Int(ge=2),  # G: completions per prompt (a group)
@@ -81,7 +97,7 @@ RL_KEYS = {
 RL_SCHEMA = TRAINING_SCHEMA.without(
     "fused_loss", "optimizer_in_backward", "activation_offloading", "float8", "profiler", "context_parallel",
     "context_parallel_method", "expert_parallel",
-).extend(RL_KEYS, rules=[objective_keys_fit_the_loss, sampling_varies, completions_fit, warmup_is_whole])
+).extend(RL_KEYS, rules=[objective_keys_fit_the_loss, sampling_varies, completions_fit, warmup_is_whole, rewards_build])
 
 
 def rl_kernels(kernels: StepKernels, *, num_generations: int, reference: bool) -> StepKernels:
