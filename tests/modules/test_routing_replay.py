@@ -42,17 +42,19 @@ def perturb_routers(model: torch.nn.Module, *, seed: int = 3, scale: float = 0.5
             block.gate.weight.add_(scale * torch.randn(block.gate.weight.shape, generator=generator))
 
 
-def recorded(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, RoutingRecord]:
+def recorded(model: torch.nn.Module, x: torch.Tensor, *, mode=torch.no_grad) -> tuple[torch.Tensor, RoutingRecord]:
     """A forward without grad (as old log-probabilities are computed) and the routing it recorded."""
-    with torch.no_grad(), record_routing(model) as record:
+    with mode(), record_routing(model) as record:
         return model(x), record
 
 
-def moved_after_recording(family: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, RoutingRecord]:
-    """A tiny model, a batch, its output and routing recorded, and then the routers moved."""
+def moved_after_recording(
+    family: str, *, mode=torch.no_grad
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, RoutingRecord]:
+    """A tiny model, a batch, its output and routing recorded (under ``mode``), and then the routers moved."""
     model = tiny(family)
     x = tokens()
-    before, record = recorded(model, x)
+    before, record = recorded(model, x, mode=mode)
     perturb_routers(model)
     return model, x, before, record
 
@@ -110,8 +112,9 @@ def test_after_the_routers_move_replay_keeps_the_recorded_experts(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_router_gets_its_gradient_under_replay(family):
-    model, x, _, record = moved_after_recording(family)
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_the_router_gets_its_gradient_under_replay(family, mode):
+    model, x, _, record = moved_after_recording(family, mode=mode)
     with replay_routing(model, record):
         model(x).square().mean().backward()
     for path in moe_paths(model):

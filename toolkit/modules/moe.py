@@ -348,7 +348,10 @@ class _RoutingSession:
                 f"routing replay: {self.path} recorded experts {list(experts.shape)} ([tokens, top_k]) in forward "
                 f"{index} and this forward has {tokens.shape[0]} tokens and top_k {top_k}; replay the same tokens"
             )
-        return experts.to(tokens.device)
+        experts = experts.to(tokens.device)
+        # Recorded under torch.inference_mode (a rollout's old log-probabilities may be): autograd may not save an
+        # inference tensor (the weights' gather saves its index), and outside that mode a clone is a plain one.
+        return experts.clone() if experts.is_inference() else experts
 
     def note(self, experts: torch.Tensor, probs: torch.Tensor) -> None:
         """Keep this forward's choice (recording), or the router's own top-k beside the replayed one."""
@@ -362,7 +365,10 @@ class _RoutingSession:
 class _Pinning:
     """How many things fix a router's choice now (open sessions, recomputations of checkpointed forwards that had
     one): while none does, :class:`MoEFeedForward` takes the plain top-k without looking further (a compiled layer
-    sees an integer guard, not the frames); and the open checkpoint frames, innermost last."""
+    sees an integer guard, not the frames); and the open checkpoint frames, innermost last.
+
+    One per process, not per thread: a recomputation runs on autograd's device thread while the thread that called
+    ``backward`` waits, and one thread at a time runs the model."""
 
     def __init__(self) -> None:
         self.count = 0
