@@ -10,7 +10,9 @@ expert, trained on each expert-parallel layout of the 4 ranks in turn:
 
 Every run trains 4 steps of a global batch of 8 rows of different lengths (prompts and padding ignored; the
 batch carries each row's length, so the routers' load statistics skip the padding), with AdamW and the gradient
-norm clipped. Rank zero saves, per case and layout, the losses, the routing metrics, the gradient norms and the
+norm clipped, then a fifth under routing replay (online RL's MoE option): each rank records its rows' routing in a
+forward without grad and replays it with every expert shifted by one, so that no token goes where its router sends
+it; the exchange, and the recomputation under activation checkpointing, must carry the replayed experts. Rank zero saves, per case and layout, the losses, the routing metrics, the gradient norms and the
 final weights (gathered whole) to ``sys.argv[1]``; the test trains the one-process references itself (:func:`train`).
 Each layout without activation checkpointing also measures, in its first step, what every rank holds
 (:class:`tests.training._ep_memory.Meter`, for test_memory_ep.py); rank zero saves that too, one entry per rank.
@@ -29,7 +31,7 @@ from toolkit.models._decoder import attention_projections, grouped_experts, plai
 from toolkit.models._lora import lora_linear
 from toolkit.modules import GroupedQueryAttention, RotaryPositionalEmbeddings
 from toolkit.modules._dtensor import copy_full_
-from toolkit.modules.moe import MoEFeedForward, TopKRouter
+from toolkit.modules.moe import MoEFeedForward, RoutingRecord, TopKRouter, record_routing, replay_routing
 from toolkit.modules.peft import get_adapter_params, init_adapters, set_trainable_params
 from toolkit.parallel import ParallelDims, parallel_dims
 from toolkit.training import forward_backward, init_weights, optimizer_step, parallelize
@@ -114,8 +116,36 @@ def train(mode: str, dims: ParallelDims, mesh=None, *, activation_checkpointing:
             meter.state(optimizer)
         losses.append(result.loss)
         routing.append(result.metrics)
-    return {"losses": losses, "routing": routing, "norms": norms, "memory": meter.numbers,
+    mine = global_batch(STEPS)[dims.dp_rank * share : (dims.dp_rank + 1) * share]
+    result, replayed = replayed_step(model, mine, dims)
+    norms.append(optimizer_step(model, optimizer, max_grad_norm=1.0))
+    losses.append(result.loss)
+    routing.append(result.metrics)
+    return {"losses": losses, "routing": routing, "norms": norms, "memory": meter.numbers, "replayed": replayed,
             "weights": {k: full(v) for k, v in model.state_dict().items()}}
+
+
+def replayed_step(model: nn.Module, mine: list[dict[str, torch.Tensor]], dims: ParallelDims) -> tuple:
+    """The step's forward and backward under a replay of its rows' routing with every expert shifted by one, and
+    whether every forward of the first MoE layer, on every rank, used the replayed experts."""
+    with torch.no_grad(), record_routing(model) as chosen:
+        for row in mine:
+            model(row["tokens"])
+    shifted = RoutingRecord({path: [(experts + 1) % EXPERTS for experts in chosen.forwards(path)]
+                             for path in chosen.paths()})
+    first = next(m for m in model.modules() if isinstance(m, MoEFeedForward))
+    used = []  # its forwards' experts, the recomputations' too
+    hook = first.register_forward_hook(lambda block, args, out: used.append(block.routing.experts.flatten(0, 1)))
+    with replay_routing(model, shifted):
+        result = forward_backward(model, mine, device=torch.device("cpu"), data_parallel_size=dims.dp_size)
+    hook.remove()
+    expected = shifted.forwards(shifted.paths()[0])
+    replayed = torch.tensor(int(len(used) >= len(mine) and all(
+        any(torch.equal(experts, replay) for replay in expected) for experts in used
+    )))
+    if dist.is_initialized():
+        dist.all_reduce(replayed, op=dist.ReduceOp.MIN)
+    return result, bool(replayed)
 
 
 def main(out: str) -> None:

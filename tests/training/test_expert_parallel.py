@@ -1,7 +1,7 @@
 """Expert parallelism trains like one process: every layout of tests/training/_ep_worker.py (4 processes, one
 launch, conftest.py's ``ep_layouts``: expert-parallel pairs or quads under ZeRO-3 and ZeRO-2, with activation
 checkpointing, full fine-tune and LoRA on every expert) against the same training on one process, which this
-process runs with the same code.
+process runs with the same code; its last step replays a routing record (shifted experts) on every layout.
 
 fp32 on CPU: the layouts differ only in the order of float sums (each rank's micro-batches, the gradient
 reductions), so losses, the load-balancing loss's share and gradient norms agree to about 1e-7 relative and the
@@ -28,6 +28,7 @@ def references() -> dict:
 def test_every_expert_parallel_layout_trains_like_one_process(run, ep_layouts, references):
     mode, layout = run
     ours, reference = ep_layouts[f"{mode}/{layout}"], references[mode]
+    assert ours["replayed"] and reference["replayed"], "every forward of the last step took the replayed experts"
     torch.testing.assert_close(ours["losses"], reference["losses"], rtol=1e-5, atol=0)
     torch.testing.assert_close(ours["norms"], reference["norms"], rtol=1e-5, atol=0)
     for step, (mine, theirs) in enumerate(zip(ours["routing"], reference["routing"])):

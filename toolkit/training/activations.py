@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from toolkit.errors import UserError
+from toolkit.modules.moe import routing_checkpoint_context
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,22 @@ def apply_activation_checkpointing(model: nn.Module, *, every_k_layers: int = 1)
     is what raises DDP's "Expected to mark a variable ready only once"). The layer's ``forward`` is wrapped in
     place, so parameter names and state-dict keys do not change. Apply before data parallelism. The layers are the
     model's :meth:`~toolkit.modules.contract.DecoderModel.decoder_layers`, counted in the order they run.
+
+    Run eagerly, the checkpoint carries :func:`~toolkit.modules.moe.routing_checkpoint_context`, so that a
+    mixture-of-experts layer recomputed under routing replay takes the experts of its first forward.
     """
     layers = list(model.decoder_layers().values())
     for i in checkpointed_layers(len(layers), every_k_layers):
         layer = layers[i]
-        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+        layer.forward = partial(_checkpointed, layer.forward)
+
+
+def _checkpointed(forward: Callable, *args, **kwargs):
+    # torch.compile traces a checkpoint only with the default context_fn (or one of dispatch modes); routing replay
+    # does not run compiled.
+    if torch.compiler.is_compiling():
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=routing_checkpoint_context, **kwargs)
 
 
 # --- Activation offloading -----------------------------------------------------------------------------------------
