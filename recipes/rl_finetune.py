@@ -18,6 +18,7 @@ A run that starts from a model too weak to earn any reward (the demo: random wei
 Held-out prompts (``validation_dataset``) are answered greedily and scored by the rewards before, during and after.
 """
 
+import contextlib
 import math
 import time
 from functools import partial
@@ -29,6 +30,7 @@ from toolkit.checkpoint.peft import fill_adapter_model, save_adapter_and_merged
 from toolkit.config import instantiate, recipe_main
 from toolkit.data import padded_collate, rl_collate
 from toolkit.errors import UserError
+from toolkit.modules.moe import MoEFeedForward, record_routing
 from toolkit.modules.peft import get_adapter_params, set_trainable_params
 from toolkit.objectives.preference import frozen_reference, lora_reference, model_reference
 from toolkit.objectives.rl import RLSettings, normalizer, rl_forward_backward, score_batches
@@ -83,6 +85,9 @@ def train(cfg: DictConfig) -> None:
     # for a full fine-tune's KL reference.
     kernels = rl_kernels(StepKernels(loss_chunks=cfg.get("loss_chunks")), num_generations=G,
                          reference=bool(rl.kl_coef) and not adapters)
+    replay = cfg.get("routing_replay", False)  # MoE: the updates route as the old log-probabilities' pass did
+    if replay and not any(isinstance(m, MoEFeedForward) for m in model.modules()):
+        raise UserError("routing_replay: the model has no mixture-of-experts layers to replay; remove it")
     layout = plan_layout(cfg, run=run, model=model, kernels=kernels)
     dims = layout.dims
     checkpointer = instantiate(cfg.checkpointer)
@@ -118,7 +123,7 @@ def train(cfg: DictConfig) -> None:
     data = build_data(cfg, layout=layout, dataset=dataset, collate=rl_collate, validation_dataset=val_dataset)
     sft_steps = cfg.get("sft_warmup_steps") or 0
     if sft_steps and run.resume is None:
-        sft_dataset = instantiate(cfg.sft_warmup_dataset, tokenizer)
+        sft_dataset = instantiate(cfg.get("sft_warmup_dataset"), tokenizer)
     reference = None  # the KL's: the base with the adapters off, or a frozen copy of the starting weights
     if rl.kl_coef and adapters:
         reference = lora_reference(model)
@@ -144,8 +149,8 @@ def train(cfg: DictConfig) -> None:
     warm = run.output_dir / "sft_warmup"
     if sft_steps and run.resume is None:
         collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, **row_padding(cfg, layout=layout))
-        supervised_warmup(model, sft_dataset, collate=collate, steps=sft_steps, batch_size=cfg.sft_warmup_batch_size,
-                          micro_batch_size=layout.plan.micro_batch_size * G, lr=cfg.sft_warmup_lr, seed=cfg.seed,
+        supervised_warmup(model, sft_dataset, collate=collate, steps=sft_steps, batch_size=cfg.get("sft_warmup_batch_size"),
+                          micro_batch_size=layout.plan.micro_batch_size * G, lr=cfg.get("sft_warmup_lr"), seed=cfg.seed,
                           dims=dims, data_parallel_group=layout.dp_group, device=env.device, autocast=layout.autocast,
                           log=log.print)
         log.print(f"saved the warm-up model to {checkpointer.export(model, warm)}")
@@ -192,15 +197,18 @@ def train(cfg: DictConfig) -> None:
             for batch, ref in zip(rollouts, score_batches(reference, rollouts, device=env.device,
                                                           autocast=layout.autocast)):
                 batch.ref_logps = ref
+        routing = None
         if cfg.updates_per_rollout > 1:  # the sampling policy's log-probabilities, by the training forward
-            for batch, old in zip(rollouts, score_batches(model, rollouts, device=env.device, autocast=layout.autocast)):
+            with record_routing(model) if replay else contextlib.nullcontext() as routing:  # (MoE: its experts)
+                olds = score_batches(model, rollouts, device=env.device, autocast=layout.autocast)
+            for batch, old in zip(rollouts, olds):
                 batch.old_logps = old
         trained = time.perf_counter()
         for update in range(cfg.updates_per_rollout):
             result = rl_forward_backward(
                 model, rollouts, settings=rl, norm=norm, device=env.device, data_parallel_size=dims.dp_size,
                 data_parallel_group=layout.dp_group, autocast=layout.autocast, grad_scaler=loop.grad_scaler,
-                num_output_chunks=cfg.get("loss_chunks") or 1)
+                num_output_chunks=cfg.get("loss_chunks") or 1, routing=routing)
             if update < cfg.updates_per_rollout - 1:  # (the last update is the loop's step, which logs it)
                 optimizer_step(model, loop.state.optimizer, max_grad_norm=loop.max_grad_norm,
                                grad_scaler=loop.grad_scaler)
@@ -244,7 +252,7 @@ def _refill(groups, batches, *, loop, cfg, rewards, tokenizer, sampling, group, 
     data position counts. Returns the kept groups and the number of refills."""
     kept = [g for g in groups if g.informative]
     refills = 0
-    while refills < cfg.max_refills:
+    while refills < cfg.get("max_refills", 3):
         total = int(all_reduce_sum(torch.tensor([len(kept)], dtype=torch.float64, device=device), group=group).item())
         if total >= cfg.batch_size:
             break

@@ -161,6 +161,7 @@ RL_CASES = [
     ("rewards.0._component_=toolkit.rl.rollout.completion_seed|~rewards.0.field", "rewards[0]._component_"),
     ("rewards.0.field=3", "rewards[0].field"),
     ("sft_warmup_lr=null", "sft_warmup_lr"),
+    ("routing_replay=true", "routing_replay"),  # with updates_per_rollout 1 there is no other pass to replay
 ]
 
 EVAL_CASES = [

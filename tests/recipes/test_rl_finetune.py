@@ -32,12 +32,20 @@ LORA = [
     "model._component_=toolkit.models.llama3.lora_llama3_demo", "model.lora_attn_modules=[q_proj,v_proj]",
     "model.lora_rank=8", "model.lora_alpha=16", "model.apply_lora_to_mlp=true",
 ]
+# A tiny Qwen3-MoE from random weights, its updates replaying the experts of the old log-probabilities' pass.
+MOE = [
+    "model._component_=toolkit.models.qwen3_moe.qwen3_moe", "model.vocab_size=384", "model.num_layers=2",
+    "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16", "model.embed_dim=64",
+    "model.moe_intermediate_dim=32", "model.num_experts=4", "model.num_experts_per_tok=2",
+    "checkpointer.model_family=qwen3_moe", "routing_replay=true", "updates_per_rollout=2",
+]
 VARIANTS = {
     "full": [],
     "warm": WARM,
     "lora": LORA,
     "full_kl": ["kl_coef=0.05"],
     "dapo": ["loss=dapo", "dynamic_sampling=true", "max_refills=2", "overlong_filter=true"],
+    "moe_replay": MOE,
 }
 TWO_PROCESS_RUNS = {
     "full_ddp": ("full", ["data_parallel=ddp"]),
@@ -47,6 +55,7 @@ TWO_PROCESS_RUNS = {
     "lora_zero3": ("lora", ["data_parallel=zero3"]),
     "full_kl_zero3": ("full_kl", ["data_parallel=zero3"]),
     "dapo_ddp": ("dapo", ["data_parallel=ddp"]),
+    "moe_replay_zero3": ("moe_replay", ["data_parallel=zero3"]),
 }
 
 
@@ -136,6 +145,9 @@ def test_each_step_records_the_rollouts_metrics(single):
             mean = sum(r["reward"] for r in lines if r["step"] == step) / 16
             assert mean == pytest.approx(records_[step - 1]["reward_mean"])
     assert steps(single["full_kl"])[1]["kl"] > 0  # the policy moved from its reference
+    # Routing replay: the second update's router, moved by the first, would choose other experts for some tokens.
+    agreements = [r["routing_agreement"] for r in steps(single["moe_replay"])]
+    assert all(0 < a <= 1 for a in agreements) and min(agreements) < 1
     assert steps(single["full"])[1]["kl"] == 0
     stdout = (single["full"] / "metrics.jsonl").read_text()
     assert "val_accuracy" in stdout and (single["warm"] / "sft_warmup" / "config.json").is_file()

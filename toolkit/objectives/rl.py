@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.modules.masks import CROSS_ENTROPY_IGNORE_INDEX
+from toolkit.modules.moe import RoutingRecord, replay_routing, routing_agreement
 from toolkit.parallel import gradient_sync
 from toolkit.parallel.distributed import all_reduce_sum
 from toolkit.training.step import StepResult
@@ -248,8 +249,14 @@ def rl_forward_backward(
     autocast: contextlib.AbstractContextManager | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
     num_output_chunks: int = 1,
+    routing: RoutingRecord | None = None,
 ) -> StepResult:
     """Accumulate the gradient of the objective over this rank's micro-batches of one update.
+
+    With ``routing`` (a mixture-of-experts model's :class:`~toolkit.modules.moe.RoutingRecord` of the pass that
+    computed the old log-probabilities, one forward per micro-batch), each micro-batch's forward routes every token to
+    the experts chosen then (routing replay: the ratio compares the same experts' outputs), and the metrics gain
+    ``routing_agreement``, the share of those choices the router would make again now.
 
     Each micro-batch's summed terms are scaled by ``data_parallel_size / norm`` (``norm``: :func:`normalizer` of the
     global batch), which the gradient reduction's average turns into the global batch's objective; gradients are
@@ -257,15 +264,19 @@ def rl_forward_backward(
     ``ratio_mean``) are those of the global batch (one all-reduce at the end)."""
     scale = data_parallel_size / norm
     totals = torch.zeros(7, dtype=torch.float64)  # loss, clipped, clip units, kl, ratio, entropy, tokens
-    num_positions = 0
+    num_positions, agreement = 0, []
     for i, batch in enumerate(batches):
         progress("a micro-batch")
         tokens, labels = batch.tokens.to(device), batch.labels.to(device)
         num_positions += tokens.numel()
         with gradient_sync(model, enabled=i == len(batches) - 1):
-            with autocast or contextlib.nullcontext():
+            replay = replay_routing(model, routing, forward_index=i) if routing is not None else \
+                contextlib.nullcontext()
+            with autocast or contextlib.nullcontext(), replay as chosen:
                 logps, entropy = token_logprobs(model, tokens, labels, num_output_chunks=num_output_chunks,
                                                 with_entropy=True)
+            if routing is not None:
+                agreement.append(routing_agreement(routing[i : i + 1], chosen))
             old = batch.old_logps.to(device) if batch.old_logps is not None else logps.detach()
             ref = batch.ref_logps.to(device) if batch.ref_logps is not None else None
             terms = rl_objective(logps, old, labels != CROSS_ENTROPY_IGNORE_INDEX, batch.advantages.to(device),
@@ -283,4 +294,8 @@ def rl_forward_backward(
         "entropy": entropy_sum / max(num_tokens, 1),
         "ratio_mean": ratio_sum / max(clip_units, 1),
     }
+    if agreement:  # (the mean of the ranks' micro-batch means)
+        mean = torch.tensor([sum(agreement) / len(agreement), 1.0], dtype=torch.float64, device=device)
+        total, ranks = all_reduce_sum(mean, group=data_parallel_group).tolist()
+        metrics["routing_agreement"] = total / ranks
     return StepResult(loss=loss_sum / norm, num_tokens=int(num_tokens), num_positions=num_positions, metrics=metrics)

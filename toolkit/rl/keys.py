@@ -70,6 +70,13 @@ def rewards_build(ctx: Context) -> Iterator[tuple[str, str]]:
         yield key, problem
 
 
+@rule("routing_replay", "updates_per_rollout")
+def replay_needs_updates(ctx: Context) -> Iterator[tuple[str, str]]:
+    if ctx.get("routing_replay") and ctx.get("updates_per_rollout") == 1:
+        yield "routing_replay", ("replays the experts of the old log-probabilities' pass, which only runs with "
+                                 "updates_per_rollout above 1 (with 1, the update's own forward is that pass)")
+
+
 RL_KEYS = {
     "loss": Choice(*RL_LOSSES),
     "num_generations": Int(ge=2),  # G: completions per prompt (a group)
@@ -91,13 +98,15 @@ RL_KEYS = {
     "sft_warmup_lr": Float(gt=0, null=True, required=False),
     "sft_warmup_batch_size": Int(ge=1, null=True, required=False),
     "save_merged": Bool(required=False),
-    "save_rollouts": Bool(required=False),  # every completion of every step in output_dir/rollouts.jsonl
+    "save_rollouts": Bool(required=False),
+    "routing_replay": Bool(required=False),  # MoE: updates reuse the experts chosen for the old log-probabilities  # every completion of every step in output_dir/rollouts.jsonl
 }
 
 RL_SCHEMA = TRAINING_SCHEMA.without(
     "fused_loss", "optimizer_in_backward", "activation_offloading", "float8", "profiler", "context_parallel",
-    "context_parallel_method", "expert_parallel",
-).extend(RL_KEYS, rules=[objective_keys_fit_the_loss, sampling_varies, completions_fit, warmup_is_whole, rewards_build])
+    "context_parallel_method", "expert_parallel", "flex_attention",
+).extend(RL_KEYS, rules=[objective_keys_fit_the_loss, sampling_varies, completions_fit, warmup_is_whole, rewards_build,
+                                  replay_needs_updates])
 
 
 def rl_kernels(kernels: StepKernels, *, num_generations: int, reference: bool) -> StepKernels:
