@@ -828,3 +828,25 @@ def test_auto_micro_batch_counts_the_configured_optimizer():
         dtype="bf16-mixed", activation_checkpointing=True, optimizer="adamw8bit",
     )
     assert eight_bit.micro_batch_size == expected > adamw.micro_batch_size
+
+
+def test_an_rl_step_counts_the_rollouts_kv_cache_and_the_whole_model_gathered_for_them():
+    """Online RL samples a micro-batch's prompts x num_generations rows with a KV cache of max_seq_len positions
+    before the step: Qwen3 8B keeps 36 layers x (8 key + 8 value heads) x 128 features per position, 2 bytes each in
+    bf16; under zero3 the rollout gathers the whole model, in the compute dtype, beside the rank's shards."""
+    from toolkit.models.qwen3 import qwen3_8b
+    from toolkit.planning.memory import kv_cache_bytes
+
+    with torch.device("meta"):
+        model = qwen3_8b()
+    assert kv_cache_bytes(model, rows=16, seq_len=2048, element_bytes=2) == 16 * 2048 * 36 * 2 * 8 * 128 * 2
+    assert kv_cache_bytes(model, rows=16, seq_len=2048, element_bytes=2, tensor_parallel=2) == 16 * 2048 * 36 * 8 * 128 * 2
+    plain = estimate_memory(model, strategy="zero3", world_size=8, micro_batch_size=2, max_seq_len=2048)
+    rl = estimate_memory(model, strategy="zero3", world_size=8, micro_batch_size=2, max_seq_len=2048,
+                         kernels=StepKernels(rollout_samples=8))
+    assert plain.kv_cache == plain.rollout == 0 and rl.kv_cache == 16 * 2048 * 36 * 2 * 8 * 128 * 2
+    whole_bf16 = 2 * sum(p.numel() for p in model.parameters())
+    assert rl.rollout_gathered == pytest.approx(whole_bf16 + 16 * model.token_embedding().weight.shape[0] * 4,
+                                                rel=1e-3)
+    assert rl.rollout == rl.params + rl.optimizer_state + rl.rollout_gathered + rl.kv_cache
+    assert rl.total >= rl.rollout > 0 and "rollout" in rl.table() and "rollout" not in plain.table()

@@ -103,6 +103,9 @@ class StepKernels:
             tuning with a live reference), laid out as the policy (see :attr:`MemoryEstimate.reference`).
         frozen_model: another frozen model (of its own shape, on the meta device) scores each batch beside it,
             laid out alike: distillation's teacher.
+        rollout_samples: completions sampled together for each sample of a micro-batch before the step (online RL:
+            each prompt's ``num_generations``), whose KV cache spans ``max_seq_len`` positions (see
+            :attr:`MemoryEstimate.rollout`); 0: no sampling.
     """
 
     flex_attention: bool = False
@@ -111,6 +114,7 @@ class StepKernels:
     sequences_per_sample: int = 1
     reference_model: bool = False
     frozen_model: nn.Module | None = None
+    rollout_samples: int = 0
 
 
 def format_bytes(n: int) -> str:
@@ -165,6 +169,17 @@ class MemoryEstimate:
     all_to_all: int = 0
     reference: int = 0
     loading: int = 0
+    kv_cache: int = 0
+    rollout_gathered: int = 0
+
+    @property
+    def rollout(self) -> int:
+        """Per-device bytes while completions are sampled (online RL), between steps: the stored parameters,
+        optimizer state and frozen model, the whole model gathered (FSDP2 keeps every unit unsharded for the rollout),
+        the KV cache, and the last position's float32 logits; no gradients or activations."""
+        if not self.kv_cache:
+            return 0
+        return self.params + self.optimizer_state + self.reference + self.rollout_gathered + self.kv_cache
 
     @property
     def label(self) -> str:
@@ -184,7 +199,7 @@ class MemoryEstimate:
     def total(self) -> int:
         """Per-device bytes at the peak: the sum of every part during a step, or the load's if that is more."""
         step = self.params + self.grads + self.optimizer_state + self.activations + self.temporary + self.reference
-        return max(step, self.loading)
+        return max(step, self.loading, self.rollout)
 
     def table(self) -> str:
         """The estimate as a one-column table (see :func:`format_table`)."""
@@ -204,6 +219,7 @@ ROWS = (
     ("all-to-all", "all_to_all"),
     ("frozen model", "reference"),  # the preference recipe's reference copy, distillation's teacher
     ("loading (whole)", "loading"),  # an NF4 model before it is split
+    ("rollout", "rollout"),  # online RL's sampling: the KV cache and the whole model gathered, between steps
     ("total", "total"),
 )
 
@@ -229,7 +245,8 @@ def format_table(estimates: Sequence[MemoryEstimate], *, usable_bytes: int | Non
             lines.append(row("", [f"x {name}{getattr(e, degree)}" if getattr(e, degree) > 1 else ""
                                   for e in estimates]))
     shown = {"all_to_all": any(e.expert_parallel > 1 for e in estimates),
-             "reference": any(e.reference for e in estimates), "loading": any(e.loading for e in estimates)}
+             "reference": any(e.reference for e in estimates), "loading": any(e.loading for e in estimates),
+             "rollout": any(e.rollout for e in estimates)}
     for title, attribute in ROWS:
         if shown.get(attribute, True):  # not a row of zeros without expert parallelism or a reference
             lines.append(row(title, [f"{getattr(e, attribute) / scale:.2f}" for e in estimates]))
@@ -527,6 +544,7 @@ def estimate_memory(
         )
         reference, reference_host = reference + device_bytes, reference_host + host_bytes
     rows = micro_batch_size * kernels.sequences_per_sample  # sequences per forward
+    rollout_rows = micro_batch_size * kernels.rollout_samples  # sequences sampled together (online RL)
     activations = dict(
         micro_batch_size=rows, seq_len=max_seq_len, dtype=dtype,
         activation_checkpointing=activation_checkpointing, autocast=autocast, flex_attention=kernels.flex_attention,
@@ -576,4 +594,23 @@ def estimate_memory(
         ),
         reference=reference,
         loading=0 if cpu_offload else whole_nf4,
+        kv_cache=kv_cache_bytes(model, rows=rollout_rows, seq_len=max_seq_len, element_bytes=c,
+                                tensor_parallel=tensor_parallel),
+        # The rollout gathers every unit at once: the whole model in the compute dtype (FSDP2 all-gathers into buffers
+        # of its own, beside the stored shards); and the float32 logits of the last position of every row.
+        rollout_gathered=(compute_copies(params) if fsdp and rollout_rows else 0)
+        + rollout_rows * model.token_embedding().weight.shape[0] * 4,
     )
+
+
+def kv_cache_bytes(model: nn.Module, *, rows: int, seq_len: int, element_bytes: int, tensor_parallel: int = 1) -> int:
+    """Bytes of the keys and values ``rows`` sequences of ``seq_len`` positions cache in every attention layer (in the
+    compute dtype, ``element_bytes`` an element; under tensor parallelism each rank caches its share of the heads)."""
+    if not rows:
+        return 0
+    per_position = 0
+    for layer in model.decoder_layers().values():
+        keys = getattr(getattr(getattr(layer, "self_attn", None), "k_proj", None), "weight", None)
+        if keys is not None:  # keys and values: kv_heads x head_dim each
+            per_position += 2 * keys.shape[0] // tensor_parallel
+    return rows * seq_len * per_position * element_bytes

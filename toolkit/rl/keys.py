@@ -111,9 +111,10 @@ RL_SCHEMA = TRAINING_SCHEMA.without(
 
 def rl_kernels(kernels: StepKernels, *, num_generations: int, reference: bool) -> StepKernels:
     """What the memory plan counts for an RL step: each prompt of a micro-batch is ``num_generations`` sequences,
-    and a full fine-tune with a KL term holds a frozen copy of the model."""
+    trained and, before the step, sampled together with a KV cache, and a full fine-tune with a KL term holds a
+    frozen copy of the model."""
     return dataclasses.replace(kernels, sequences_per_sample=num_generations, reference_model=reference,
-                               fused_loss=False)
+                               fused_loss=False, rollout_samples=num_generations)
 
 
 def check_prompts(dataset, *, key: str, max_prompt_tokens: int) -> None:
