@@ -78,6 +78,9 @@ def train(cfg: DictConfig) -> None:
     build = partial(instantiate, cfg.model)
     with torch.device("meta"):
         model = build()
+    if not hasattr(model, "setup_caches"):
+        raise UserError("model: rollouts sample with the KV caches of the toolkit's own model families, which the "
+                        "transformers backend does not have; use the family's builder")
     adapters = get_adapter_params(model)
     if adapters:
         set_trainable_params(model, adapters)
