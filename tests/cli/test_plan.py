@@ -472,6 +472,7 @@ def test_plan_of_an_rl_run_counts_each_prompts_completions_and_the_kl_reference(
     rl = plan("rl_finetune", "--config", "demo", "--device-memory-gb", "24")
     assert rl.returncode == 0, rl.stderr
     assert "micro batch 8 prompt(s) x 8 completions x 64 tokens" in rl.stdout and "loss on logits" in rl.stdout
+    assert "flex_attention off" in rl.stdout  # the recipe runs SDPA
     assert "frozen model" not in rl.stdout
     sft = plan("full_finetune", "--config", "demo", "--device-memory-gb", "24", "micro_batch_size=64",
                "batch_size=64", "fused_loss=false", "max_seq_len=64")

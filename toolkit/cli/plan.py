@@ -221,7 +221,8 @@ def step_kernels(cfg: DictConfig, model: nn.Module) -> tuple[StepKernels, list[A
         kernels = preference_kernels(kernels, loss=cfg.preference_loss, adapters=bool(adapters),
                                      precompute=bool(cfg.get("precompute_reference", False)))
     if "num_generations" in cfg:  # online RL: each prompt is G sequences, and a full fine-tune's KL a frozen copy
-        kernels = rl_kernels(kernels, num_generations=int(cfg.num_generations),
+        kernels = rl_kernels(dataclasses.replace(kernels, flex_attention=False),  # (the RL recipe runs SDPA)
+                             num_generations=int(cfg.num_generations),
                              reference=bool(cfg.get("kl_coef")) and not adapters)
     teacher = None
     if "teacher_model" in cfg:  # distillation: a frozen teacher laid out like the student, in every estimate
@@ -362,7 +363,7 @@ def resolved_plan(cfg: DictConfig, *, nproc_per_node: int | None, nnodes: int) -
         with torch.device("meta"):
             model = instantiate(cfg.model)
         kernels, _, _ = step_kernels(cfg, model)
-        if not absent_gpus:  # the device the run would have: its own FlexAttention choice
+        if not absent_gpus and "num_generations" not in cfg:  # the run's device decides FlexAttention (RL: SDPA)
             kernels = dataclasses.replace(
                 kernels, flex_attention=resolve_flex_attention(cfg.get("flex_attention", "auto"), device)
             )
