@@ -51,6 +51,7 @@ from toolkit.recipe_setup import (
     describe_optimizer,
     header_lines,
 )
+from toolkit.rl import rl_kernels
 from toolkit.training import resolve_flex_attention
 from toolkit.training.accumulation import (
     gradient_accumulation_steps,
@@ -219,6 +220,10 @@ def step_kernels(cfg: DictConfig, model: nn.Module) -> tuple[StepKernels, list[A
     if "preference_loss" in cfg:  # the preference recipe: pairs as two rows, and maybe a frozen reference copy
         kernels = preference_kernels(kernels, loss=cfg.preference_loss, adapters=bool(adapters),
                                      precompute=bool(cfg.get("precompute_reference", False)))
+    if "num_generations" in cfg:  # online RL: each prompt is G sequences, and a full fine-tune's KL a frozen copy
+        kernels = rl_kernels(dataclasses.replace(kernels, flex_attention=False),  # (the RL recipe runs SDPA)
+                             num_generations=int(cfg.num_generations),
+                             reference=bool(cfg.get("kl_coef")) and not adapters)
     teacher = None
     if "teacher_model" in cfg:  # distillation: a frozen teacher laid out like the student, in every estimate
         with torch.device("meta"):
@@ -226,6 +231,13 @@ def step_kernels(cfg: DictConfig, model: nn.Module) -> tuple[StepKernels, list[A
         teacher.requires_grad_(False)
         kernels = dataclasses.replace(kernels, frozen_model=teacher)
     return kernels, adapters, teacher
+
+
+def _per_sample(cfg: DictConfig, kernels: StepKernels) -> str:
+    """What one sample of a micro batch is, where it is more than one sequence: a pair, or an RL prompt's group."""
+    if "num_generations" in cfg:
+        return f" prompt(s) x {cfg.num_generations} completions"
+    return " pairs" if kernels.sequences_per_sample == 2 else ""
 
 
 def configured_memory(
@@ -351,7 +363,7 @@ def resolved_plan(cfg: DictConfig, *, nproc_per_node: int | None, nnodes: int) -
         with torch.device("meta"):
             model = instantiate(cfg.model)
         kernels, _, _ = step_kernels(cfg, model)
-        if not absent_gpus:  # the device the run would have: its own FlexAttention choice
+        if not absent_gpus and "num_generations" not in cfg:  # the run's device decides FlexAttention (RL: SDPA)
             kernels = dataclasses.replace(
                 kernels, flex_attention=resolve_flex_attention(cfg.get("flex_attention", "auto"), device)
             )
@@ -401,7 +413,8 @@ def resolved_plan(cfg: DictConfig, *, nproc_per_node: int | None, nnodes: int) -
         backend=describe_backend(model, cfg.model),
         processes=world, device_type=device.type if not absent_gpus else "cuda", layout=dims.label,
         precision=str(cfg.get("dtype", "bf16-mixed")), batch_size=cfg.batch_size,
-        batch_unit={None: "", "kto": "answers"}.get(cfg.get("preference_loss"), "pairs"), batch_ranks=dims.batch_ranks,
+        batch_unit="prompts" if "num_generations" in cfg else
+        {None: "", "kto": "answers"}.get(cfg.get("preference_loss"), "pairs"), batch_ranks=dims.batch_ranks,
         micro_batch_size=plan.micro_batch_size, accumulation_steps=plan.accumulation_steps, steps=steps,
         memory=memory,
     )
@@ -608,7 +621,7 @@ def plan_command(argv: Sequence[str]) -> int:
     print(
         f"model: {cfg.model._component_}, {n_params / 1e6:,.2f}M parameters ({active}{n_trainable / 1e6:,.2f}M "
         "trainable); "
-        f"micro batch {micro_batch_size}{' pairs' if kernels.sequences_per_sample == 2 else ''} x {max_seq_len} "
+        f"micro batch {micro_batch_size}{_per_sample(cfg, kernels)} x {max_seq_len} "
         f"tokens{', a frozen reference model' if kernels.reference_model else ''}"
         f"{f', a frozen {sum(p.numel() for p in teacher.parameters()) / 1e6:,.2f}M-parameter teacher' if teacher else ''}"
         f", dtype {dtype}, activation checkpointing "
