@@ -151,11 +151,12 @@ def train(cfg: DictConfig) -> None:
     # --- A weak start: supervised warm-up (a fresh start only), written to output_dir/sft_warmup ---------------------
     warm = run.output_dir / "sft_warmup"
     if sft_steps and run.resume is None:
-        collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False, **row_padding(cfg, layout=layout))
-        supervised_warmup(model, sft_dataset, collate=collate, steps=sft_steps, batch_size=cfg.get("sft_warmup_batch_size"),
-                          micro_batch_size=layout.plan.micro_batch_size * G, lr=cfg.get("sft_warmup_lr"), seed=cfg.seed,
-                          dims=dims, data_parallel_group=layout.dp_group, device=env.device, autocast=layout.autocast,
-                          log=log.print)
+        collate = partial(padded_collate, pad_id=tokenizer.pad_id, attention_mask=False,
+                          **row_padding(cfg, layout=layout))
+        supervised_warmup(
+            model, sft_dataset, collate=collate, steps=sft_steps, batch_size=cfg.get("sft_warmup_batch_size"),
+            micro_batch_size=layout.plan.micro_batch_size * G, lr=cfg.get("sft_warmup_lr"), seed=cfg.seed, dims=dims,
+            data_parallel_group=layout.dp_group, device=env.device, autocast=layout.autocast, log=log.print)
         log.print(f"saved the warm-up model to {checkpointer.export(model, warm)}")
     if rl.kl_coef and not adapters:  # the starting point: the warm-up's result, else the base checkpoint
         start = instantiate(cfg.checkpointer, checkpoint_dir=str(warm)) if sft_steps else checkpointer

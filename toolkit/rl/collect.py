@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.objectives.rl import RLSettings, RolloutBatch, group_advantages, normalizer, rollout_batch
+from toolkit.objectives.rl import RLSettings, RolloutBatch, group_advantages, rollout_batch
 from toolkit.parallel.distributed import all_reduce_sum
 from toolkit.rl.rewards import RewardSet
 from toolkit.rl.rollout import Completion, SamplingSettings, completion_seed, sample_completions
@@ -113,7 +113,8 @@ def training_batches(
     return batches
 
 
-def global_counts(batches: list[RolloutBatch], *, group: dist.ProcessGroup | None, device: torch.device) -> tuple[int, int]:
+def global_counts(batches: list[RolloutBatch], *, group: dist.ProcessGroup | None, device: torch.device
+                  ) -> tuple[int, int]:
     """The completions and completion tokens trained on in the global batch (a collective)."""
     local = torch.tensor([sum(int(b.mask.any(-1).sum()) for b in batches), sum(int(b.mask.sum()) for b in batches)],
                          dtype=torch.float64, device=device)

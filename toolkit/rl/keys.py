@@ -98,8 +98,8 @@ RL_KEYS = {
     "sft_warmup_lr": Float(gt=0, null=True, required=False),
     "sft_warmup_batch_size": Int(ge=1, null=True, required=False),
     "save_merged": Bool(required=False),
-    "save_rollouts": Bool(required=False),
-    "routing_replay": Bool(required=False),  # MoE: updates reuse the experts chosen for the old log-probabilities  # every completion of every step in output_dir/rollouts.jsonl
+    "save_rollouts": Bool(required=False),  # every completion of every step in output_dir/rollouts.jsonl
+    "routing_replay": Bool(required=False),  # MoE: updates reuse the experts chosen for the old log-probabilities
 }
 
 RL_SCHEMA = TRAINING_SCHEMA.without(

@@ -356,7 +356,8 @@ class RewardSet:
                         f"{', '.join(map(str, fields)) or 'none'})"
                     ) from None
                 message = str(e).strip().splitlines()
-                raise UserError(f"{label}: raised {type(e).__name__}" + (f": {message[0]}" if message else "")) from None
+                detail = f": {message[0]}" if message else ""
+                raise UserError(f"{label}: raised {type(e).__name__}{detail}") from None
             result = _as_score(value)
             if isinstance(result, str):
                 raise UserError(f"{label}: {result}")
