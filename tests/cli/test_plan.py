@@ -469,8 +469,9 @@ def test_plan_of_a_preference_run_counts_pairs_and_the_reference_copy(plan) -> N
 def test_plan_of_an_rl_run_counts_each_prompts_completions_and_the_kl_reference(plan) -> None:
     # The RL demo's micro batch of 8 prompts is 8 x 8 = 64 sequences, the logits unfused (the objective reads
     # log-probabilities); no KL term, so no frozen copy.
-    rl = plan("rl_finetune", "--config", "demo", "--device-memory-gb", "24")
+    rl = plan("rl_finetune", "--config", "demo", "--device-memory-gb", "24", "batch_size=16", "micro_batch_size=8")
     assert rl.returncode == 0, rl.stderr
+    assert float(_row(rl.stdout, "rollout")[0]) > 0  # the rollouts' KV cache, between steps
     assert "micro batch 8 prompt(s) x 8 completions x 64 tokens" in rl.stdout and "loss on logits" in rl.stdout
     assert "flex_attention off" in rl.stdout  # the recipe runs SDPA
     assert "frozen model" not in rl.stdout
@@ -478,10 +479,12 @@ def test_plan_of_an_rl_run_counts_each_prompts_completions_and_the_kl_reference(
                "batch_size=64", "fused_loss=false", "max_seq_len=64")
     assert _row(rl.stdout, "activations") == _row(sft.stdout, "activations")
     # A KL term: a frozen copy for a full fine-tune, none for LoRA (the base with the adapters off).
-    kl = plan("rl_finetune", "--config", "demo", "--device-memory-gb", "24", "kl_coef=0.1")
+    kl = plan("rl_finetune", "--config", "demo", "--device-memory-gb", "24", "kl_coef=0.1", "batch_size=16",
+              "micro_batch_size=8")
     assert float(_row(kl.stdout, "frozen model")[0]) > 0
-    lora = plan("rl_finetune", "--config", "demo", "--device-memory-gb", "24", "kl_coef=0.1",
-                "model._component_=toolkit.models.llama3.lora_llama3_demo", "model.lora_attn_modules=[q_proj,v_proj]")
+    lora = plan("rl_finetune", "--config", "demo", "--device-memory-gb", "24", "kl_coef=0.1", "batch_size=16",
+                "micro_batch_size=8", "model._component_=toolkit.models.llama3.lora_llama3_demo",
+                "model.lora_attn_modules=[q_proj,v_proj]")
     assert lora.returncode == 0, lora.stderr
     assert "frozen model" not in lora.stdout
 
