@@ -1,8 +1,9 @@
 """The RL recipe end to end on the demo (fp32, CPU, gloo), shortened: 4 steps of G=4 completions for 4 prompts.
 
 Layout-invariant RL: the completions sampled are the same token for token, and the rewards, losses (1e-5) and
-final weights (1e-5) equal, on 1 process, 2 processes (ddp, zero3) and tensor parallel 2, for full fine-tuning
-and LoRA, with a KL reference (grpo) and with DAPO's dynamic sampling. (Float rounding differs between layouts, by
+final weights (1e-5) equal, on 1 process, 2 processes (ddp, zero3) and tensor parallel 2, for full fine-tuning,
+LoRA, DoRA and QLoRA, with a KL reference (grpo), with DAPO's dynamic sampling, and for a mixture of experts with
+routing replay. (Float rounding differs between layouts, by
 1e-7 in the logits, so a draw within that distance of a boundary of the cumulative distribution could pick another
 token; the draws are fixed by seed, and these runs have none.) Exact resume: a run killed after step 3 and resumed
 from its step-2 checkpoint samples the same completions and ends with the same weights as the uninterrupted one.
@@ -43,6 +44,8 @@ VARIANTS = {
     "full": [],
     "warm": WARM,
     "lora": LORA,
+    "dora": [*LORA, "model.use_dora=true"],
+    "qlora": [*LORA, "model.quantize_base=true"],
     "full_kl": ["kl_coef=0.05"],
     "dapo": ["loss=dapo", "dynamic_sampling=true", "max_refills=2", "overlong_filter=true"],
     "moe_replay": MOE,
@@ -53,6 +56,8 @@ TWO_PROCESS_RUNS = {
     "full_tp2": ("full", ["tensor_parallel=2"]),
     "lora_ddp": ("lora", ["data_parallel=ddp"]),
     "lora_zero3": ("lora", ["data_parallel=zero3"]),
+    "dora_ddp": ("dora", ["data_parallel=ddp"]),
+    "qlora_zero3": ("qlora", ["data_parallel=zero3"]),
     "full_kl_zero3": ("full_kl", ["data_parallel=zero3"]),
     "dapo_ddp": ("dapo", ["data_parallel=ddp"]),
     "moe_replay_zero3": ("moe_replay", ["data_parallel=zero3"]),
