@@ -1,7 +1,7 @@
 """The RL recipe end to end on the demo (fp32, CPU, gloo), shortened: 4 steps of G=4 completions for 4 prompts.
 
 Layout-invariant RL: the completions sampled are the same token for token, and the rewards, losses (1e-5) and
-final weights (1e-5) equal, on 1 process, 2 processes (ddp, zero3) and tensor parallel 2, for full fine-tuning,
+final weights (1e-5) equal, on 1 process, 2 processes (ddp, zero1, zero2, zero3, hsdp) and tensor parallel 2, for full fine-tuning,
 LoRA, DoRA and QLoRA, with a KL reference (grpo), with DAPO's dynamic sampling, and for a mixture of experts with
 routing replay. (Float rounding differs between layouts, by
 1e-7 in the logits, so a draw within that distance of a boundary of the cumulative distribution could pick another
@@ -54,6 +54,9 @@ TWO_PROCESS_RUNS = {
     "full_ddp": ("full", ["data_parallel=ddp"]),
     "full_zero3": ("full", ["data_parallel=zero3"]),
     "full_tp2": ("full", ["tensor_parallel=2"]),
+    "full_zero1": ("full", ["data_parallel=zero1"]),
+    "full_zero2": ("full", ["data_parallel=zero2"]),
+    "full_hsdp": ("full", ["data_parallel=hsdp", "hsdp_shard_size=1"]),  # 2 replicas of 1 shard
     "lora_ddp": ("lora", ["data_parallel=ddp"]),
     "lora_zero3": ("lora", ["data_parallel=zero3"]),
     "dora_ddp": ("dora", ["data_parallel=ddp"]),
