@@ -26,7 +26,7 @@ micro-steps, as the supervised loss is.
 """
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -176,7 +176,6 @@ class RolloutBatch:
     advantages: torch.Tensor
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
-    routing: object | None = field(default=None, repr=False)
 
     @property
     def mask(self) -> torch.Tensor:
@@ -263,7 +262,8 @@ def rl_forward_backward(
     reduced only on the last micro-batch. The loss and the metrics (``clip_fraction``, ``kl``, ``entropy``,
     ``ratio_mean``) are those of the global batch (one all-reduce at the end)."""
     scale = data_parallel_size / norm
-    totals = torch.zeros(7, dtype=torch.float64)  # loss, clipped, clip units, kl, ratio, entropy, tokens
+    # loss, clipped, clip units, kl, ratio, entropy, tokens: summed on the device, read once after the last micro-batch
+    totals = torch.zeros(7, dtype=torch.float64, device=device)
     num_positions, agreement = 0, []
     for i, batch in enumerate(batches):
         progress("a micro-batch")
@@ -283,10 +283,10 @@ def rl_forward_backward(
                                  settings=settings, ref_logps=ref)
             scaled = terms.loss_sum * scale
             (grad_scaler.scale(scaled) if grad_scaler is not None else scaled).backward()
-        totals += torch.tensor([float(terms.loss_sum.detach()), float(terms.clipped), terms.clip_units,
-                                float(terms.kl_sum), float(terms.ratio_sum), float(entropy),
-                                float((labels != CROSS_ENTROPY_IGNORE_INDEX).sum())], dtype=torch.float64)
-    totals = all_reduce_sum(totals.to(device), group=data_parallel_group).cpu()
+        parts = (terms.loss_sum.detach(), terms.clipped, torch.tensor(terms.clip_units, device=device), terms.kl_sum,
+                 terms.ratio_sum, entropy, (labels != CROSS_ENTROPY_IGNORE_INDEX).sum())
+        totals += torch.stack([part.to(torch.float64) for part in parts])
+    totals = all_reduce_sum(totals, group=data_parallel_group).cpu()
     loss_sum, clipped, clip_units, kl_sum, ratio_sum, entropy_sum, num_tokens = totals.tolist()
     metrics = {
         "clip_fraction": clipped / max(clip_units, 1),

@@ -8,7 +8,7 @@ figure is the global batch's whatever its split.
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,15 +37,6 @@ class Group:
         return max(self.rewards) - min(self.rewards) > 0
 
 
-@dataclass
-class Rollouts:
-    """This rank's groups of a step, and the figures of the global batch's."""
-
-    groups: list[Group] = field(default_factory=list)
-    generated_tokens: int = 0
-    generation_s: float = 0.0
-
-
 def sample_groups(
     model: nn.Module,
     rows: list[dict],
@@ -67,14 +58,12 @@ def sample_groups(
     seeds = [completion_seed(seed, step, row["index"], j) for row in rows for j in range(num_generations)]
     completions = sample_completions(model, prompts, seeds, settings=settings, cache_len=cache_len,
                                      pad_id=tokenizer.pad_id)
-    stops = set(settings.stop_tokens)
     groups = []
     for k, row in enumerate(rows):
         group = completions[k * num_generations : (k + 1) * num_generations]
         totals, parts = [], []
         for completion in group:
-            text_tokens = completion.tokens[:-1] if completion.tokens and completion.tokens[-1] in stops else \
-                completion.tokens
+            text_tokens = completion.tokens[:-1] if completion.stopped else completion.tokens
             total, per_function = rewards.score(
                 row["prompt"], tokenizer.decode(text_tokens),
                 {**row["fields"], "completion_tokens": len(completion.tokens)}, row=row["where"])
